@@ -1,0 +1,55 @@
+"""Every error ficache raises on purpose.
+
+Invariants:
+- Each class is a ``FicacheError``; its message is one line that says what
+  went wrong and what to do next. The CLI prints that line and exits 1; the
+  startup protocol turns it into "tune uncached" and logs it.
+- An error raised while writing means the registry is exactly as it was:
+  writers raise only before or by rolling back their one transaction.
+"""
+
+from __future__ import annotations
+
+
+class FicacheError(Exception):
+    """Base class: a failure ficache understands and can explain in one line."""
+
+
+class RegistryError(FicacheError):
+    """The registry cannot be opened, read or written."""
+
+
+class NotARegistryError(RegistryError):
+    """The path given as a registry is not a SQLite database."""
+
+
+class RegistryReadOnlyError(RegistryError):
+    """A write was asked of a registry this process may only read."""
+
+
+class RegistryBusyError(RegistryError):
+    """Another writer held the registry longer than the busy timeout."""
+
+
+class SchemaTooNewError(RegistryError):
+    """The registry was written by a newer ficache; it is left untouched."""
+
+
+class SchemaError(RegistryError):
+    """The registry's schema is not one this ficache can use."""
+
+
+class CacheFileError(FicacheError):
+    """A FlashInfer cache file is unreadable, malformed or hostile."""
+
+
+class FingerprintError(FicacheError):
+    """A fingerprint could not be collected, parsed or found."""
+
+
+class NotFoundError(FicacheError):
+    """A commit, fingerprint or entry named by the user does not exist."""
+
+
+class ConflictError(FicacheError):
+    """An operation would overwrite work done after the state it expects."""

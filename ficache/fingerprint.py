@@ -1,0 +1,174 @@
+"""Fingerprints: the hardware and software environment a tactic is valid for.
+
+A ``Fingerprint`` holds FlashInfer's own cache metadata fields
+(``flashinfer.autotuner._collect_metadata()``) plus two fields FlashInfer
+does not check but a tactic depends on: the GPU's compute capability and the
+torch version.
+
+Invariants:
+- Comparison follows FlashInfer's ``load_configs`` exactly: a stored value
+  serves the running environment when it is equal or the wildcard ``"*"``.
+  Otherwise a stored ``"unknown"`` (or a field missing from an old file) is
+  a *soft* mismatch (not served, may be replaced) and anything else *hard*.
+  As in FlashInfer, ``"unknown"`` equals ``"unknown"``: an environment that
+  cannot tell a field is served what was tuned where it could not tell
+  either (a CPU-only run, say), and never what was tuned elsewhere.
+- ``digest`` is a pure function of the field values; two fingerprints with
+  the same fields are the same fingerprint everywhere (files, registries,
+  ranks).
+- Collecting never raises for a missing GPU or library: the field becomes
+  ``"unknown"``. Only an unimportable FlashInfer is an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+
+from ficache.errors import FingerprintError
+
+WILDCARD = "*"
+UNKNOWN = "unknown"
+# Values a writer records when it could not tell (FlashInfer's own list).
+INDETERMINATE = (None, UNKNOWN, "None")
+
+#: FlashInfer's ``_metadata`` fields, in the order FlashInfer writes them.
+FLASHINFER_FIELDS = (
+    "flashinfer_version",
+    "cuda_version",
+    "cublas_version",
+    "cudnn_version",
+    "cudnn_frontend_version",
+    "cutlass_dsl_version",
+    "gpu",
+)
+#: Fields ficache adds; absent from FlashInfer files, where they mean "any".
+EXTRA_FIELDS = ("compute_capability", "torch_version")
+ALL_FIELDS = FLASHINFER_FIELDS + EXTRA_FIELDS
+
+
+@dataclass(frozen=True, order=True)
+class Fingerprint:
+    flashinfer_version: str
+    cuda_version: str
+    cublas_version: str
+    cudnn_version: str
+    cudnn_frontend_version: str
+    cutlass_dsl_version: str
+    gpu: str
+    compute_capability: str = WILDCARD
+    torch_version: str = WILDCARD
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, str) or not value or len(value) > 1000:
+                raise FingerprintError(
+                    f"fingerprint field {f.name!r} must be a non-empty string "
+                    f"of at most 1000 characters, got {value!r:.80}"
+                )
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 over the canonical JSON of all fields (stable identity)."""
+        canonical = json.dumps(self.as_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    @property
+    def short_digest(self) -> str:
+        return self.digest[:12]
+
+    def as_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+    def flashinfer_metadata(self) -> dict[str, str]:
+        """The ``_metadata`` object FlashInfer expects in a cache file."""
+        return {name: getattr(self, name) for name in FLASHINFER_FIELDS}
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, object]) -> Fingerprint:
+        unknown = set(values) - set(ALL_FIELDS)
+        if unknown:
+            raise FingerprintError(
+                f"unknown fingerprint field(s) {sorted(unknown)}; expected {list(ALL_FIELDS)}"
+            )
+        missing = [n for n in FLASHINFER_FIELDS if n not in values]
+        if missing:
+            raise FingerprintError(f"fingerprint is missing field(s) {missing}")
+        return cls(**{k: v for k, v in values.items()})  # type: ignore[arg-type]
+
+    @classmethod
+    def from_flashinfer_metadata(cls, metadata: Mapping[str, object]) -> Fingerprint:
+        """The fingerprint a FlashInfer file's ``_metadata`` describes.
+
+        FlashInfer fields missing from an old file, or recorded as null,
+        become ``"unknown"`` (never served, as FlashInfer treats them). The
+        fields FlashInfer does not record become the wildcard, because
+        FlashInfer never checked them when it served the file.
+        """
+        values: dict[str, str] = {}
+        for name in FLASHINFER_FIELDS:
+            raw = metadata.get(name)
+            if raw is None:
+                values[name] = UNKNOWN
+            elif isinstance(raw, str):
+                values[name] = raw
+            else:
+                raise FingerprintError(
+                    f"_metadata field {name!r} must be a string, got {type(raw).__name__}"
+                )
+        for name in EXTRA_FIELDS:
+            raw = metadata.get(name, WILDCARD)
+            values[name] = raw if isinstance(raw, str) and raw else WILDCARD
+        return cls(**values)
+
+    def mismatches(self, current: Fingerprint) -> tuple[dict[str, tuple[str, str]], dict[str, tuple[str, str]]]:
+        """Split the fields where ``self`` (stored) fails to serve ``current``.
+
+        Returns ``(hard, soft)``, each ``field -> (stored, current)``.
+        """
+        hard: dict[str, tuple[str, str]] = {}
+        soft: dict[str, tuple[str, str]] = {}
+        for name in ALL_FIELDS:
+            stored, running = getattr(self, name), getattr(current, name)
+            if stored in (running, WILDCARD):
+                continue
+            (soft if stored in INDETERMINATE else hard)[name] = (stored, running)
+        return hard, soft
+
+    def serves(self, current: Fingerprint) -> bool:
+        """True when entries stored under ``self`` may be used by ``current``."""
+        hard, soft = self.mismatches(current)
+        return not hard and not soft
+
+
+
+def collect() -> Fingerprint:
+    """The running process's fingerprint (imports torch and FlashInfer)."""
+    try:
+        import torch
+        from flashinfer import autotuner
+    except ImportError as exc:  # pragma: no cover - both are dependencies
+        raise FingerprintError(
+            f"cannot import FlashInfer to collect the environment ({exc}); "
+            "install flashinfer-python"
+        ) from exc
+    collect_metadata = getattr(autotuner, "_collect_metadata", None)
+    if collect_metadata is not None:
+        metadata = dict(collect_metadata())
+    else:  # pragma: no cover - FlashInfer releases before cache metadata
+        metadata = {"flashinfer_version": getattr(autotuner, "__version__", UNKNOWN)}
+    try:
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability(torch.cuda.current_device())
+            capability = f"{major}.{minor}"
+        else:
+            capability = UNKNOWN
+    except Exception:  # noqa: BLE001 - any driver failure means "cannot tell"
+        capability = UNKNOWN
+    values = {name: str(metadata.get(name) or UNKNOWN) for name in FLASHINFER_FIELDS}
+    values["compute_capability"] = capability
+    values["torch_version"] = str(torch.__version__)
+    return Fingerprint(**values)

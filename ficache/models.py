@@ -1,0 +1,112 @@
+"""SQLAlchemy 2.x models of the registry.
+
+Tables:
+- ``fingerprints``: one row per environment (``Fingerprint`` fields), unique
+  by ``digest``.
+- ``entries``: the current tactic of one FlashInfer ``file_key`` under one
+  fingerprint and one rank scope. ``key`` is FlashInfer's string, verbatim;
+  ``op``, ``runner``, ``shapes``, ``extras`` are read from it for queries.
+  ``tactic`` and ``policy`` are canonical JSON text.
+- ``commits``: one row per write, with its provenance and counts.
+- ``entry_changes``: what each commit did to each entry (added, replaced,
+  removed) with the value it replaced, so every commit can be reverted and
+  nothing stored is lost silently.
+
+Invariants:
+- ``(fingerprint_id, scope, key)`` is unique in ``entries``.
+- Every ``entries`` row names the commit that wrote its current value, and
+  that commit has an ``entry_changes`` row for it.
+- ``scope`` is ``"shared"`` (valid on every rank) or ``"<layout>/rank<N>"``.
+- Times are UNIX seconds (UTC) as floats: cheap to write in bulk, simple to
+  compare for pruning by age.
+- The schema is owned by Alembic (``migrations/``); a test checks these
+  models and the migrations do not drift.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+SHARED_SCOPE = "shared"
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class FingerprintRow(Base):
+    __tablename__ = "fingerprints"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64), unique=True, nullable=False)
+    flashinfer_version: Mapped[str] = mapped_column(Text, nullable=False)
+    cuda_version: Mapped[str] = mapped_column(Text, nullable=False)
+    cublas_version: Mapped[str] = mapped_column(Text, nullable=False)
+    cudnn_version: Mapped[str] = mapped_column(Text, nullable=False)
+    cudnn_frontend_version: Mapped[str] = mapped_column(Text, nullable=False)
+    cutlass_dsl_version: Mapped[str] = mapped_column(Text, nullable=False)
+    gpu: Mapped[str] = mapped_column(Text, nullable=False)
+    compute_capability: Mapped[str] = mapped_column(Text, nullable=False)
+    torch_version: Mapped[str] = mapped_column(Text, nullable=False)
+    created_at: Mapped[float] = mapped_column(Float, nullable=False)
+
+
+class CommitRow(Base):
+    __tablename__ = "commits"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    created_at: Mapped[float] = mapped_column(Float, nullable=False)
+    kind: Mapped[str] = mapped_column(String(16), nullable=False)
+    host: Mapped[str] = mapped_column(Text, nullable=False)
+    user: Mapped[str | None] = mapped_column(Text)
+    message: Mapped[str | None] = mapped_column(Text)
+    world_size: Mapped[int | None] = mapped_column(Integer)
+    layout: Mapped[str | None] = mapped_column(Text)
+    added: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    replaced: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    removed: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    provenance: Mapped[str | None] = mapped_column(Text)  # JSON object
+    reverts_commit_id: Mapped[int | None] = mapped_column(ForeignKey("commits.id"))
+
+    __table_args__ = (Index("ix_commits_created_at", "created_at"),)
+
+
+class EntryRow(Base):
+    __tablename__ = "entries"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    fingerprint_id: Mapped[int] = mapped_column(ForeignKey("fingerprints.id"), nullable=False)
+    scope: Mapped[str] = mapped_column(String(64), nullable=False)
+    key: Mapped[str] = mapped_column(Text, nullable=False)
+    op: Mapped[str] = mapped_column(Text, nullable=False)
+    runner: Mapped[str] = mapped_column(Text, nullable=False)
+    shapes: Mapped[str] = mapped_column(Text, nullable=False)  # JSON list of lists
+    extras: Mapped[str] = mapped_column(Text, nullable=False)
+    tactic: Mapped[str] = mapped_column(Text, nullable=False)  # canonical JSON
+    policy: Mapped[str | None] = mapped_column(Text)  # canonical JSON
+    commit_id: Mapped[int] = mapped_column(ForeignKey("commits.id"), nullable=False)
+    updated_at: Mapped[float] = mapped_column(Float, nullable=False)
+
+    __table_args__ = (
+        UniqueConstraint("fingerprint_id", "scope", "key", name="uq_entries_fingerprint_scope_key"),
+        Index("ix_entries_op", "op"),
+        Index("ix_entries_commit_id", "commit_id"),
+    )
+
+
+class EntryChangeRow(Base):
+    __tablename__ = "entry_changes"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    commit_id: Mapped[int] = mapped_column(ForeignKey("commits.id"), nullable=False)
+    fingerprint_id: Mapped[int] = mapped_column(ForeignKey("fingerprints.id"), nullable=False)
+    scope: Mapped[str] = mapped_column(String(64), nullable=False)
+    key: Mapped[str] = mapped_column(Text, nullable=False)
+    action: Mapped[str] = mapped_column(String(8), nullable=False)  # added/replaced/removed
+    old_runner: Mapped[str | None] = mapped_column(Text)
+    old_tactic: Mapped[str | None] = mapped_column(Text)
+    old_policy: Mapped[str | None] = mapped_column(Text)
+    old_commit_id: Mapped[int | None] = mapped_column(Integer)
+
+    __table_args__ = (Index("ix_entry_changes_commit_id", "commit_id"),)

@@ -1,0 +1,795 @@
+"""The registry: queries, transactional commits, exports, prune and revert.
+
+Invariants:
+- Every write is one transaction that adds exactly one ``commits`` row with
+  its provenance and counts, and one ``entry_changes`` row per entry it
+  added, replaced or removed (keeping the replaced value). A write that
+  would change nothing adds nothing and returns ``commit_id=None``.
+- A write either commits whole or leaves the registry exactly as it was.
+  Writers queue on the registry's write lock (``BEGIN IMMEDIATE`` on SQLite)
+  and retry when the lock is busy past the busy timeout.
+- Exports render stored JSON fragments; a stored key is exported verbatim.
+- Destructive operations are plans first (``PrunePlan``), then a commit that
+  records what it removed, so ``revert`` can restore it.
+- ``revert`` refuses (``ConflictError``) when a later commit changed an entry
+  the reverted commit touched; it never overwrites later work.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import socket
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Connection, Engine, bindparam, delete, func, insert, select, update
+from sqlalchemy.exc import DatabaseError, IntegrityError, OperationalError
+
+from ficache import schema
+from ficache.errors import (
+    ConflictError,
+    FicacheError,
+    FingerprintError,
+    NotFoundError,
+    RegistryBusyError,
+    RegistryReadOnlyError,
+)
+from ficache.fingerprint import ALL_FIELDS, Fingerprint
+from ficache.flashinfer_format import CacheFile, parse_key, render_cache
+from ficache.models import (
+    SHARED_SCOPE,
+    CommitRow,
+    EntryChangeRow,
+    EntryRow,
+    FingerprintRow,
+)
+
+F = FingerprintRow.__table__
+E = EntryRow.__table__
+C = CommitRow.__table__
+H = EntryChangeRow.__table__
+
+COMMIT_KINDS = ("import", "startup", "merge", "revert", "prune")
+WRITE_ATTEMPTS = 4
+_CHUNK = 500  # rows per IN (...) list
+
+
+def rank_scope(layout: str, rank: int) -> str:
+    """The scope of entries valid only on ``rank`` of ``layout`` (``tp4/rank1``)."""
+    if not layout or "/" in layout or len(layout) > 40:
+        raise ValueError(f"layout must be a short name without '/', got {layout!r}")
+    if rank < 0:
+        raise ValueError(f"rank must be >= 0, got {rank}")
+    return f"{layout}/rank{rank}"
+
+
+def validate_scope(scope: str) -> str:
+    if scope == SHARED_SCOPE:
+        return scope
+    layout, sep, rank = scope.partition("/rank")
+    if sep and rank.isdigit() and layout:
+        return rank_scope(layout, int(rank))
+    raise ValueError(f"scope must be 'shared' or '<layout>/rank<N>', got {scope!r}")
+
+
+@dataclass(frozen=True)
+class NewEntry:
+    """One entry a writer wants stored."""
+
+    fingerprint: Fingerprint
+    key: str
+    runner: str
+    tactic_json: str
+    policy_json: str | None = None
+    scope: str = SHARED_SCOPE
+
+
+@dataclass(frozen=True)
+class StoredEntry:
+    fingerprint_id: int
+    scope: str
+    key: str
+    op: str
+    runner: str
+    shapes: str
+    extras: str
+    tactic_json: str
+    policy_json: str | None
+    commit_id: int
+    updated_at: float
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "fingerprint": self.fingerprint_id,
+            "scope": self.scope,
+            "op": self.op,
+            "runner": self.runner,
+            "shapes": json.loads(self.shapes),
+            "extras": self.extras,
+            "key": self.key,
+            "tactic": json.loads(self.tactic_json),
+            "policy": json.loads(self.policy_json) if self.policy_json is not None else None,
+            "commit": self.commit_id,
+            "updated_at": self.updated_at,
+        }
+
+
+@dataclass(frozen=True)
+class FingerprintInfo:
+    id: int
+    fingerprint: Fingerprint
+    entries: int
+    created_at: float
+
+    def as_json(self) -> dict[str, Any]:
+        return {"id": self.id, "digest": self.fingerprint.digest, **self.fingerprint.as_dict(),
+                "entries": self.entries, "created_at": self.created_at}
+
+
+@dataclass(frozen=True)
+class CommitInfo:
+    id: int
+    created_at: float
+    kind: str
+    host: str
+    user: str | None
+    message: str | None
+    world_size: int | None
+    layout: str | None
+    added: int
+    replaced: int
+    removed: int
+    provenance: dict[str, Any]
+    reverts_commit_id: int | None
+
+    def as_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    commit_id: int | None
+    added: int = 0
+    replaced: int = 0
+    removed: int = 0
+    unchanged: int = 0
+
+    @property
+    def changed(self) -> int:
+        return self.added + self.replaced + self.removed
+
+
+@dataclass(frozen=True)
+class PruneGroup:
+    fingerprint_id: int
+    gpu: str
+    flashinfer_version: str
+    scope: str
+    entries: int
+
+
+@dataclass(frozen=True)
+class PrunePlan:
+    """What a prune would remove; compare plans with ``==``, run ``execute``."""
+
+    criteria: tuple[tuple[str, str], ...]
+    groups: tuple[PruneGroup, ...]
+    entry_versions: tuple[tuple[int, int], ...] = field(repr=False)  # (entry id, commit id)
+
+    @property
+    def total(self) -> int:
+        return len(self.entry_versions)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.entry_versions
+
+    def execute(self, registry: Registry) -> WriteResult:
+        return registry._execute_prune(self)
+
+
+@dataclass(frozen=True)
+class Stats:
+    fingerprints: int
+    entries: int
+    shared_entries: int
+    scoped_entries: int
+    commits: int
+    ops: tuple[tuple[str, int], ...]
+    last_commit_at: float | None
+    revision: str | None
+    location: str
+    size_bytes: int | None
+
+    def as_json(self) -> dict[str, Any]:
+        data = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        data["ops"] = dict(self.ops)
+        return data
+
+
+class _NothingToWrite(Exception):
+    """Raised inside a write transaction to roll it back with a result."""
+
+    def __init__(self, result: WriteResult) -> None:
+        self.result = result
+
+
+def _fingerprint_from_row(row: Any) -> Fingerprint:
+    return Fingerprint(**{name: getattr(row, name) for name in ALL_FIELDS})
+
+
+def _chunks(items: Sequence[Any], size: int = _CHUNK) -> Iterator[Sequence[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+class Registry:
+    """A registry opened on one database. Use ``Registry.open`` (a context manager)."""
+
+    def __init__(self, location: schema.Location, engine: Engine, readonly: bool) -> None:
+        self.location = location
+        self.engine = engine
+        self.readonly = readonly
+
+    # -- opening ----------------------------------------------------------
+
+    @classmethod
+    def open(cls, db: str | None = None, *, create: bool = True) -> Registry:
+        """Open (creating or upgrading as needed) the registry at ``db``."""
+        location = schema.resolve(db)
+        engine, readonly = schema.make_engine(location, create=create)
+        try:
+            schema.ensure_schema(engine, location, readonly=readonly)
+        except BaseException:
+            engine.dispose()
+            raise
+        return cls(location, engine, readonly)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> Registry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- reading ----------------------------------------------------------
+
+    def _read(self) -> Any:
+        return self.engine.connect()
+
+    def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (OperationalError, DatabaseError) as exc:
+            raise schema.translate_operational_error(exc, self.location) from None
+
+    def fingerprints(self) -> list[FingerprintInfo]:
+        def run() -> list[FingerprintInfo]:
+            counts = (
+                select(E.c.fingerprint_id, func.count().label("n"))
+                .group_by(E.c.fingerprint_id)
+                .subquery()
+            )
+            query = (
+                select(F, func.coalesce(counts.c.n, 0).label("n"))
+                .outerjoin(counts, counts.c.fingerprint_id == F.c.id)
+                .order_by(F.c.id)
+            )
+            with self._read() as conn:
+                return [
+                    FingerprintInfo(row.id, _fingerprint_from_row(row), row.n, row.created_at)
+                    for row in conn.execute(query)
+                ]
+
+        return list(self._guard(run))
+
+    def fingerprint(self, ref: int | str) -> FingerprintInfo:
+        """Find a stored fingerprint by id or (a prefix of at least 6 of) its digest."""
+        infos = self.fingerprints()
+        text = str(ref).strip()
+        if text.isdigit():
+            for info in infos:
+                if info.id == int(text):
+                    return info
+        elif len(text) >= 6:
+            found = [i for i in infos if i.fingerprint.digest.startswith(text.lower())]
+            if len(found) == 1:
+                return found[0]
+            if len(found) > 1:
+                raise FingerprintError(f"fingerprint prefix {text!r} is ambiguous; give more characters or the id")
+        raise NotFoundError(f"no fingerprint {text!r} in the registry; see `ficache fingerprints`")
+
+    def serving(self, current: Fingerprint) -> list[FingerprintInfo]:
+        """Stored fingerprints whose entries ``current`` may use, exact match first."""
+        infos = [i for i in self.fingerprints() if i.fingerprint.serves(current)]
+        infos.sort(key=lambda i: (i.fingerprint != current, -i.id))
+        return infos
+
+    def entries(
+        self,
+        *,
+        fingerprint_ids: Sequence[int] | None = None,
+        op: str | None = None,
+        gpu: str | None = None,
+        flashinfer_version: str | None = None,
+        scope: str | None = None,
+        limit: int | None = None,
+    ) -> Iterator[StoredEntry]:
+        query = select(
+            E.c.fingerprint_id, E.c.scope, E.c.key, E.c.op, E.c.runner, E.c.shapes,
+            E.c.extras, E.c.tactic, E.c.policy, E.c.commit_id, E.c.updated_at,
+        )
+        if gpu is not None or flashinfer_version is not None:
+            query = query.join(F, F.c.id == E.c.fingerprint_id)
+            if gpu is not None:
+                query = query.where(F.c.gpu == gpu)
+            if flashinfer_version is not None:
+                query = query.where(F.c.flashinfer_version == flashinfer_version)
+        if fingerprint_ids is not None:
+            query = query.where(E.c.fingerprint_id.in_(list(fingerprint_ids)))
+        if op is not None:
+            query = query.where(E.c.op == op)
+        if scope is not None:
+            query = query.where(E.c.scope == scope)
+        query = query.order_by(E.c.fingerprint_id, E.c.scope, E.c.key)
+        if limit is not None:
+            query = query.limit(limit)
+        try:
+            with self._read() as conn:
+                for row in conn.execute(query):
+                    yield StoredEntry(*row)
+        except (OperationalError, DatabaseError) as exc:
+            raise schema.translate_operational_error(exc, self.location) from None
+
+    def slice_rows(
+        self, fingerprint_ids: Sequence[int], scopes: Sequence[str]
+    ) -> dict[str, tuple[str, str, str, str | None]]:
+        """``key -> (key, runner, tactic, policy)`` as one rank should load it.
+
+        Earlier fingerprints win over later ones; a later scope in ``scopes``
+        wins over an earlier one (pass ``["shared", "tp2/rank1"]``).
+        """
+
+        def run() -> dict[str, tuple[str, str, str, str | None]]:
+            result: dict[str, tuple[str, str, str, str | None]] = {}
+            query = select(E.c.fingerprint_id, E.c.scope, E.c.key, E.c.runner, E.c.tactic, E.c.policy).where(
+                E.c.fingerprint_id.in_(list(fingerprint_ids)), E.c.scope.in_(list(scopes))
+            )
+            fp_rank = {fid: i for i, fid in enumerate(fingerprint_ids)}
+            scope_rank = {s: i for i, s in enumerate(scopes)}
+            best: dict[str, tuple[int, int]] = {}
+            with self._read() as conn:
+                for fid, scope, key, runner, tactic, policy in conn.execute(query):
+                    order = (fp_rank[fid], -scope_rank[scope])
+                    if key not in best or order < best[key]:
+                        best[key] = order
+                        result[key] = (key, runner, tactic, policy)
+            return result
+
+        return dict(self._guard(run))
+
+    def export_text(self, fingerprint_id: int, *, scope: str = SHARED_SCOPE) -> str:
+        """The FlashInfer cache file of one stored fingerprint's entries."""
+        info = self.fingerprint(fingerprint_id)
+        scopes = [SHARED_SCOPE] if scope == SHARED_SCOPE else [SHARED_SCOPE, scope]
+        rows = self.slice_rows([info.id], scopes)
+        return render_cache(info.fingerprint.flashinfer_metadata(), rows.values())
+
+    def export_for(self, current: Fingerprint, *, scope: str = SHARED_SCOPE) -> tuple[str, int]:
+        """The cache file the environment ``current`` should load, and its size.
+
+        Entries come from every stored fingerprint that serves ``current``;
+        ``_metadata`` is ``current``'s own, so FlashInfer accepts the file.
+        """
+        infos = self.serving(current)
+        if not infos:
+            raise NotFoundError(
+                "no stored fingerprint serves the current environment; "
+                "see `ficache fingerprints` and `ficache fingerprint`"
+            )
+        scopes = [SHARED_SCOPE] if scope == SHARED_SCOPE else [SHARED_SCOPE, scope]
+        rows = self.slice_rows([i.id for i in infos], scopes)
+        return render_cache(current.flashinfer_metadata(), rows.values()), len(rows)
+
+    def log(self, limit: int | None = 20, *, commit_id: int | None = None) -> list[CommitInfo]:
+        query = select(C).order_by(C.c.id.desc())
+        if commit_id is not None:
+            query = query.where(C.c.id == commit_id)
+        if limit is not None:
+            query = query.limit(limit)
+
+        def run() -> list[CommitInfo]:
+            with self._read() as conn:
+                return [
+                    CommitInfo(
+                        r.id, r.created_at, r.kind, r.host, r.user, r.message, r.world_size,
+                        r.layout, r.added, r.replaced, r.removed,
+                        json.loads(r.provenance) if r.provenance else {}, r.reverts_commit_id,
+                    )
+                    for r in conn.execute(query)
+                ]
+
+        return list(self._guard(run))
+
+    def stats(self) -> Stats:
+        def run() -> Stats:
+            with self._read() as conn:
+                n_fp = conn.execute(select(func.count()).select_from(F)).scalar_one()
+                per_scope = dict(
+                    conn.execute(
+                        select(E.c.scope == SHARED_SCOPE, func.count()).group_by(E.c.scope == SHARED_SCOPE)
+                    ).all()
+                )
+                ops = tuple(
+                    (op, n)
+                    for op, n in conn.execute(
+                        select(E.c.op, func.count()).group_by(E.c.op).order_by(func.count().desc(), E.c.op)
+                    )
+                )
+                n_commits, last = conn.execute(select(func.count(), func.max(C.c.created_at))).one()
+                revision = schema.current_revision(conn)
+            shared = int(per_scope.get(True, 0) or per_scope.get(1, 0))
+            scoped = int(per_scope.get(False, 0) or per_scope.get(0, 0))
+            size = None
+            if self.location.path is not None and self.location.path.exists():
+                size = sum(
+                    p.stat().st_size
+                    for p in (self.location.path, self.location.path.with_name(self.location.path.name + "-wal"))
+                    if p.exists()
+                )
+            return Stats(n_fp, shared + scoped, shared, scoped, n_commits, ops, last, revision,
+                         self.location.display, size)
+
+        return self._guard(run)  # type: ignore[no-any-return]
+
+    # -- writing ----------------------------------------------------------
+
+    def _write(self, body: Any) -> Any:
+        """Run ``body(conn)`` in one write transaction, retrying a busy lock."""
+        if self.readonly:
+            raise RegistryReadOnlyError(
+                f"registry {self.location.display} is read-only; pass a writable --db"
+            )
+        delay = 0.05
+        for attempt in range(WRITE_ATTEMPTS):
+            try:
+                with schema.write_transaction(self.engine) as conn:
+                    return body(conn)
+            except (OperationalError, IntegrityError, DatabaseError) as exc:
+                error = schema.translate_operational_error(exc, self.location)
+                retryable = isinstance(error, RegistryBusyError) or isinstance(exc, IntegrityError)
+                if not retryable or attempt == WRITE_ATTEMPTS - 1:
+                    raise error from None
+                time.sleep(delay)
+                delay *= 4
+        raise AssertionError("unreachable")
+
+    def _fingerprint_id(self, conn: Connection, fp: Fingerprint, now: float) -> int:
+        found = conn.execute(select(F.c.id).where(F.c.digest == fp.digest)).scalar_one_or_none()
+        if found is not None:
+            return int(found)
+        values = fp.as_dict()
+        result = conn.execute(insert(F).values(digest=fp.digest, created_at=now, **values))
+        return int(result.inserted_primary_key[0])
+
+    @staticmethod
+    def _new_commit(conn: Connection, now: float, kind: str, **values: Any) -> int:
+        if kind not in COMMIT_KINDS:
+            raise ValueError(f"unknown commit kind {kind!r}")
+        provenance = values.pop("provenance", None)
+        try:
+            user: str | None = getpass.getuser()
+        except Exception:  # noqa: BLE001 - no user database in some containers
+            user = None
+        result = conn.execute(
+            insert(C).values(
+                created_at=now, kind=kind, host=socket.gethostname(), user=user,
+                provenance=json.dumps(provenance, sort_keys=True) if provenance else None,
+                added=0, replaced=0, removed=0, **values,
+            )
+        )
+        return int(result.inserted_primary_key[0])
+
+    def write(
+        self,
+        entries: Iterable[NewEntry],
+        *,
+        kind: str,
+        message: str | None = None,
+        world_size: int | None = None,
+        layout: str | None = None,
+        provenance: dict[str, Any] | None = None,
+    ) -> WriteResult:
+        """Store ``entries`` (insert or replace) as one commit."""
+        wanted: dict[tuple[Fingerprint, str, str], NewEntry] = {}
+        for entry in entries:
+            validate_scope(entry.scope)
+            wanted[(entry.fingerprint, entry.scope, entry.key)] = entry
+        if not wanted:
+            return WriteResult(None)
+        # Parse keys before the transaction: the lock is held for SQL only.
+        fields = {}
+        for (_fp, _scope, key), _entry in wanted.items():
+            if key not in fields:
+                try:
+                    kf = parse_key(key)
+                except ValueError as exc:
+                    raise FicacheError(f"entry key {key[:80]!r} is not a FlashInfer key: {exc}") from None
+                fields[key] = (kf.op, json.dumps([list(s) for s in kf.shapes]), kf.extras)
+
+        def body(conn: Connection) -> WriteResult:
+            now = time.time()
+            fp_ids = {fp: self._fingerprint_id(conn, fp, now) for fp in {k[0] for k in wanted}}
+            existing: dict[tuple[int, str, str], tuple[int, str, str, str | None, int]] = {}
+            for fp, fid in fp_ids.items():
+                scopes = sorted({s for (f, s, _k) in wanted if f == fp})
+                query = select(E.c.id, E.c.scope, E.c.key, E.c.runner, E.c.tactic, E.c.policy, E.c.commit_id).where(
+                    E.c.fingerprint_id == fid, E.c.scope.in_(scopes)
+                )
+                for eid, scope, key, runner, tactic, policy, cid in conn.execute(query):
+                    existing[(fid, scope, key)] = (eid, runner, tactic, policy, cid)
+            inserts, updates, changes = [], [], []
+            unchanged = 0
+            for (fp, scope, key), entry in wanted.items():
+                fid = fp_ids[fp]
+                old = existing.get((fid, scope, key))
+                if old is None:
+                    op, shapes, extras = fields[key]
+                    inserts.append({
+                        "fingerprint_id": fid, "scope": scope, "key": key, "op": op, "runner": entry.runner,
+                        "shapes": shapes, "extras": extras, "tactic": entry.tactic_json,
+                        "policy": entry.policy_json, "updated_at": now,
+                    })
+                    changes.append({"fingerprint_id": fid, "scope": scope, "key": key, "action": "added",
+                                    "old_runner": None, "old_tactic": None, "old_policy": None,
+                                    "old_commit_id": None})
+                elif (old[1], old[2], old[3]) == (entry.runner, entry.tactic_json, entry.policy_json):
+                    unchanged += 1
+                else:
+                    updates.append({"b_id": old[0], "runner": entry.runner, "tactic": entry.tactic_json,
+                                    "policy": entry.policy_json, "updated_at": now})
+                    changes.append({"fingerprint_id": fid, "scope": scope, "key": key, "action": "replaced",
+                                    "old_runner": old[1], "old_tactic": old[2], "old_policy": old[3],
+                                    "old_commit_id": old[4]})
+            if not changes:
+                raise _NothingToWrite(WriteResult(None, unchanged=unchanged))
+            commit_id = self._new_commit(conn, now, kind, message=message, world_size=world_size,
+                                         layout=layout, provenance=provenance)
+            if inserts:
+                for row in inserts:
+                    row["commit_id"] = commit_id
+                conn.execute(insert(E), inserts)
+            if updates:
+                for row in updates:
+                    row["commit_id"] = commit_id
+                conn.execute(
+                    update(E).where(E.c.id == bindparam("b_id")).values(
+                        runner=bindparam("runner"), tactic=bindparam("tactic"), policy=bindparam("policy"),
+                        commit_id=bindparam("commit_id"), updated_at=bindparam("updated_at"),
+                    ),
+                    updates,
+                )
+            for row in changes:
+                row["commit_id"] = commit_id
+            conn.execute(insert(H), changes)
+            conn.execute(update(C).where(C.c.id == commit_id).values(added=len(inserts), replaced=len(updates)))
+            return WriteResult(commit_id, added=len(inserts), replaced=len(updates), unchanged=unchanged)
+
+        try:
+            return self._write(body)  # type: ignore[no-any-return]
+        except _NothingToWrite as nothing:
+            return nothing.result
+
+    def import_cache(
+        self,
+        files: Sequence[tuple[str, CacheFile]],
+        *,
+        fingerprint: Fingerprint | None = None,
+        scope: str = SHARED_SCOPE,
+        kind: str = "import",
+        provenance: dict[str, Any] | None = None,
+    ) -> WriteResult:
+        """Import parsed FlashInfer files in one commit.
+
+        A file's own ``_metadata`` names its fingerprint; ``fingerprint`` is
+        used only for files that have none, and such a file without it is
+        refused before anything is written.
+        """
+        validate_scope(scope)
+        new: list[NewEntry] = []
+        for source, cache in files:
+            if cache.metadata is not None:
+                fp = Fingerprint.from_flashinfer_metadata(cache.metadata)
+            elif fingerprint is not None:
+                fp = fingerprint
+            else:
+                raise FingerprintError(
+                    f"{source} has no _metadata, so its environment is unknown; "
+                    "import it with --fingerprint ID|current"
+                )
+            new.extend(NewEntry(fp, e.key, e.runner, e.tactic_json, e.policy_json, scope) for e in cache.entries)
+        message = ", ".join(source for source, _ in files)
+        return self.write(new, kind=kind, message=message[:2000], provenance=provenance)
+
+    # -- prune --------------------------------------------------------------
+
+    def plan_prune(
+        self,
+        *,
+        fingerprint_ids: Sequence[int] = (),
+        flashinfer_versions: Sequence[str] = (),
+        older_than_seconds: float | None = None,
+        scope: str | None = None,
+        now: float | None = None,
+    ) -> PrunePlan:
+        """Plan removing entries matching all the given criteria (at least one)."""
+        if not fingerprint_ids and not flashinfer_versions and older_than_seconds is None and scope is None:
+            raise FicacheError("prune needs a criterion: --fingerprint, --flashinfer-version, --older-than or --scope")
+        criteria: list[tuple[str, str]] = []
+        query = select(E.c.id, E.c.commit_id, E.c.fingerprint_id, E.c.scope, F.c.gpu, F.c.flashinfer_version).join(
+            F, F.c.id == E.c.fingerprint_id
+        )
+        if fingerprint_ids:
+            for fid in fingerprint_ids:
+                self.fingerprint(fid)  # raises NotFoundError for an unknown id
+            query = query.where(E.c.fingerprint_id.in_(list(fingerprint_ids)))
+            criteria.append(("fingerprint", ",".join(map(str, sorted(fingerprint_ids)))))
+        if flashinfer_versions:
+            query = query.where(F.c.flashinfer_version.in_(list(flashinfer_versions)))
+            criteria.append(("flashinfer_version", ",".join(sorted(flashinfer_versions))))
+        if older_than_seconds is not None:
+            cutoff = (now if now is not None else time.time()) - older_than_seconds
+            query = query.where(E.c.updated_at < cutoff)
+            criteria.append(("older_than_seconds", f"{older_than_seconds:g}"))
+        if scope is not None:
+            query = query.where(E.c.scope == validate_scope(scope))
+            criteria.append(("scope", scope))
+        query = query.order_by(E.c.id)
+
+        def run() -> PrunePlan:
+            groups: dict[tuple[int, str], list[Any]] = {}
+            versions = []
+            with self._read() as conn:
+                for eid, cid, fid, sc, gpu, fiver in conn.execute(query):
+                    versions.append((eid, cid))
+                    g = groups.setdefault((fid, sc), [gpu, fiver, 0])
+                    g[2] += 1
+            return PrunePlan(
+                tuple(criteria),
+                tuple(PruneGroup(fid, g[0], g[1], sc, g[2]) for (fid, sc), g in sorted(groups.items())),
+                tuple(versions),
+            )
+
+        return self._guard(run)  # type: ignore[no-any-return]
+
+    def _execute_prune(self, plan: PrunePlan) -> WriteResult:
+        if plan.is_empty:
+            return WriteResult(None)
+
+        def body(conn: Connection) -> WriteResult:
+            rows = []
+            for chunk in _chunks(plan.entry_versions):
+                ids = [eid for eid, _ in chunk]
+                expected = dict(chunk)
+                for row in conn.execute(
+                    select(E.c.id, E.c.fingerprint_id, E.c.scope, E.c.key, E.c.runner, E.c.tactic,
+                           E.c.policy, E.c.commit_id).where(E.c.id.in_(ids))
+                ):
+                    if expected.get(row.id) == row.commit_id:
+                        rows.append(row)
+            if len(rows) != plan.total:
+                raise ConflictError(
+                    f"{plan.total - len(rows)} of {plan.total} planned entries changed since the plan "
+                    "was made; nothing removed, run prune again"
+                )
+            now = time.time()
+            commit_id = self._new_commit(conn, now, "prune", message="; ".join(f"{k}={v}" for k, v in plan.criteria))
+            conn.execute(insert(H), [
+                {"commit_id": commit_id, "fingerprint_id": r.fingerprint_id, "scope": r.scope, "key": r.key,
+                 "action": "removed", "old_runner": r.runner, "old_tactic": r.tactic, "old_policy": r.policy,
+                 "old_commit_id": r.commit_id}
+                for r in rows
+            ])
+            for chunk in _chunks([r.id for r in rows]):
+                conn.execute(delete(E).where(E.c.id.in_(list(chunk))))
+            conn.execute(update(C).where(C.c.id == commit_id).values(removed=len(rows)))
+            return WriteResult(commit_id, removed=len(rows))
+
+        return self._write(body)  # type: ignore[no-any-return]
+
+    # -- revert -----------------------------------------------------------
+
+    def revert(self, commit_id: int) -> WriteResult:
+        """Undo one commit as a new ``revert`` commit."""
+
+        def body(conn: Connection) -> WriteResult:
+            target = conn.execute(select(C.c.id).where(C.c.id == commit_id)).scalar_one_or_none()
+            if target is None:
+                raise NotFoundError(f"no commit {commit_id}; see `ficache log`")
+            changes = conn.execute(select(H).where(H.c.commit_id == commit_id).order_by(H.c.id)).all()
+            current: dict[tuple[int, str, str], Any] = {}
+            by_fp: dict[int, list[str]] = {}
+            for ch in changes:
+                by_fp.setdefault(ch.fingerprint_id, []).append(ch.key)
+            for fid, keys in by_fp.items():
+                for chunk in _chunks(sorted(set(keys))):
+                    for row in conn.execute(
+                        select(E.c.id, E.c.fingerprint_id, E.c.scope, E.c.key, E.c.runner, E.c.tactic,
+                               E.c.policy, E.c.commit_id).where(E.c.fingerprint_id == fid, E.c.key.in_(list(chunk)))
+                    ):
+                        current[(row.fingerprint_id, row.scope, row.key)] = row
+            conflicts = 0
+            for ch in changes:
+                now_row = current.get((ch.fingerprint_id, ch.scope, ch.key))
+                if ch.action == "removed":
+                    conflicts += now_row is not None
+                else:
+                    conflicts += now_row is None or now_row.commit_id != commit_id
+            if conflicts:
+                raise ConflictError(
+                    f"{conflicts} of {len(changes)} entries of commit {commit_id} changed in later commits; "
+                    "revert those first (ficache log)"
+                )
+            now = time.time()
+            new_id = self._new_commit(conn, now, "revert", message=f"revert commit {commit_id}",
+                                      reverts_commit_id=commit_id)
+            added = replaced = removed = 0
+            history = []
+            for ch in changes:
+                key_id = (ch.fingerprint_id, ch.scope, ch.key)
+                now_row = current.get(key_id)
+                if ch.action == "added":
+                    conn.execute(delete(E).where(E.c.id == now_row.id))
+                    history.append((ch, "removed", now_row))
+                    removed += 1
+                elif ch.action == "replaced":
+                    conn.execute(update(E).where(E.c.id == now_row.id).values(
+                        runner=ch.old_runner, tactic=ch.old_tactic, policy=ch.old_policy,
+                        commit_id=new_id, updated_at=now))
+                    history.append((ch, "replaced", now_row))
+                    replaced += 1
+                else:
+                    kf = parse_key(ch.key)
+                    conn.execute(insert(E).values(
+                        fingerprint_id=ch.fingerprint_id, scope=ch.scope, key=ch.key, op=kf.op,
+                        runner=ch.old_runner, shapes=json.dumps([list(s) for s in kf.shapes]),
+                        extras=kf.extras, tactic=ch.old_tactic, policy=ch.old_policy,
+                        commit_id=new_id, updated_at=now))
+                    history.append((ch, "added", None))
+                    added += 1
+            if history:
+                conn.execute(insert(H), [
+                    {"commit_id": new_id, "fingerprint_id": ch.fingerprint_id, "scope": ch.scope, "key": ch.key,
+                     "action": action,
+                     "old_runner": old.runner if old is not None else None,
+                     "old_tactic": old.tactic if old is not None else None,
+                     "old_policy": old.policy if old is not None else None,
+                     "old_commit_id": old.commit_id if old is not None else None}
+                    for ch, action, old in history
+                ])
+            conn.execute(update(C).where(C.c.id == new_id).values(added=added, replaced=replaced, removed=removed))
+            return WriteResult(new_id, added=added, replaced=replaced, removed=removed)
+
+        return self._write(body)  # type: ignore[no-any-return]
+
+
+# Re-exported helpers for callers that build queries of their own.
+__all__ = [
+    "SHARED_SCOPE",
+    "CommitInfo",
+    "FingerprintInfo",
+    "NewEntry",
+    "PruneGroup",
+    "PrunePlan",
+    "Registry",
+    "Stats",
+    "StoredEntry",
+    "WriteResult",
+    "rank_scope",
+    "validate_scope",
+]

@@ -1,0 +1,313 @@
+"""Engines, connection settings and schema migrations run in code.
+
+Where a registry lives: ``--db`` / ``FICACHE_DB`` (a path or any SQLAlchemy
+URL), else ``registry.db`` in the user cache dir (platformdirs).
+
+Invariants:
+- SQLite connections use WAL, a busy timeout and foreign keys. A write
+  transaction begins with ``BEGIN IMMEDIATE`` so two writers queue on the
+  lock instead of failing on a read-to-write upgrade.
+- A path that exists and is not a SQLite file is refused before SQLite
+  touches it. A read-only file is opened immutable and read-only.
+- The schema changes only through Alembic revisions, under the registry's
+  write lock (``BEGIN IMMEDIATE`` on SQLite, an advisory lock on
+  PostgreSQL), after reading the revision again inside the lock.
+- A registry whose revision this code does not know is newer than the code:
+  it is refused with ``SchemaTooNewError`` and never written.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError
+from sqlalchemy.pool import NullPool
+
+from ficache.errors import (
+    NotARegistryError,
+    RegistryBusyError,
+    RegistryError,
+    RegistryReadOnlyError,
+    SchemaError,
+    SchemaTooNewError,
+)
+
+ENV_VAR = "FICACHE_DB"
+BUSY_TIMEOUT_MS = 30_000
+SQLITE_MAGIC = b"SQLite format 3\x00"
+# Arbitrary constant naming ficache's migration lock on PostgreSQL.
+PG_MIGRATION_LOCK_ID = 0x6669636163686501
+
+
+def default_registry_path() -> Path:
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("ficache", appauthor=False)) / "registry.db"
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a registry lives, resolved once from ``--db`` / env / default."""
+
+    url: str
+    path: Path | None  # the SQLite file, when it is one
+
+    @property
+    def display(self) -> str:
+        if self.path is not None:
+            return str(self.path)
+        return make_url(self.url).render_as_string(hide_password=True)
+
+
+def resolve(db: str | os.PathLike[str] | None = None) -> Location:
+    raw = os.fspath(db) if db is not None else os.environ.get(ENV_VAR) or None
+    if raw is None:
+        path = default_registry_path()
+        return Location(f"sqlite:///{path}", path)
+    if "://" in raw:
+        try:
+            url = make_url(raw)
+        except ArgumentError:
+            raise RegistryError(f"cannot parse registry URL {raw!r}; give a path or a SQLAlchemy URL") from None
+        if url.get_backend_name() == "sqlite":
+            database = url.database
+            if database and database != ":memory:" and not database.startswith("file:"):
+                path = Path(database).expanduser().resolve()
+                return Location(f"sqlite:///{path}", path)
+            return Location(raw, None)
+        return Location(raw, None)
+    path = Path(raw).expanduser().resolve()
+    return Location(f"sqlite:///{path}", path)
+
+
+def _check_sqlite_file(path: Path) -> bool:
+    """Validate an existing file; return True when it may only be read."""
+    if path.is_dir():
+        raise NotARegistryError(f"{path} is a directory; give the registry's file path (e.g. {path}/registry.db)")
+    try:
+        with path.open("rb") as handle:
+            head = handle.read(len(SQLITE_MAGIC))
+    except PermissionError:
+        raise RegistryError(f"cannot read registry {path}: permission denied") from None
+    if head and head != SQLITE_MAGIC:
+        raise NotARegistryError(f"{path} is not a SQLite database; pass another --db or move the file away")
+    writable = os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)
+    return not writable
+
+
+def _install_sqlite_events(engine: Engine, *, readonly: bool) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection, _record):  # type: ignore[no-untyped-def]
+        # Let SQLAlchemy's "begin" event, not pysqlite, open transactions.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA foreign_keys = ON")
+        if not readonly:
+            cursor.execute("PRAGMA journal_mode = WAL")
+            cursor.execute("PRAGMA synchronous = NORMAL")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn):  # type: ignore[no-untyped-def]
+        if conn.get_execution_options().get("ficache_write"):
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+        else:
+            conn.exec_driver_sql("BEGIN")
+
+
+def make_engine(location: Location, *, create: bool = True) -> tuple[Engine, bool]:
+    """Return ``(engine, readonly)`` for ``location``.
+
+    ``create=False`` refuses a SQLite path that does not exist yet.
+    """
+    readonly = False
+    if location.path is not None:
+        path = location.path
+        if path.exists():
+            readonly = _check_sqlite_file(path)
+        elif not create:
+            raise RegistryError(f"no registry at {path}; import a cache file first (ficache import FILE)")
+        else:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise RegistryError(f"cannot create directory for registry {path}: {exc.strerror}") from None
+            if not os.access(path.parent, os.W_OK):
+                raise RegistryReadOnlyError(
+                    f"cannot create registry {path}: directory is not writable; pass --db or set {ENV_VAR}"
+                )
+        if readonly:
+            url = f"sqlite:///file:{path}?mode=ro&immutable=1&uri=true"
+        else:
+            url = location.url
+        engine = create_engine(url, poolclass=NullPool)
+        _install_sqlite_events(engine, readonly=readonly)
+        return engine, readonly
+    try:
+        engine = create_engine(location.url, pool_pre_ping=True)
+    except (ArgumentError, ImportError) as exc:
+        raise RegistryError(f"cannot use registry URL {location.display}: {exc}") from None
+    if engine.dialect.name == "sqlite":
+        _install_sqlite_events(engine, readonly=False)
+    return engine, False
+
+
+# --------------------------------------------------------------------------
+# Alembic, configured in code.
+
+
+def migrations_dir() -> Path:
+    """The Alembic environment, from an installed wheel or a checkout."""
+    spec = importlib.util.find_spec("ficache.migrations")
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            if (Path(location) / "env.py").exists():
+                return Path(location)
+    checkout = Path(__file__).resolve().parent.parent / "migrations"
+    if (checkout / "env.py").exists():
+        return checkout
+    raise SchemaError("ficache's migrations are missing from this installation; reinstall ficache")
+
+
+def alembic_config(connection: Connection | None = None) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(migrations_dir()))
+    config.set_main_option("version_locations", str(migrations_dir() / "versions"))
+    if connection is not None:
+        config.attributes["connection"] = connection
+    return config
+
+
+def script_directory() -> ScriptDirectory:
+    return ScriptDirectory.from_config(alembic_config())
+
+
+def head_revision() -> str:
+    head = script_directory().get_current_head()
+    assert head is not None
+    return head
+
+
+def current_revision(connection: Connection) -> str | None:
+    return MigrationContext.configure(connection).get_current_revision()
+
+
+def _is_foreign_database(connection: Connection) -> bool:
+    tables = set(inspect(connection).get_table_names())
+    return bool(tables) and "alembic_version" not in tables
+
+
+@contextmanager
+def write_transaction(engine: Engine) -> Iterator[Connection]:
+    """One write transaction holding the registry's write lock."""
+    with engine.connect() as conn:
+        conn = conn.execution_options(ficache_write=True)
+        with conn.begin():
+            if conn.dialect.name == "postgresql":
+                conn.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": PG_MIGRATION_LOCK_ID})
+            yield conn
+
+
+def translate_operational_error(exc: DatabaseError, location: Location) -> RegistryError:
+    message = str(exc.orig) if getattr(exc, "orig", None) is not None else str(exc)
+    lowered = message.lower()
+    if "readonly" in lowered or "read-only" in lowered:
+        return RegistryReadOnlyError(f"registry {location.display} is read-only; pass a writable --db")
+    if "locked" in lowered or "busy" in lowered:
+        return RegistryBusyError(
+            f"registry {location.display} stayed locked by another writer for "
+            f"{BUSY_TIMEOUT_MS // 1000} s; retry when it finishes"
+        )
+    if "not a database" in lowered or "malformed" in lowered:
+        return NotARegistryError(f"registry {location.display} is corrupt ({message}); restore it or pass another --db")
+    if "disk" in lowered and "full" in lowered:
+        return RegistryError(f"disk full while writing registry {location.display}; free space and retry")
+    return RegistryError(f"registry {location.display}: {message}")
+
+
+def check_revision(connection: Connection, location: Location) -> str | None:
+    """Return the registry's revision; raise if it is foreign or too new."""
+    if _is_foreign_database(connection):
+        raise NotARegistryError(
+            f"{location.display} is a database but not a ficache registry; pass another --db"
+        )
+    revision = current_revision(connection)
+    if revision is not None and not _revision_exists(revision):
+        raise SchemaTooNewError(
+            f"registry {location.display} has schema revision {revision!r}, newer than this "
+            f"ficache knows (head {head_revision()!r}); upgrade ficache (pip install -U ficache)"
+        )
+    return revision
+
+
+def ensure_schema(engine: Engine, location: Location, *, readonly: bool) -> None:
+    """Create a new registry at head, or upgrade an older one under the lock."""
+    head = head_revision()
+    try:
+        with engine.connect() as conn:
+            revision = check_revision(conn, location)
+        if revision == head:
+            return
+        if readonly:
+            state = "empty" if revision is None else f"at revision {revision!r}"
+            raise RegistryReadOnlyError(
+                f"registry {location.display} is {state}, needs {head!r}, and is read-only; "
+                "upgrade it where it is writable (ficache db upgrade)"
+            )
+        with write_transaction(engine) as conn:
+            revision = check_revision(conn, location)  # again, inside the lock
+            if revision != head:
+                command.upgrade(alembic_config(conn), "head")
+    except DatabaseError as exc:
+        raise translate_operational_error(exc, location) from None
+
+
+def _revision_exists(rev: str) -> bool:
+    try:
+        return script_directory().get_revision(rev) is not None
+    except Exception:  # noqa: BLE001 - alembic raises several kinds
+        return False
+
+
+def upgrade(engine: Engine, location: Location, revision: str = "head") -> None:
+    if revision not in ("head", "heads") and not _revision_exists(revision):
+        raise SchemaError(f"unknown revision {revision!r}; see ficache db history")
+    try:
+        with write_transaction(engine) as conn:
+            check_revision(conn, location)
+            command.upgrade(alembic_config(conn), revision)
+    except (OperationalError, DatabaseError) as exc:
+        raise translate_operational_error(exc, location) from None
+
+
+def downgrade(engine: Engine, location: Location, revision: str) -> None:
+    if revision != "base" and not _revision_exists(revision):
+        raise SchemaError(f"unknown revision {revision!r}; see ficache db history")
+    try:
+        with write_transaction(engine) as conn:
+            check_revision(conn, location)
+            command.downgrade(alembic_config(conn), revision)
+    except (OperationalError, DatabaseError) as exc:
+        raise translate_operational_error(exc, location) from None
+
+
+def history() -> list[tuple[str, str | None, str]]:
+    """``(revision, down_revision, title)`` from base to head."""
+    rows = []
+    for script in reversed(list(script_directory().walk_revisions())):
+        title = (script.doc or "").strip().splitlines()[0] if script.doc else ""
+        down = script.down_revision if isinstance(script.down_revision, str) or script.down_revision is None else ",".join(script.down_revision)
+        rows.append((script.revision, down, title))
+    return rows

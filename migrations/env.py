@@ -1,0 +1,25 @@
+"""Alembic environment: migrations run on the caller's connection.
+
+``ficache.schema`` builds the Alembic ``Config`` in code, opens the
+connection, takes the registry's write lock and passes the connection as
+``config.attributes["connection"]``; this file only runs the revisions on it,
+inside the transaction the caller already began. There is no ini file and no
+offline mode.
+"""
+
+from alembic import context
+
+from ficache.models import Base
+
+connection = context.config.attributes.get("connection")
+if connection is None:  # pragma: no cover - guarded by ficache.schema
+    raise RuntimeError("ficache migrations run only through ficache.schema (ficache db ...)")
+
+context.configure(
+    connection=connection,
+    target_metadata=Base.metadata,
+    render_as_batch=connection.dialect.name == "sqlite",
+    compare_type=True,
+)
+with context.begin_transaction():
+    context.run_migrations()
