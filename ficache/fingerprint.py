@@ -104,7 +104,9 @@ class Fingerprint:
         """The fingerprint a FlashInfer file's ``_metadata`` describes.
 
         FlashInfer fields missing from an old file, or recorded as null,
-        become ``"unknown"`` (never served, as FlashInfer treats them). The
+        become ``"None"`` (FlashInfer's other indeterminate marker): like a
+        missing field it is never served, not even to a running ``"unknown"``
+        (mapping it to ``"unknown"`` would serve it there). The
         fields FlashInfer does not record become the wildcard, because
         FlashInfer never checked them when it served the file.
         """
@@ -112,7 +114,7 @@ class Fingerprint:
         for name in FLASHINFER_FIELDS:
             raw = metadata.get(name)
             if raw is None:
-                values[name] = UNKNOWN
+                values[name] = "None"
             elif isinstance(raw, str):
                 values[name] = raw
             else:

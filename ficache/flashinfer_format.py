@@ -26,6 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -56,6 +57,10 @@ class KeyFields:
     shapes: tuple[tuple[int, ...], ...]
     extras: str
 
+    @property
+    def shapes_json(self) -> str:
+        return json.dumps([list(s) for s in self.shapes])
+
 
 @dataclass(frozen=True, slots=True)
 class FileEntry:
@@ -63,10 +68,7 @@ class FileEntry:
     runner: str
     tactic_json: str  # canonical JSON text
     policy_json: str | None  # canonical JSON text, or None when absent
-
-    @property
-    def fields(self) -> KeyFields:
-        return parse_key(self.key)
+    fields: KeyFields  # read from ``key`` once, when the file was parsed
 
 
 @dataclass(frozen=True)
@@ -85,118 +87,159 @@ def canonical_json(value: Any) -> str:
 # file_key tokenizer: a tiny recursive-descent reader for tuple reprs.
 
 _TOKEN = re.compile(
-    r"""\s*(?:
-        (?P<str>'(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*")
-      | (?P<num>-?\d+(?:\.\d+)?(?:e[-+]?\d+)?)
-      | (?P<name>[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)
-      | (?P<punct>[()\[\],])
-    )""",
-    re.VERBOSE,
+    r"""(?P<ws>\s+)
+      | (?P<str>'(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*")
+      | (?P<num>-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)
+      | (?P<name>-inf\b|[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)  # -inf: repr(float("-inf"))
+      | (?P<open>[(\[])
+      | (?P<close>[)\]])
+      | (?P<comma>,)
+      | (?P<bad>.)
+    """,
+    re.VERBOSE | re.DOTALL,
 )
-_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "'": "'", '"': '"', "0": "\0"}
+_ESCAPE = re.compile(r"""\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|[nrt0\\'"abfv])""")
+_SIMPLE_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "0": "\0", "\\": "\\", "'": "'", '"': '"',
+                   "a": "\a", "b": "\b", "f": "\f", "v": "\v"}
+_MAX_DEPTH = 32
 
 
 class _Name(str):
     """A bare identifier in a key (``torch.float16``): text, not a reference."""
 
 
+def _unescape(match: re.Match[str]) -> str:
+    code = match.group(1)
+    if code[0] in "xuU":
+        return chr(int(code[1:], 16))
+    return _SIMPLE_ESCAPES[code]
+
+
 def _unquote(literal: str) -> str:
     body = literal[1:-1]
-    out: list[str] = []
-    i = 0
-    while i < len(body):
-        ch = body[i]
-        if ch == "\\" and i + 1 < len(body):
-            nxt = body[i + 1]
-            if nxt in _ESCAPES:
-                out.append(_ESCAPES[nxt])
-                i += 2
-                continue
-            if nxt == "x" and re.fullmatch(r"[0-9a-fA-F]{2}", body[i + 2 : i + 4]):
-                out.append(chr(int(body[i + 2 : i + 4], 16)))
-                i += 4
-                continue
-            if nxt == "u" and re.fullmatch(r"[0-9a-fA-F]{4}", body[i + 2 : i + 6]):
-                out.append(chr(int(body[i + 2 : i + 6], 16)))
-                i += 6
-                continue
-        out.append(ch)
-        i += 1
-    return "".join(out)
+    return _ESCAPE.sub(_unescape, body) if "\\" in body else body
 
 
-def _tokenize(text: str) -> list[tuple[str, str]]:
-    tokens: list[tuple[str, str]] = []
-    pos = 0
-    end = len(text.rstrip())
-    while pos < end:
-        m = _TOKEN.match(text, pos)
-        if m is None or m.end() == pos:
-            raise ValueError(f"unexpected character {text[pos:pos + 1]!r} at offset {pos}")
+def _parse_literal(text: str) -> tuple[Any, list[tuple[int, int]]]:
+    """Parse a tuple repr iteratively; return it and the spans of its children.
+
+    Accepts strings, numbers, bare dotted names and nested tuples/lists;
+    anything else (calls, operators, subscripts) raises ``ValueError``.
+    """
+    stack: list[list[Any]] = []
+    starts: list[int] = []
+    closers: list[str] = []
+    child_spans: list[tuple[int, int]] = []
+    result: Any = None
+    done = False
+    prev = "start"  # kind of the previous significant token
+    for m in _TOKEN.finditer(text):
         kind = m.lastgroup
-        assert kind is not None
-        tokens.append((kind, m.group(kind)))
-        pos = m.end()
-    return tokens
+        if kind == "ws":
+            continue
+        if done:
+            raise ValueError(f"trailing text after the key tuple at offset {m.start()}")
+        if kind == "bad":
+            raise ValueError(f"unexpected character {m.group()!r} at offset {m.start()}")
+        if kind == "comma":
+            if not stack or prev in ("open", "comma"):
+                raise ValueError(f"misplaced ',' at offset {m.start()}")
+            prev = kind
+            continue
+        if kind == "close":
+            if not stack or m.group() != closers[-1] or prev == "comma" and not stack[-1]:
+                raise ValueError(f"unbalanced {m.group()!r} at offset {m.start()}")
+            value: Any = tuple(stack.pop())
+            span = (starts.pop(), m.end())
+            closers.pop()
+        else:
+            if prev not in ("start", "open", "comma"):
+                raise ValueError(f"expected ',' before offset {m.start()}")
+            if kind == "open":
+                if len(stack) >= _MAX_DEPTH:
+                    raise ValueError("nesting too deep")
+                stack.append([])
+                starts.append(m.start())
+                closers.append(")" if m.group() == "(" else "]")
+                prev = kind
+                continue
+            token = m.group()
+            if kind == "str":
+                value = _unquote(token)
+            elif kind == "num":
+                value = float(token) if any(c in token for c in ".eE") else int(token)
+            else:
+                value = _Name(token)
+            span = (m.start(), m.end())
+        prev = "value"
+        if not stack:
+            result, done = value, True
+        else:
+            if len(stack) == 1:
+                child_spans.append(span)
+            stack[-1].append(value)
+    if stack:
+        raise ValueError("unclosed bracket")
+    if not done:
+        raise ValueError("empty key")
+    return result, child_spans
 
 
-def _parse_value(tokens: list[tuple[str, str]], i: int, depth: int) -> tuple[Any, int]:
-    if depth > 32:
-        raise ValueError("nesting too deep")
-    if i >= len(tokens):
-        raise ValueError("unexpected end of key")
-    kind, text = tokens[i]
-    if kind == "str":
-        return _unquote(text), i + 1
-    if kind == "num":
-        return (float(text) if ("." in text or "e" in text) else int(text)), i + 1
-    if kind == "name":
-        # A bare name must not be called or subscripted: reject "x(" forms.
-        if i + 1 < len(tokens) and tokens[i + 1][1] in ("(", "["):
-            raise ValueError(f"call syntax after {text!r} is not a literal")
-        return _Name(text), i + 1
-    if text in ("(", "["):
-        closing = ")" if text == "(" else "]"
-        items: list[Any] = []
-        i += 1
-        while True:
-            if i >= len(tokens):
-                raise ValueError("unclosed bracket")
-            if tokens[i][1] == closing:
-                return tuple(items), i + 1
-            value, i = _parse_value(tokens, i, depth + 1)
-            items.append(value)
-            if i < len(tokens) and tokens[i][1] == ",":
-                i += 1
-            elif i < len(tokens) and tokens[i][1] != closing:
-                raise ValueError(f"expected ',' or {closing!r}, got {tokens[i][1]!r}")
-    raise ValueError(f"unexpected {text!r}")
+# The shape of nearly every key FlashInfer writes: quoted op and runner,
+# integer shape tuples. Matching it in one step makes bulk imports cheap; the
+# extras are still read by the literal parser, and any other shape of key
+# falls through to the general path.
+_COMMON_KEY = re.compile(
+    r"""\('((?:[^'\\\n]|\\.)*)', '((?:[^'\\\n]|\\.)*)', (\((?:\([-\d, ]*\)(?:, )?)*,?\)), (\(.*\))\)""",
+    re.DOTALL,
+)
+_SHAPE_TUPLE = re.compile(r"\(([-\d, ]*)\)")
+_INT_LIST = re.compile(r"-?\d+(?:, -?\d+)*,?")
 
 
-def _source_text(value: Any) -> str:
-    """Render a parsed literal back (used only for the extras display)."""
-    if isinstance(value, _Name):
-        return str(value)
-    if isinstance(value, str):
-        return repr(value)
-    if isinstance(value, tuple):
-        inner = ", ".join(_source_text(v) for v in value)
-        return f"({inner},)" if len(value) == 1 else f"({inner})"
-    return repr(value)
+@functools.lru_cache(maxsize=4096)
+def _is_tuple_literal(text: str) -> bool:
+    """Extras repeat across keys (dtype tuples), so their check is memoised."""
+    try:
+        value, _spans = _parse_literal(text)
+    except ValueError:
+        return False
+    return isinstance(value, tuple)
+
+
+def _common_key(key: str) -> KeyFields | None:
+    m = _COMMON_KEY.fullmatch(key)
+    if m is None:
+        return None
+    shapes: list[tuple[int, ...]] = []
+    for inner in _SHAPE_TUPLE.findall(m.group(3)[1:-1]):
+        if not inner:
+            shapes.append(())
+        elif _INT_LIST.fullmatch(inner):
+            shapes.append(tuple(int(d) for d in inner.split(",") if d.strip()))
+        else:
+            return None
+    if not m.group(1) or not m.group(2):
+        return None
+    extras_text = m.group(4)
+    if not _is_tuple_literal(extras_text):
+        return None
+    return KeyFields(_unquote(f"'{m.group(1)}'"), _unquote(f"'{m.group(2)}'"), tuple(shapes), extras_text)
 
 
 def parse_key(key: str) -> KeyFields:
     """Read op, runner, shapes and extras from a ``file_key`` without eval.
 
     Raises ``ValueError`` with the reason when the key is not a 4-tuple of
-    (str, str, tuple of int tuples, tuple).
+    (str, str, tuple of int tuples, tuple). ``extras`` is the key's own text
+    of the fourth element.
     """
     if len(key) > MAX_KEY_CHARS:
         raise ValueError(f"key longer than {MAX_KEY_CHARS} characters")
-    tokens = _tokenize(key)
-    value, i = _parse_value(tokens, 0, 0)
-    if i != len(tokens):
-        raise ValueError("trailing text after the key tuple")
+    fast = _common_key(key)
+    if fast is not None:
+        return fast
+    value, spans = _parse_literal(key)
     if not isinstance(value, tuple) or len(value) != 4:
         raise ValueError("a key is a 4-tuple (op, runner, shapes, extras)")
     op, runner, shapes, extras = value
@@ -205,12 +248,13 @@ def parse_key(key: str) -> KeyFields:
     if not isinstance(runner, str) or isinstance(runner, _Name) or not runner:
         raise ValueError("key runner must be a non-empty string")
     if not isinstance(shapes, tuple) or not all(
-        isinstance(s, tuple) and all(isinstance(d, int) for d in s) for s in shapes
+        isinstance(s, tuple) and all(type(d) is int for d in s) for s in shapes
     ):
         raise ValueError("key shapes must be a tuple of integer tuples")
     if not isinstance(extras, tuple):
         raise ValueError("key extras must be a tuple")
-    return KeyFields(str(op), str(runner), shapes, _source_text(extras))
+    start, end = spans[3]
+    return KeyFields(op, runner, shapes, key[start:end])
 
 
 # --------------------------------------------------------------------------
@@ -249,7 +293,7 @@ def _check_entry(key: str, value: Any) -> FileEntry:
             raise ValueError("policy must be a list")
         _check_tactic(policy)
         policy_json = canonical_json(policy)
-    return FileEntry(key, runner, canonical_json(tactic), policy_json)
+    return FileEntry(key, runner, canonical_json(tactic), policy_json, fields)
 
 
 def parse_cache_bytes(data: bytes, *, source: str = "<bytes>") -> CacheFile:

@@ -21,11 +21,11 @@ import getpass
 import json
 import socket
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
-from sqlalchemy import Connection, Engine, bindparam, delete, func, insert, select, update
+from sqlalchemy import Connection, Engine, Table, bindparam, delete, func, insert, select, update
 from sqlalchemy.exc import DatabaseError, IntegrityError, OperationalError
 
 from ficache import schema
@@ -38,7 +38,7 @@ from ficache.errors import (
     RegistryReadOnlyError,
 )
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
-from ficache.flashinfer_format import CacheFile, parse_key, render_cache
+from ficache.flashinfer_format import CacheFile, KeyFields, parse_key, render_cache
 from ficache.models import (
     SHARED_SCOPE,
     CommitRow,
@@ -47,10 +47,12 @@ from ficache.models import (
     FingerprintRow,
 )
 
-F = FingerprintRow.__table__
-E = EntryRow.__table__
-C = CommitRow.__table__
-H = EntryChangeRow.__table__
+F = cast(Table, FingerprintRow.__table__)
+E = cast(Table, EntryRow.__table__)
+C = cast(Table, CommitRow.__table__)
+H = cast(Table, EntryChangeRow.__table__)
+
+T = TypeVar("T")
 
 COMMIT_KINDS = ("import", "startup", "merge", "revert", "prune")
 WRITE_ATTEMPTS = 4
@@ -85,6 +87,7 @@ class NewEntry:
     tactic_json: str
     policy_json: str | None = None
     scope: str = SHARED_SCOPE
+    fields: KeyFields | None = None  # parsed ``key``, when the caller has it
 
 
 @dataclass(frozen=True)
@@ -221,6 +224,37 @@ def _fingerprint_from_row(row: Any) -> Fingerprint:
     return Fingerprint(**{name: getattr(row, name) for name in ALL_FIELDS})
 
 
+def _insert_many(conn: Connection, table: Any, rows: list[tuple[Any, ...]], columns: Sequence[str]) -> None:
+    """Bulk insert positional rows; the bulk path of every write.
+
+    Goes to the driver's ``executemany`` directly where its paramstyle is
+    positional (SQLite, psycopg): SQLAlchemy's per-row parameter processing
+    would otherwise cost more than the insert itself.
+    """
+    if not rows:
+        return
+    marker = {"qmark": "?", "format": "%s", "pyformat": "%s"}.get(conn.dialect.paramstyle)
+    if marker is None:
+        conn.execute(insert(table), [dict(zip(columns, row, strict=True)) for row in rows])
+        return
+    quote = conn.dialect.identifier_preparer.quote
+    sql = (f"INSERT INTO {quote(table.name)} ({', '.join(quote(c) for c in columns)}) "
+           f"VALUES ({', '.join([marker] * len(columns))})")
+    conn.exec_driver_sql(sql, rows)
+
+
+_ENTRY_COLUMNS = ("fingerprint_id", "scope", "key", "op", "runner", "shapes", "extras", "tactic", "policy",
+                  "commit_id", "updated_at")
+_CHANGE_COLUMNS = ("commit_id", "fingerprint_id", "scope", "key", "action", "old_runner", "old_tactic",
+                   "old_policy", "old_commit_id")
+
+
+def _inserted_id(result: Any) -> int:
+    key = result.inserted_primary_key
+    assert key is not None, "INSERT returned no primary key"
+    return int(key[0])
+
+
 def _chunks(items: Sequence[Any], size: int = _CHUNK) -> Iterator[Sequence[Any]]:
     for start in range(0, len(items), size):
         yield items[start : start + size]
@@ -262,7 +296,7 @@ class Registry:
     def _read(self) -> Any:
         return self.engine.connect()
 
-    def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def _guard(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         try:
             return fn(*args, **kwargs)
         except (OperationalError, DatabaseError) as exc:
@@ -286,7 +320,7 @@ class Registry:
                     for row in conn.execute(query)
                 ]
 
-        return list(self._guard(run))
+        return self._guard(run)
 
     def fingerprint(self, ref: int | str) -> FingerprintInfo:
         """Find a stored fingerprint by id or (a prefix of at least 6 of) its digest."""
@@ -371,14 +405,14 @@ class Registry:
                         result[key] = (key, runner, tactic, policy)
             return result
 
-        return dict(self._guard(run))
+        return self._guard(run)
 
-    def export_text(self, fingerprint_id: int, *, scope: str = SHARED_SCOPE) -> str:
-        """The FlashInfer cache file of one stored fingerprint's entries."""
+    def export_text(self, fingerprint_id: int, *, scope: str = SHARED_SCOPE) -> tuple[str, int]:
+        """The FlashInfer cache file of one stored fingerprint's entries, and its size."""
         info = self.fingerprint(fingerprint_id)
         scopes = [SHARED_SCOPE] if scope == SHARED_SCOPE else [SHARED_SCOPE, scope]
         rows = self.slice_rows([info.id], scopes)
-        return render_cache(info.fingerprint.flashinfer_metadata(), rows.values())
+        return render_cache(info.fingerprint.flashinfer_metadata(), rows.values()), len(rows)
 
     def export_for(self, current: Fingerprint, *, scope: str = SHARED_SCOPE) -> tuple[str, int]:
         """The cache file the environment ``current`` should load, and its size.
@@ -414,7 +448,7 @@ class Registry:
                     for r in conn.execute(query)
                 ]
 
-        return list(self._guard(run))
+        return self._guard(run)
 
     def stats(self) -> Stats:
         def run() -> Stats:
@@ -445,11 +479,11 @@ class Registry:
             return Stats(n_fp, shared + scoped, shared, scoped, n_commits, ops, last, revision,
                          self.location.display, size)
 
-        return self._guard(run)  # type: ignore[no-any-return]
+        return self._guard(run)
 
     # -- writing ----------------------------------------------------------
 
-    def _write(self, body: Any) -> Any:
+    def _write(self, body: Callable[[Connection], T]) -> T:
         """Run ``body(conn)`` in one write transaction, retrying a busy lock."""
         if self.readonly:
             raise RegistryReadOnlyError(
@@ -475,7 +509,7 @@ class Registry:
             return int(found)
         values = fp.as_dict()
         result = conn.execute(insert(F).values(digest=fp.digest, created_at=now, **values))
-        return int(result.inserted_primary_key[0])
+        return _inserted_id(result)
 
     @staticmethod
     def _new_commit(conn: Connection, now: float, kind: str, **values: Any) -> int:
@@ -490,10 +524,10 @@ class Registry:
             insert(C).values(
                 created_at=now, kind=kind, host=socket.gethostname(), user=user,
                 provenance=json.dumps(provenance, sort_keys=True) if provenance else None,
-                added=0, replaced=0, removed=0, **values,
+                **{"added": 0, "replaced": 0, "removed": 0, **values},
             )
         )
-        return int(result.inserted_primary_key[0])
+        return _inserted_id(result)
 
     def write(
         self,
@@ -514,13 +548,15 @@ class Registry:
             return WriteResult(None)
         # Parse keys before the transaction: the lock is held for SQL only.
         fields = {}
-        for (_fp, _scope, key), _entry in wanted.items():
+        for (_fp, _scope, key), entry in wanted.items():
             if key not in fields:
-                try:
-                    kf = parse_key(key)
-                except ValueError as exc:
-                    raise FicacheError(f"entry key {key[:80]!r} is not a FlashInfer key: {exc}") from None
-                fields[key] = (kf.op, json.dumps([list(s) for s in kf.shapes]), kf.extras)
+                kf = entry.fields
+                if kf is None:
+                    try:
+                        kf = parse_key(key)
+                    except ValueError as exc:
+                        raise FicacheError(f"entry key {key[:80]!r} is not a FlashInfer key: {exc}") from None
+                fields[key] = (kf.op, kf.shapes_json, kf.extras)
 
         def body(conn: Connection) -> WriteResult:
             now = time.time()
@@ -533,55 +569,48 @@ class Registry:
                 )
                 for eid, scope, key, runner, tactic, policy, cid in conn.execute(query):
                     existing[(fid, scope, key)] = (eid, runner, tactic, policy, cid)
-            inserts, updates, changes = [], [], []
+            added: list[tuple[int, str, str, NewEntry]] = []
+            replaced: list[tuple[int, str, str, NewEntry, tuple[int, str, str, str | None, int]]] = []
             unchanged = 0
             for (fp, scope, key), entry in wanted.items():
                 fid = fp_ids[fp]
                 old = existing.get((fid, scope, key))
                 if old is None:
-                    op, shapes, extras = fields[key]
-                    inserts.append({
-                        "fingerprint_id": fid, "scope": scope, "key": key, "op": op, "runner": entry.runner,
-                        "shapes": shapes, "extras": extras, "tactic": entry.tactic_json,
-                        "policy": entry.policy_json, "updated_at": now,
-                    })
-                    changes.append({"fingerprint_id": fid, "scope": scope, "key": key, "action": "added",
-                                    "old_runner": None, "old_tactic": None, "old_policy": None,
-                                    "old_commit_id": None})
+                    added.append((fid, scope, key, entry))
                 elif (old[1], old[2], old[3]) == (entry.runner, entry.tactic_json, entry.policy_json):
                     unchanged += 1
                 else:
-                    updates.append({"b_id": old[0], "runner": entry.runner, "tactic": entry.tactic_json,
-                                    "policy": entry.policy_json, "updated_at": now})
-                    changes.append({"fingerprint_id": fid, "scope": scope, "key": key, "action": "replaced",
-                                    "old_runner": old[1], "old_tactic": old[2], "old_policy": old[3],
-                                    "old_commit_id": old[4]})
-            if not changes:
+                    replaced.append((fid, scope, key, entry, old))
+            if not added and not replaced:
                 raise _NothingToWrite(WriteResult(None, unchanged=unchanged))
             commit_id = self._new_commit(conn, now, kind, message=message, world_size=world_size,
-                                         layout=layout, provenance=provenance)
-            if inserts:
-                for row in inserts:
-                    row["commit_id"] = commit_id
-                conn.execute(insert(E), inserts)
-            if updates:
-                for row in updates:
-                    row["commit_id"] = commit_id
+                                         layout=layout, provenance=provenance, added=len(added),
+                                         replaced=len(replaced))
+            rows = []
+            for fid, scope, key, entry in added:
+                op, shapes, extras = fields[key]
+                rows.append((fid, scope, key, op, entry.runner, shapes, extras, entry.tactic_json,
+                             entry.policy_json, commit_id, now))
+            _insert_many(conn, E, rows, _ENTRY_COLUMNS)
+            if replaced:
                 conn.execute(
                     update(E).where(E.c.id == bindparam("b_id")).values(
                         runner=bindparam("runner"), tactic=bindparam("tactic"), policy=bindparam("policy"),
                         commit_id=bindparam("commit_id"), updated_at=bindparam("updated_at"),
                     ),
-                    updates,
+                    [{"b_id": old[0], "runner": entry.runner, "tactic": entry.tactic_json,
+                      "policy": entry.policy_json, "commit_id": commit_id, "updated_at": now}
+                     for _fid, _scope, _key, entry, old in replaced],
                 )
-            for row in changes:
-                row["commit_id"] = commit_id
-            conn.execute(insert(H), changes)
-            conn.execute(update(C).where(C.c.id == commit_id).values(added=len(inserts), replaced=len(updates)))
-            return WriteResult(commit_id, added=len(inserts), replaced=len(updates), unchanged=unchanged)
+            _insert_many(conn, H, [
+                *((commit_id, fid, scope, key, "added", None, None, None, None) for fid, scope, key, _e in added),
+                *((commit_id, fid, scope, key, "replaced", old[1], old[2], old[3], old[4])
+                  for fid, scope, key, _e, old in replaced),
+            ], _CHANGE_COLUMNS)
+            return WriteResult(commit_id, added=len(added), replaced=len(replaced), unchanged=unchanged)
 
         try:
-            return self._write(body)  # type: ignore[no-any-return]
+            return self._write(body)
         except _NothingToWrite as nothing:
             return nothing.result
 
@@ -612,7 +641,9 @@ class Registry:
                     f"{source} has no _metadata, so its environment is unknown; "
                     "import it with --fingerprint ID|current"
                 )
-            new.extend(NewEntry(fp, e.key, e.runner, e.tactic_json, e.policy_json, scope) for e in cache.entries)
+            new.extend(
+                NewEntry(fp, e.key, e.runner, e.tactic_json, e.policy_json, scope, e.fields) for e in cache.entries
+            )
         message = ", ".join(source for source, _ in files)
         return self.write(new, kind=kind, message=message[:2000], provenance=provenance)
 
@@ -665,7 +696,7 @@ class Registry:
                 tuple(versions),
             )
 
-        return self._guard(run)  # type: ignore[no-any-return]
+        return self._guard(run)
 
     def _execute_prune(self, plan: PrunePlan) -> WriteResult:
         if plan.is_empty:
@@ -700,7 +731,7 @@ class Registry:
             conn.execute(update(C).where(C.c.id == commit_id).values(removed=len(rows)))
             return WriteResult(commit_id, removed=len(rows))
 
-        return self._write(body)  # type: ignore[no-any-return]
+        return self._write(body)
 
     # -- revert -----------------------------------------------------------
 
@@ -744,10 +775,12 @@ class Registry:
                 key_id = (ch.fingerprint_id, ch.scope, ch.key)
                 now_row = current.get(key_id)
                 if ch.action == "added":
+                    assert now_row is not None  # checked for conflicts above
                     conn.execute(delete(E).where(E.c.id == now_row.id))
                     history.append((ch, "removed", now_row))
                     removed += 1
                 elif ch.action == "replaced":
+                    assert now_row is not None  # checked for conflicts above
                     conn.execute(update(E).where(E.c.id == now_row.id).values(
                         runner=ch.old_runner, tactic=ch.old_tactic, policy=ch.old_policy,
                         commit_id=new_id, updated_at=now))
@@ -757,7 +790,7 @@ class Registry:
                     kf = parse_key(ch.key)
                     conn.execute(insert(E).values(
                         fingerprint_id=ch.fingerprint_id, scope=ch.scope, key=ch.key, op=kf.op,
-                        runner=ch.old_runner, shapes=json.dumps([list(s) for s in kf.shapes]),
+                        runner=ch.old_runner, shapes=kf.shapes_json,
                         extras=kf.extras, tactic=ch.old_tactic, policy=ch.old_policy,
                         commit_id=new_id, updated_at=now))
                     history.append((ch, "added", None))
@@ -775,7 +808,7 @@ class Registry:
             conn.execute(update(C).where(C.c.id == new_id).values(added=added, replaced=replaced, removed=removed))
             return WriteResult(new_id, added=added, replaced=replaced, removed=removed)
 
-        return self._write(body)  # type: ignore[no-any-return]
+        return self._write(body)
 
 
 # Re-exported helpers for callers that build queries of their own.

@@ -1,0 +1,5 @@
+"""``python -m ficache`` runs the CLI."""
+
+from ficache.cli import main
+
+main()
