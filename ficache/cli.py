@@ -82,7 +82,8 @@ pass_ctx = click.make_pass_decorator(_Context)
 
 
 def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    cells = [[str(h) for h in headers]] + [["" if v is None else str(v) for v in row] for row in rows]
+    head = [[str(h) for h in headers]] if any(headers) else []  # all-empty headers: no header line
+    cells = head + [["" if v is None else str(v) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
     return "\n".join(lines)
@@ -318,7 +319,8 @@ def stats_cmd(obj: _Context, fmt: str) -> None:
 
 
 @cli.command("log")
-@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Show at most this many commits, newest first.")
 @FORMAT
 @pass_ctx
 def log_cmd(obj: _Context, limit: int, fmt: str) -> None:
@@ -352,6 +354,7 @@ def prune_cmd(obj: _Context, fingerprint_refs: tuple[str, ...], versions: tuple[
               older_than: float | None, scope: str | None, dry_run: bool, yes: bool) -> None:
     """Remove entries matching all given criteria, as one revertible commit."""
     with obj.registry(create=False) as reg:
+        reg.require_writable()
         ids = [reg.fingerprint(ref).id for ref in fingerprint_refs]
         try:
             plan = reg.plan_prune(fingerprint_ids=ids, flashinfer_versions=versions,
@@ -379,6 +382,7 @@ def prune_cmd(obj: _Context, fingerprint_refs: tuple[str, ...], versions: tuple[
 def revert_cmd(obj: _Context, commit_id: int, dry_run: bool, yes: bool) -> None:
     """Undo one commit as a new commit (refused if later commits changed its entries)."""
     with obj.registry(create=False) as reg:
+        reg.require_writable()
         found = reg.log(None, commit_id=commit_id)
         if not found:
             raise NotFoundError(f"no commit {commit_id}; see `ficache log`")

@@ -53,3 +53,7 @@ class NotFoundError(FicacheError):
 
 class ConflictError(FicacheError):
     """An operation would overwrite work done after the state it expects."""
+
+
+class TunerError(FicacheError):
+    """The autotuner refused or failed an operation (FlashInfer rejected a cache, say)."""

@@ -483,12 +483,16 @@ class Registry:
 
     # -- writing ----------------------------------------------------------
 
-    def _write(self, body: Callable[[Connection], T]) -> T:
-        """Run ``body(conn)`` in one write transaction, retrying a busy lock."""
+    def require_writable(self) -> None:
+        """Raise ``RegistryReadOnlyError`` unless this registry may be written."""
         if self.readonly:
             raise RegistryReadOnlyError(
                 f"registry {self.location.display} is read-only; pass a writable --db"
             )
+
+    def _write(self, body: Callable[[Connection], T]) -> T:
+        """Run ``body(conn)`` in one write transaction, retrying a busy lock."""
+        self.require_writable()
         delay = 0.05
         for attempt in range(WRITE_ATTEMPTS):
             try:
@@ -560,7 +564,7 @@ class Registry:
 
         def body(conn: Connection) -> WriteResult:
             now = time.time()
-            fp_ids = {fp: self._fingerprint_id(conn, fp, now) for fp in {k[0] for k in wanted}}
+            fp_ids = {fp: self._fingerprint_id(conn, fp, now) for fp in dict.fromkeys(k[0] for k in wanted)}
             existing: dict[tuple[int, str, str], tuple[int, str, str, str | None, int]] = {}
             for fp, fid in fp_ids.items():
                 scopes = sorted({s for (f, s, _k) in wanted if f == fp})

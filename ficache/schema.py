@@ -20,17 +20,19 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError
 from sqlalchemy.pool import NullPool
 
@@ -102,7 +104,10 @@ def _check_sqlite_file(path: Path) -> bool:
         raise RegistryError(f"cannot read registry {path}: permission denied") from None
     if head and head != SQLITE_MAGIC:
         raise NotARegistryError(f"{path} is not a SQLite database; pass another --db or move the file away")
-    writable = os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)
+    # os.access says yes to root for any file; a file without write bits
+    # (chmod a-w) is read-only for everyone, root included.
+    has_write_bits = bool(path.stat().st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+    writable = has_write_bits and os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)
     return not writable
 
 
@@ -115,7 +120,8 @@ def _install_sqlite_events(engine: Engine, *, readonly: bool) -> None:
         cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         cursor.execute("PRAGMA foreign_keys = ON")
         if not readonly:
-            cursor.execute("PRAGMA journal_mode = WAL")
+            # WAL is set by ensure_schema once the file is known to be a
+            # registry: setting it here would write to foreign or newer files.
             cursor.execute("PRAGMA synchronous = NORMAL")
         cursor.close()
 
@@ -149,9 +155,12 @@ def make_engine(location: Location, *, create: bool = True) -> tuple[Engine, boo
                     f"cannot create registry {path}: directory is not writable; pass --db or set {ENV_VAR}"
                 )
         if readonly:
-            url = f"sqlite:///file:{path}?mode=ro&immutable=1&uri=true"
+            # A URI filename: percent-encode it, or a '#' or '?' in the path
+            # would cut it short (and SQLite would create the shorter path).
+            url = URL.create("sqlite", database=f"file:{quote(str(path))}",
+                             query={"mode": "ro", "immutable": "1", "uri": "true"})
         else:
-            url = location.url
+            url = URL.create("sqlite", database=str(path))  # no URL parsing: '%', '?' are path text
         engine = create_engine(url, poolclass=NullPool)
         _install_sqlite_events(engine, readonly=readonly)
         return engine, readonly
@@ -184,6 +193,8 @@ def migrations_dir() -> Path:
 def alembic_config(connection: Connection | None = None) -> Config:
     config = Config()
     config.set_main_option("script_location", str(migrations_dir()))
+    # One path, never split on spaces (an install under "My Projects/").
+    config.set_main_option("path_separator", "os")
     config.set_main_option("version_locations", str(migrations_dir() / "versions"))
     if connection is not None:
         config.attributes["connection"] = connection
@@ -259,6 +270,8 @@ def ensure_schema(engine: Engine, location: Location, *, readonly: bool) -> None
         with engine.connect() as conn:
             revision = check_revision(conn, location)
         if revision == head:
+            if not readonly:
+                _enable_wal(engine)
             return
         if readonly:
             state = "empty" if revision is None else f"at revision {revision!r}"
@@ -270,8 +283,24 @@ def ensure_schema(engine: Engine, location: Location, *, readonly: bool) -> None
             revision = check_revision(conn, location)  # again, inside the lock
             if revision != head:
                 command.upgrade(alembic_config(conn), "head")
+        _enable_wal(engine)
     except DatabaseError as exc:
         raise translate_operational_error(exc, location) from None
+
+
+def _enable_wal(engine: Engine) -> None:
+    """Put a verified SQLite registry in WAL mode (kept in the file; no-op when it is)."""
+    if engine.dialect.name != "sqlite":
+        return
+    raw = engine.raw_connection()  # outside any transaction, as the pragma needs
+    try:
+        cursor = raw.cursor()
+        cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.close()
+    except engine.dialect.loaded_dbapi.Error:
+        pass  # WAL only lets readers and a writer overlap; any journal mode is correct
+    finally:
+        raw.close()
 
 
 def _revision_exists(rev: str) -> bool:

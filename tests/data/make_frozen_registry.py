@@ -1,0 +1,123 @@
+"""Freeze a small registry at the current head revision, for upgrade tests.
+
+Run once per schema revision, with the ficache release that adds it:
+
+    python tests/data/make_frozen_registry.py
+
+It writes ``tests/data/registry-<revision>.db`` through the public API (two
+fingerprints, shared and rank-scoped entries, policies, nested tactics, and
+import, replace and prune commits), then pins times and hosts so the file is
+reproducible, and leaves it as one self-contained file (no WAL).
+``tests/test_schema.py`` copies each frozen file, opens it with the current
+code (which upgrades it to head) and reads its data back through the API.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+import tempfile
+from pathlib import Path
+
+from ficache import schema
+from ficache.fingerprint import Fingerprint
+from ficache.flashinfer_format import parse_cache_bytes
+from ficache.registry import Registry
+
+FIELDS = {
+    "flashinfer_version": "0.7.2.post1",
+    "cuda_version": "12.9",
+    "cublas_version": "12.9.1",
+    "cudnn_version": "91002",
+    "cudnn_frontend_version": "1.32.0",
+    "cutlass_dsl_version": "nvidia-cutlass-dsl==4.8.1",
+}
+H200 = {**FIELDS, "gpu": "NVIDIA H200"}
+B200 = {**FIELDS, "gpu": "NVIDIA B200"}
+POLICY = ["cuda_graph_profile_replays", None, "l2_cache_policy", "hot"]
+
+
+def key(m: int, extras: str = "(torch.bfloat16, 1)") -> str:
+    return f"('flashinfer::mm_fp4', 'CutlassFp4Runner', (({m}, 4096), (4096, 2048)), {extras})"
+
+
+def cache(metadata: dict[str, str], entries: dict[str, list]) -> bytes:
+    return json.dumps({"_metadata": metadata, **entries}).encode()
+
+
+def build(path: Path) -> None:
+    with Registry.open(str(path)) as reg:
+        # commit 1: H200 and B200 files in one import
+        reg.import_cache(
+            [
+                (
+                    "h200.json",
+                    parse_cache_bytes(
+                        cache(
+                            H200,
+                            {
+                                key(16): ["CutlassFp4Runner", [3, [1, 2]], POLICY],
+                                key(32): ["CutlassFp4Runner", 5],
+                                key(64, '(torch.float8_e4m3fn, None, "it\'s")'): [
+                                    "CutlassFp4Runner",
+                                    -1,
+                                ],
+                            },
+                        )
+                    ),
+                ),
+                ("b200.json", parse_cache_bytes(cache(B200, {key(16): ["CutlassFp4Runner", 7]}))),
+            ]
+        )
+        # commit 2: rank-scoped entries of a tp2 layout, and one replaced shared entry
+        reg.import_cache(
+            [
+                (
+                    "tp2-rank1.json",
+                    parse_cache_bytes(cache(H200, {key(16): ["CutlassFp4Runner", 9]})),
+                )
+            ],
+            scope="tp2/rank1",
+        )
+        reg.import_cache(
+            [
+                (
+                    "h200-retuned.json",
+                    parse_cache_bytes(cache(H200, {key(32): ["CutlassFp4Runner", 6]})),
+                )
+            ]
+        )
+        # commit 4: prune B200
+        b200 = next(
+            i.id
+            for i in reg.fingerprints()
+            if i.fingerprint == Fingerprint.from_flashinfer_metadata(B200)
+        )
+        reg.plan_prune(fingerprint_ids=[b200]).execute(reg)
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.execute(
+            "UPDATE commits SET created_at = 1767225600 + id, host = 'frozen-host', user = 'frozen'"
+        )
+        conn.execute("UPDATE entries SET updated_at = 1767225600 + commit_id")
+        conn.execute("UPDATE fingerprints SET created_at = 1767225600")
+    conn.execute("PRAGMA journal_mode = DELETE")
+    conn.execute("VACUUM")
+    conn.close()
+
+
+def main() -> None:
+    head = schema.head_revision()
+    target = Path(__file__).resolve().parent / f"registry-{head}.db"
+    if target.exists():
+        sys.exit(f"{target} exists; a frozen registry is made once, for a new revision")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp) / "registry.db"
+        build(tmp_path)
+        target.write_bytes(tmp_path.read_bytes())
+    print(f"wrote {target}")
+
+
+if __name__ == "__main__":
+    main()

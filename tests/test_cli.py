@@ -1,0 +1,873 @@
+"""The ``ficache`` command line: every command, exact output, exit codes, and
+bad input (one line on stderr, exit 1, registry unchanged)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from contextlib import closing
+from pathlib import Path
+
+import click
+import pytest
+
+from ficache.cli import cli as ficache_cli
+from ficache.fingerprint import FLASHINFER_FIELDS, Fingerprint
+from ficache.registry import Registry
+
+REPO = Path(__file__).resolve().parent.parent
+META = {
+    "flashinfer_version": "0.7.2",
+    "cuda_version": "12.9",
+    "cublas_version": "12.9.1",
+    "cudnn_version": "91002",
+    "cudnn_frontend_version": "1.32.0",
+    "cutlass_dsl_version": "4.8.1",
+    "gpu": "NVIDIA H200",
+}
+B200 = {**META, "gpu": "NVIDIA B200"}
+POLICY = ["cuda_graph_profile_replays", None, "l2_cache_policy", "hot"]
+K16 = "('mm', 'Runner', ((16, 64),), (torch.bfloat16,))"
+K32 = "('mm', 'Runner', ((32, 64),), (torch.bfloat16,))"
+K64 = "('mm', 'Runner', ((64, 64),), (torch.bfloat16,))"
+DIGEST = Fingerprint.from_flashinfer_metadata(META).digest
+
+
+def when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+@pytest.fixture
+def populated(cli, cache_file, registry_path: Path) -> Path:
+    """A registry with one import (commit 1) of two H200 entries."""
+    path = cache_file(
+        "h200.json", {K16: ["Runner", [1, [2, 3]], POLICY], K32: ["Runner", 4]}, metadata=META
+    )
+    result = cli("import", path)
+    assert (result.exit_code, result.stderr) == (0, "")
+    return registry_path
+
+
+def one_error_line(result, message: str) -> None:
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    assert result.stderr == f"error: {message}\n"
+
+
+# -- help ---------------------------------------------------------------------------
+
+
+def _walk(command: click.Command, path: tuple[str, ...] = ()):
+    yield path, command
+    if isinstance(command, click.Group):
+        for name, sub in sorted(command.commands.items()):
+            yield from _walk(sub, (*path, name))
+
+
+ALL_COMMANDS = list(_walk(ficache_cli))
+
+
+def test_the_command_set() -> None:
+    assert sorted(" ".join(path) for path, _ in ALL_COMMANDS) == sorted(
+        [
+            "",
+            "db",
+            "db current",
+            "db downgrade",
+            "db history",
+            "db upgrade",
+            "export",
+            "fingerprint",
+            "fingerprints",
+            "import",
+            "list",
+            "log",
+            "prune",
+            "revert",
+            "stats",
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "command"), ALL_COMMANDS, ids=[" ".join(p) or "ficache" for p, _ in ALL_COMMANDS]
+)
+def test_every_command_and_option_has_help(
+    cli, path: tuple[str, ...], command: click.Command
+) -> None:
+    assert (command.help or "").strip(), f"ficache {' '.join(path)} has no help text"
+    for param in command.params:
+        if isinstance(param, click.Option):
+            assert (param.help or "").strip(), (
+                f"ficache {' '.join(path)} {param.opts[0]} has no help text"
+            )
+
+    result = cli(*path, "--help", db=None)
+
+    assert result.exit_code == 0
+    assert result.stdout.startswith(f"Usage: ficache {' '.join(path)}".rstrip())
+    assert " ".join(command.help.split()[:6]) in " ".join(result.stdout.split())
+
+
+def test_version(cli) -> None:
+    assert cli("--version", db=None).stdout == "ficache, version 0.1.0\n"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("nosuch",),
+        ("list", "--format", "xml"),
+        ("export",),
+        ("import",),
+        ("log", "--limit", "0"),
+        ("prune", "--older-than", "soon"),
+        ("revert", "x"),
+        ("import", "--scope", "rank1", "x.json"),
+        ("db",),
+        ("db", "downgrade"),
+    ],
+)
+def test_usage_errors_exit_2(cli, registry_path: Path, args: tuple[str, ...]) -> None:
+    result = cli(*args)
+
+    assert result.exit_code == 2
+    assert "Usage: ficache" in result.output
+    assert not registry_path.exists()
+
+
+# -- import ------------------------------------------------------------------------------
+
+
+def test_import_prints_counts_and_makes_one_commit(cli, cache_file, registry_path: Path) -> None:
+    a = cache_file("a.json", {K16: ["Runner", 1], K32: ["Runner", 2]}, metadata=META)
+    b = cache_file("b.json", {K16: ["Runner", 1]}, metadata=B200)
+
+    result = cli("import", a, b)
+
+    assert (result.exit_code, result.stderr) == (0, "")
+    assert (
+        result.stdout
+        == "imported 3 entries from 2 file(s): 3 added, 0 replaced, 0 unchanged (commit 1)\n"
+    )
+    with Registry.open(str(registry_path)) as reg:
+        [commit] = reg.log()
+        assert (commit.kind, commit.added, commit.message) == ("import", 3, f"{a}, {b}")
+
+
+def test_import_again_is_unchanged_and_creates_no_commit(
+    cli, populated: Path, cache_file, dump_db
+) -> None:
+    before = dump_db(populated)
+    again = cache_file(
+        "again.json", {K16: ["Runner", [1, [2, 3]], POLICY], K32: ["Runner", 4]}, metadata=META
+    )
+
+    result = cli("import", again)
+
+    assert (
+        result.stdout
+        == "imported 2 entries from 1 file(s): 0 added, 0 replaced, 2 unchanged (nothing new, no commit)\n"
+    )
+    assert dump_db(populated) == before
+
+
+def test_import_replaces_and_reports_json(cli, populated: Path, cache_file) -> None:
+    newer = cache_file(
+        "newer.json", {K16: ["Runner", 9], K64: ["Runner", 1]}, metadata=META, generation="ab" * 32
+    )
+
+    result = cli("import", newer, "--format", "json")
+
+    assert json.loads(result.stdout) == {
+        "files": 1,
+        "entries": 2,
+        "commit": 2,
+        "added": 1,
+        "replaced": 1,
+        "unchanged": 0,
+        "ignored_record_namespaces": 0,
+    }
+
+
+def test_import_warns_about_records_it_does_not_keep(cli, cache_file) -> None:
+    path = cache_file(
+        "r.json", {"_records": {"vllm": {}, "sglang": {}}, K16: ["Runner", 1]}, metadata=META
+    )
+
+    result = cli("import", path)
+
+    assert result.exit_code == 0
+    assert (
+        result.stderr
+        == "warning: 2 _records namespace(s) were not imported (ficache stores tactics only)\n"
+    )
+
+
+def test_import_without_metadata_needs_a_fingerprint(
+    cli, populated: Path, cache_file, dump_db
+) -> None:
+    bare = cache_file("bare.json", {K64: ["Runner", 5]}, metadata=None)
+    before = dump_db(populated)
+
+    refused = cli("import", bare)
+
+    one_error_line(
+        refused,
+        f"{bare} has no _metadata, so its environment is unknown; "
+        "import it with --fingerprint ID|current",
+    )
+    assert dump_db(populated) == before
+
+    accepted = cli("import", bare, "--fingerprint", "1", "--scope", "tp2/rank1")
+
+    assert (
+        accepted.stdout
+        == "imported 1 entries from 1 file(s): 1 added, 0 replaced, 0 unchanged (commit 2)\n"
+    )
+    rows = json.loads(cli("list", "--scope", "tp2/rank1", "--format", "json").stdout)
+    assert [(r["fingerprint"], r["key"], r["tactic"]) for r in rows] == [(1, K64, 5)]
+
+
+def test_import_without_metadata_as_the_current_environment(cli, cache_file) -> None:
+    from ficache.fingerprint import collect
+
+    bare = cache_file("bare.json", {K64: ["Runner", 5]}, metadata=None)
+
+    result = cli("import", bare, "--fingerprint", "current")
+
+    assert result.exit_code == 0
+    [info] = json.loads(cli("fingerprints", "--format", "json").stdout)
+    assert info["digest"] == collect().digest
+
+
+# -- list / fingerprints / stats / log ---------------------------------------------------------
+
+
+def test_list_table(cli, populated: Path) -> None:
+    result = cli("list")
+
+    assert result.exit_code == 0
+    assert result.stdout.splitlines() == [
+        "fingerprint  scope   op  runner  shapes      extras             tactic     commit",
+        "1            shared  mm  Runner  [[16, 64]]  (torch.bfloat16,)  [1,[2,3]]  1",
+        "1            shared  mm  Runner  [[32, 64]]  (torch.bfloat16,)  4          1",
+    ]
+
+
+def test_list_json_has_one_object_per_entry(cli, populated: Path) -> None:
+    rows = json.loads(cli("list", "--format", "json").stdout)
+
+    assert [
+        {
+            k: r[k]
+            for k in ("fingerprint", "scope", "op", "runner", "key", "tactic", "policy", "commit")
+        }
+        for r in rows
+    ] == [
+        {
+            "fingerprint": 1,
+            "scope": "shared",
+            "op": "mm",
+            "runner": "Runner",
+            "key": K16,
+            "tactic": [1, [2, 3]],
+            "policy": POLICY,
+            "commit": 1,
+        },
+        {
+            "fingerprint": 1,
+            "scope": "shared",
+            "op": "mm",
+            "runner": "Runner",
+            "key": K32,
+            "tactic": 4,
+            "policy": None,
+            "commit": 1,
+        },
+    ]
+    assert rows[0]["shapes"] == [[16, 64]]
+    assert rows[0]["extras"] == "(torch.bfloat16,)"
+
+
+def test_list_filters(cli, populated: Path, cache_file) -> None:
+    other = "('attn', 'Runner', ((8,),), ())"
+    cli("import", cache_file("b.json", {K16: ["Runner", 7], other: ["Runner", 1]}, metadata=B200))
+
+    def keys(*args: str) -> list[tuple[int, str]]:
+        result = cli("list", "--format", "json", *args)
+        assert result.exit_code == 0
+        return [(r["fingerprint"], r["key"]) for r in json.loads(result.stdout)]
+
+    assert keys("--gpu", "NVIDIA B200") == [(2, other), (2, K16)]
+    assert keys("--op", "attn") == [(2, other)]
+    assert keys("--fingerprint", "1") == [(1, K16), (1, K32)]
+    assert keys("--fingerprint", DIGEST[:10]) == [(1, K16), (1, K32)]
+    assert keys("--flashinfer-version", "0.7.2", "--op", "mm") == [(1, K16), (1, K32), (2, K16)]
+    assert keys("--flashinfer-version", "0.6") == []
+    assert keys("--limit", "1") == [(1, K16)]
+    assert cli("list", "--gpu", "none").stdout == (
+        "fingerprint  scope  op  runner  shapes  extras  tactic  commit\n"
+    )
+    one_error_line(
+        cli("list", "--fingerprint", "7"),
+        "no fingerprint '7' in the registry; see `ficache fingerprints`",
+    )
+
+
+def test_fingerprints_table_and_json(cli, populated: Path) -> None:
+    table = cli("fingerprints")
+
+    assert table.stdout.splitlines() == [
+        "id  entries  digest        flashinfer_version  cuda_version  cublas_version  cudnn_version  "
+        "cudnn_frontend_version  cutlass_dsl_version  gpu          compute_capability  torch_version",
+        f"1   2        {DIGEST[:12]}  0.7.2               12.9          12.9.1          91002          "
+        "1.32.0                  4.8.1                NVIDIA H200  *                   *",
+    ]
+    [info] = json.loads(cli("fingerprints", "--format", "json").stdout)
+    assert {k: info[k] for k in ("id", "digest", "entries", *FLASHINFER_FIELDS)} == {
+        "id": 1,
+        "digest": DIGEST,
+        "entries": 2,
+        **META,
+    }
+
+
+def test_fingerprint_prints_the_current_environment(cli) -> None:
+    from ficache.fingerprint import collect
+
+    fp = collect()
+
+    table = cli("fingerprint", db=None)
+    as_json = cli("fingerprint", "--format", "json", db=None)
+
+    width = len("cudnn_frontend_version")
+    assert table.stdout.splitlines() == [
+        "field".ljust(width) + "  value",
+        "digest".ljust(width) + f"  {fp.digest}",
+        *(name.ljust(width) + f"  {value}" for name, value in fp.as_dict().items()),
+    ]
+    assert json.loads(as_json.stdout) == {"digest": fp.digest, **fp.as_dict()}
+
+
+def test_stats(cli, populated: Path) -> None:
+    with Registry.open(str(populated)) as reg:
+        stats = reg.stats()
+
+    result = cli("stats")
+
+    assert result.stdout.splitlines() == [
+        f"registry         {populated.resolve()}",
+        "schema revision  0001_registry",
+        f"size             {stats.size_bytes} bytes",
+        "fingerprints     1",
+        "entries          2 (2 shared, 0 rank-scoped)",
+        "commits          1",
+        f"last commit      {when(stats.last_commit_at)}",
+        "",
+        "op  entries",
+        "mm  2",
+    ]
+    assert json.loads(cli("stats", "--format", "json").stdout)["ops"] == {"mm": 2}
+
+
+def test_log(cli, populated: Path, cache_file) -> None:
+    newer = cache_file("n.json", {K16: ["Runner", 9]}, metadata=META)
+    cli("import", newer)
+    with Registry.open(str(populated)) as reg:
+        c2, c1 = reg.log()
+    host = socket.gethostname().ljust(len("host"))
+
+    result = cli("log")
+
+    assert result.stdout.splitlines() == [
+        f"commit  when                 kind    {'host'.ljust(len(host))}  added  replaced  removed  world  layout  message",
+        f"2       {when(c2.created_at)}  import  {host}  0      1         0                       {str(newer)[:60]}",
+        f"1       {when(c1.created_at)}  import  {host}  2      0         0                       "
+        f"{str(populated.parent / 'h200.json')[:60]}",
+    ]
+    assert [c["id"] for c in json.loads(cli("log", "--limit", "1", "--format", "json").stdout)] == [
+        2
+    ]
+
+
+# -- export ------------------------------------------------------------------------------------
+
+
+def test_export_to_stdout_is_the_stored_file(cli, populated: Path) -> None:
+    result = cli("export", "--fingerprint", "1")
+
+    assert result.exit_code == 0
+    assert result.stdout == (
+        "{\n"
+        f'"_metadata": {json.dumps(META)},\n'
+        f'{json.dumps(K16)}: ["Runner", [1,[2,3]], ["cuda_graph_profile_replays",null,"l2_cache_policy","hot"]],\n'
+        f'{json.dumps(K32)}: ["Runner", 4]\n'
+        "}\n"
+    )
+
+
+def test_export_to_a_file(cli, populated: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out" / "cache.json"
+
+    result = cli("export", "--fingerprint", DIGEST[:8], "-o", out)
+
+    assert (result.exit_code, result.stdout, result.stderr) == (
+        0,
+        "",
+        f"wrote 2 entries to {out}\n",
+    )
+    assert json.loads(out.read_text()) == {
+        "_metadata": META,
+        K16: ["Runner", [1, [2, 3]], POLICY],
+        K32: ["Runner", 4],
+    }
+    assert os.listdir(out.parent) == ["cache.json"]
+
+
+def test_export_errors(cli, populated: Path, registry_path: Path, tmp_path: Path) -> None:
+    one_error_line(
+        cli("export", "--fingerprint", "5"),
+        "no fingerprint '5' in the registry; see `ficache fingerprints`",
+    )
+    one_error_line(
+        cli("export", "--fingerprint", "current"),
+        "no stored fingerprint serves the current environment; see `ficache fingerprints` and "
+        "`ficache fingerprint`",
+    )
+    assert cli("export", "--fingerprint", "1", "--scope", "tp2").exit_code == 2
+    missing = tmp_path / "missing.db"
+    one_error_line(
+        cli("export", "--fingerprint", "1", db=missing),
+        f"no registry at {missing}; import a cache file first (ficache import FILE)",
+    )
+    assert not missing.exists()
+
+
+# -- prune / revert --------------------------------------------------------------------------
+
+
+PLAN = [
+    "prune plan (fingerprint=1):",
+    "fingerprint  gpu          flashinfer  scope   entries",
+    "1            NVIDIA H200  0.7.2       shared  2",
+    "2 entries would be removed (revertible with `ficache revert`)",
+]
+
+
+def test_prune_dry_run_changes_nothing(cli, populated: Path, dump_db) -> None:
+    before = dump_db(populated)
+
+    result = cli("prune", "--fingerprint", "1", "--dry-run")
+
+    assert (result.exit_code, result.stdout.splitlines()) == (
+        0,
+        [*PLAN, "dry run: nothing changed"],
+    )
+    assert dump_db(populated) == before
+
+
+def test_prune_without_a_tty_or_yes_is_refused(cli, populated: Path, dump_db) -> None:
+    before = dump_db(populated)
+
+    result = cli("prune", "--fingerprint", "1")
+
+    assert result.exit_code == 1
+    assert result.stdout.splitlines() == PLAN
+    assert (
+        result.stderr == "error: refusing to change the registry without confirmation; pass --yes\n"
+    )
+    assert dump_db(populated) == before
+
+
+def test_prune_yes_removes_as_one_commit_and_revert_restores(cli, populated: Path) -> None:
+    result = cli("prune", "--fingerprint", "1", "--yes")
+
+    assert (result.exit_code, result.stdout.splitlines()) == (
+        0,
+        [*PLAN, "removed 2 entries (commit 2)"],
+    )
+    assert cli("list", "--format", "json").stdout == "[\n]\n"
+
+    revert = cli("revert", "2", "--yes")
+
+    assert revert.exit_code == 0
+    assert (
+        revert.stdout.splitlines()[1]
+        == "reverted commit 2 as commit 3: 0 removed, 0 restored, 2 re-added"
+    )
+    assert len(json.loads(cli("list", "--format", "json").stdout)) == 2
+
+
+def test_prune_other_criteria(cli, populated: Path) -> None:
+    assert (
+        cli("prune", "--older-than", "1d", "--yes").stdout == "nothing matches: nothing to prune\n"
+    )
+    assert (
+        cli("prune", "--flashinfer-version", "0.6", "--dry-run").stdout
+        == "nothing matches: nothing to prune\n"
+    )
+    scoped = cli("prune", "--scope", "shared", "--flashinfer-version", "0.7.2", "--dry-run")
+    assert scoped.stdout.splitlines()[0] == "prune plan (flashinfer_version=0.7.2, scope=shared):"
+    one_error_line(
+        cli("prune"),
+        "prune needs a criterion: --fingerprint, --flashinfer-version, --older-than or --scope",
+    )
+    one_error_line(
+        cli("prune", "--fingerprint", "9", "--yes"),
+        "no fingerprint '9' in the registry; see `ficache fingerprints`",
+    )
+
+
+def _run_in_a_terminal(args: list[str], answer: bytes) -> tuple[int, str]:
+    """Run ``python -m ficache ARGS`` on a real pseudo-terminal and answer its prompt."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: stdin, stdout and stderr are the terminal
+        try:
+            os.chdir(REPO)
+            os.execv(sys.executable, [sys.executable, "-m", "ficache", *args])
+        finally:
+            os._exit(127)  # never return into pytest
+    output = b""
+    answered = False
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if ready:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            output += chunk
+        if not answered and b"[y/N]" in output:
+            os.write(fd, answer)
+            answered = True
+    _, status = os.waitpid(pid, 0)
+    os.close(fd)
+    return os.waitstatus_to_exitcode(status), output.decode().replace("\r\n", "\n")
+
+
+@pytest.mark.parametrize(
+    ("answer", "code", "last_line", "remaining"),
+    [(b"n\n", 1, "aborted: nothing changed", 2), (b"y\n", 0, "removed 2 entries (commit 2)", 0)],
+)
+def test_prune_asks_on_a_terminal(
+    populated: Path, answer: bytes, code: int, last_line: str, remaining: int
+) -> None:
+    status, output = _run_in_a_terminal(
+        ["--db", str(populated), "prune", "--fingerprint", "1"], answer
+    )
+
+    assert status == code
+    assert "Remove 2 entries? [y/N]: " in output
+    assert output.strip().splitlines()[-1] == last_line
+    with Registry.open(str(populated)) as reg:
+        assert len(list(reg.entries())) == remaining
+
+
+def test_revert_dry_run_and_conflict(cli, populated: Path, cache_file, dump_db) -> None:
+    cli("import", cache_file("n.json", {K16: ["Runner", 9]}, metadata=META))
+    before = dump_db(populated)
+    with Registry.open(str(populated)) as reg:
+        first = reg.log()[-1]
+
+    dry = cli("revert", "1", "--dry-run")
+    conflict = cli("revert", "1", "--yes")
+
+    assert dry.stdout.splitlines() == [
+        f"revert plan: commit 1 (import, {when(first.created_at)}, {first.host}): remove 2 added, "
+        "restore 0 replaced, restore 0 removed",
+        "dry run: nothing changed",
+    ]
+    assert conflict.exit_code == 1
+    assert (
+        conflict.stderr
+        == "error: 1 of 2 entries of commit 1 changed in later commits; revert those first (ficache log)\n"
+    )
+    one_error_line(cli("revert", "7", "--yes"), "no commit 7; see `ficache log`")
+    assert dump_db(populated) == before
+
+
+# -- db ---------------------------------------------------------------------------------------
+
+
+def test_db_commands(cli, populated: Path, registry_path: Path, tmp_path: Path) -> None:
+    assert cli("db", "current").stdout == "0001_registry (head 0001_registry: up to date)\n"
+    assert cli("db", "history", db=None).stdout.splitlines() == [
+        "revision       down  title",
+        "0001_registry        ficache 0.1: fingerprints, entries, commits and the entry change log.",
+    ]
+    dry = cli("db", "downgrade", "base", "--dry-run")
+    assert dry.stdout.splitlines() == [
+        f"downgrade plan: {registry_path.resolve()} from 0001_registry to base (drops all stored entries)",
+        "dry run: nothing changed",
+    ]
+    refused = cli("db", "downgrade", "base")
+    assert refused.exit_code == 1
+    assert (
+        refused.stderr
+        == "error: refusing to change the registry without confirmation; pass --yes\n"
+    )
+    assert len(json.loads(cli("list", "--format", "json").stdout)) == 2
+    missing = tmp_path / "none.db"
+    one_error_line(
+        cli("db", "current", db=missing),
+        f"no registry at {missing}; import a cache file first (ficache import FILE)",
+    )
+
+
+# -- where the registry is ------------------------------------------------------------------------
+
+
+def test_registry_from_env_url_and_default(cli, cache_file, tmp_path: Path, monkeypatch) -> None:
+    path = cache_file("a.json", {K16: ["Runner", 1]}, metadata=META)
+
+    monkeypatch.setenv("FICACHE_DB", str(tmp_path / "env.db"))
+    assert cli("import", path, db=None).exit_code == 0
+    monkeypatch.delenv("FICACHE_DB")
+    assert cli("import", path, db=f"sqlite:///{tmp_path / 'url.db'}").exit_code == 0
+    assert cli("import", path, db=None).exit_code == 0
+
+    default = tmp_path / "user-cache" / "ficache" / "registry.db"
+    for db in (tmp_path / "env.db", tmp_path / "url.db", default):
+        with Registry.open(str(db)) as reg:
+            assert [e.key for e in reg.entries()] == [K16]
+    assert cli("stats", db=None).stdout.splitlines()[0] == f"registry         {default}"
+
+
+def test_read_commands_do_not_create_a_registry(cli, registry_path: Path) -> None:
+    for args in (("list",), ("stats",), ("log",), ("fingerprints",), ("db", "current")):
+        result = cli(*args)
+        one_error_line(
+            result,
+            f"no registry at {registry_path}; import a cache file first (ficache import FILE)",
+        )
+    assert not registry_path.exists()
+
+
+# -- bad input: one line on stderr, exit 1, registry unchanged ------------------------------------------
+
+
+def _json_error(text: str) -> str:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as exc:
+        return str(exc)
+    raise AssertionError("valid JSON")
+
+
+TRUNCATED = json.dumps({"_metadata": META, K16: ["Runner", 1]})[:-9]
+BAD_FILES = {
+    "truncated": (
+        TRUNCATED,
+        "{path}: invalid JSON (" + _json_error(TRUNCATED) + "); the file is truncated or not a "
+        "FlashInfer cache",
+    ),
+    "invalid": (
+        "{'a': [1,]}",
+        "{path}: invalid JSON (" + _json_error("{'a': [1,]}") + "); the file is truncated or "
+        "not a FlashInfer cache",
+    ),
+    "empty": (
+        "",
+        "{path}: invalid JSON ("
+        + _json_error("")
+        + "); the file is truncated or not a FlashInfer cache",
+    ),
+    "top-level-list": (
+        json.dumps([K16, ["Runner", 1]]),
+        "{path}: top level is a JSON list, expected an object; not a FlashInfer cache file",
+    ),
+    "value-not-a-list": (
+        json.dumps({K16: "Runner"}),
+        "{path}: 1 of 1 entries invalid, nothing imported; first: "
+        f"{K16!r}: value must be [runner, tactic] or [runner, tactic, policy]",
+    ),
+    "tactic-a-dict": (
+        json.dumps({K16: ["Runner", {"tile": 128}]}),
+        "{path}: 1 of 1 entries invalid, nothing imported; first: "
+        f"{K16!r}: tactic holds a dict; expected numbers and lists",
+    ),
+    "runner-not-a-string": (
+        json.dumps({K16: [3, 1]}),
+        "{path}: 1 of 1 entries invalid, nothing imported; first: "
+        f"{K16!r}: runner must be a non-empty string",
+    ),
+    "key-runner-mismatch": (
+        json.dumps({K16: ["OtherRunner", 1], K32: ["Runner", 1]}),
+        "{path}: 1 of 2 entries invalid, nothing imported; first: "
+        f"{K16!r}: runner 'OtherRunner' differs from the key's 'Runner'",
+    ),
+    "metadata-not-strings": (
+        json.dumps({"_metadata": {**META, "gpu": 90}, K16: ["Runner", 1]}),
+        "_metadata field 'gpu' must be a string, got int",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_FILES))
+def test_a_bad_file_is_one_error_and_changes_nothing(
+    cli, populated: Path, tmp_path: Path, dump_db, name: str
+) -> None:
+    text, message = BAD_FILES[name]
+    bad = tmp_path / f"{name}.json"
+    bad.write_text(text)
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"_metadata": META, K64: ["Runner", 1]}))
+    before = dump_db(populated)
+
+    result = cli("import", good, bad)
+
+    one_error_line(result, message.format(path=bad))
+    assert dump_db(populated) == before
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "__import__('os').system('touch PWNED')",
+        "('mm', 'Runner', ((16, 64),), (__import__('os').system('touch PWNED'),))",
+    ],
+)
+def test_keys_that_look_like_code_are_never_run(
+    cli, populated: Path, tmp_path: Path, dump_db, monkeypatch, key: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    bad = tmp_path / "hostile.json"
+    bad.write_text(json.dumps({"_metadata": META, key: ["Runner", 1]}))
+    before = dump_db(populated)
+
+    result = cli("import", bad)
+
+    assert result.exit_code == 1
+    assert result.stderr.startswith(
+        f"error: {bad}: 1 of 1 entries invalid, nothing imported; first: "
+    )
+    assert result.stderr.count("\n") == 1
+    assert not (tmp_path / "PWNED").exists()
+    assert not (REPO / "PWNED").exists()
+    assert dump_db(populated) == before
+
+
+def test_a_missing_file_is_one_error(cli, populated: Path, tmp_path: Path, dump_db) -> None:
+    before = dump_db(populated)
+
+    one_error_line(cli("import", tmp_path / "nope.json"), f"{tmp_path / 'nope.json'}: no such file")
+    assert dump_db(populated) == before
+
+
+def test_a_non_sqlite_file_as_db_is_refused_and_kept(cli, cache_file, tmp_path: Path) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes, not a database\n")
+    good = cache_file("a.json", {K16: ["Runner", 1]}, metadata=META)
+
+    for args in (("import", good), ("list",), ("db", "upgrade"), ("db", "current")):
+        one_error_line(
+            cli(*args, db=notes),
+            f"{notes} is not a SQLite database; pass another --db or move the file away",
+        )
+
+    assert notes.read_text() == "my notes, not a database\n"
+    assert sorted(os.listdir(tmp_path)) == ["a.json", "notes.txt"]  # no -wal, -shm or journal
+
+
+def test_a_directory_as_db_is_refused(cli, cache_file, tmp_path: Path) -> None:
+    good = cache_file("a.json", {K16: ["Runner", 1]}, metadata=META)
+
+    for args in (("import", good), ("list",)):
+        one_error_line(
+            cli(*args, db=tmp_path),
+            f"{tmp_path} is a directory; give the registry's file path (e.g. {tmp_path}/registry.db)",
+        )
+
+
+def test_a_newer_schema_is_refused(cli, populated: Path, cache_file) -> None:
+    with closing(sqlite3.connect(populated)) as conn, conn:
+        conn.execute("UPDATE alembic_version SET version_num = '0099_future'")
+    before = populated.read_bytes()
+    good = cache_file("b.json", {K64: ["Runner", 1]}, metadata=META)
+
+    result = cli("import", good)
+
+    one_error_line(
+        result,
+        f"registry {populated} has schema revision '0099_future', newer than this ficache knows "
+        "(head '0001_registry'); upgrade ficache (pip install -U ficache)",
+    )
+    assert populated.read_bytes() == before
+
+
+def test_a_read_only_registry_can_be_read_but_not_written(
+    cli, populated: Path, cache_file, dump_db
+) -> None:
+    before = dump_db(populated)
+    populated.chmod(
+        0o444
+    )  # also read-only for root: ficache checks the mode bits, not only os.access
+    good = cache_file("b.json", {K64: ["Runner", 1]}, metadata=META)
+
+    one_error_line(cli("import", good), f"registry {populated} is read-only; pass a writable --db")
+    for args in (("prune", "--fingerprint", "1", "--yes"), ("revert", "1", "--yes")):
+        result = cli(*args)  # prints its plan, then fails to write it
+        assert (result.exit_code, result.stderr) == (
+            1,
+            f"error: registry {populated} is read-only; pass a writable --db\n",
+        )
+    listed = cli("list", "--format", "json")
+
+    assert listed.exit_code == 0 and len(json.loads(listed.stdout)) == 2
+    assert dump_db(populated) == before
+
+
+def test_a_write_to_a_read_only_db_via_db_upgrade(cli, populated: Path, dump_db) -> None:
+    assert cli("db", "downgrade", "base", "--yes").exit_code == 0
+    populated.chmod(0o444)
+    before = dump_db(populated)
+
+    result = cli("db", "upgrade")
+
+    one_error_line(result, f"registry {populated} is read-only; pass a writable --db")
+    assert dump_db(populated) == before
+
+
+# -- tracebacks only with --debug -------------------------------------------------------------------
+
+
+def _ficache(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "FICACHE_DB"}
+    return subprocess.run(
+        [sys.executable, "-m", "ficache", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_no_traceback_without_debug_and_one_with_it(tmp_path: Path) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a database")
+
+    plain = _ficache("--db", str(notes), "list", cwd=tmp_path)
+    debug = _ficache("--debug", "--db", str(notes), "list", cwd=tmp_path)
+
+    assert (plain.returncode, plain.stdout) == (1, "")
+    assert (
+        plain.stderr
+        == f"error: {notes} is not a SQLite database; pass another --db or move the file away\n"
+    )
+    assert debug.returncode == 1
+    assert "Traceback (most recent call last)" in debug.stderr
+    assert debug.stderr.rstrip().splitlines()[-1] == (
+        f"ficache.errors.NotARegistryError: {notes} is not a SQLite database; pass another --db or move the file away"
+    )

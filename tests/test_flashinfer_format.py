@@ -1,0 +1,360 @@
+"""FlashInfer cache files: the key tokenizer, strict parsing, exact rendering."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from ficache.errors import CacheFileError
+from ficache.flashinfer_format import (
+    KeyFields,
+    canonical_json,
+    parse_cache_bytes,
+    parse_key,
+    read_cache_file,
+    render_cache,
+    write_atomic,
+)
+
+POLICY = ["cuda_graph_profile_replays", None, "l2_cache_policy", "hot"]
+KEY = str(
+    ("flashinfer::mm_fp4", "CutlassFp4Runner", ((16, 4096), (4096, 2048)), (torch.bfloat16, 1))
+)
+KEY2 = str(
+    ("flashinfer::mm_fp4", "CutlassFp4Runner", ((32, 4096), (4096, 2048)), (torch.bfloat16, 1))
+)
+METADATA = {
+    "flashinfer_version": "0.7.2.post1",
+    "cuda_version": "12.9",
+    "cublas_version": "12.9.1",
+    "cudnn_version": "91002",
+    "cudnn_frontend_version": "1.32.0",
+    "cutlass_dsl_version": "nvidia-cutlass-dsl==4.8.1",
+    "gpu": "NVIDIA H200",
+}
+
+
+def _file(obj: object) -> bytes:
+    return json.dumps(obj).encode()
+
+
+# -- parse_key -----------------------------------------------------------------
+
+DTYPES = [
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+]
+scalars = st.one_of(
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.text(max_size=12),
+    st.booleans(),
+    st.none(),
+    st.floats(),  # includes inf, -inf and nan, whose reprs are bare names
+    st.sampled_from(DTYPES),
+)
+extras_items = st.recursive(
+    scalars, lambda inner: st.lists(inner, max_size=3).map(tuple), max_leaves=6
+)
+keys = st.tuples(
+    st.text(min_size=1, max_size=24),
+    st.text(min_size=1, max_size=24),
+    st.lists(
+        st.lists(st.integers(min_value=-1, max_value=2**40), max_size=4).map(tuple), max_size=4
+    ).map(tuple),
+    st.lists(extras_items, max_size=5).map(tuple),
+)
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(keys)
+@example(("flashinfer::op", "Runner", (), ()))
+@example(("op", "R", ((1,),), (torch.float8_e4m3fn,)))
+@example(("op", "R", ((1, 2),), (float("-inf"), float("inf"), float("nan"), -0.0, 1e-05)))
+@example(("it's", 'say "hi"', ((0,),), ("\\", "\n\t\x00\x7f", "\U000e0001", "é")))
+@example(("op", "R", ((16, 4096),), ((torch.bfloat16, (1, None)), True, "x")))
+def test_parse_key_reads_what_flashinfer_writes(parts: tuple) -> None:
+    op, runner, shapes, extras = parts
+    key = str((op, runner, shapes, extras))  # exactly ProfilingCacheKey.file_key
+
+    fields = parse_key(key)
+
+    assert fields == KeyFields(op, runner, shapes, str(extras))
+
+
+def test_parse_key_of_a_real_profiling_cache_key() -> None:
+    from flashinfer.autotuner import ProfilingCacheKey
+
+    cache_key = ProfilingCacheKey(
+        "flashinfer::trtllm_fp8_block_scale_moe",
+        "TrtllmGenMoERunner",
+        1234,
+        ((8, 7168), (256, 7168)),
+        (torch.float8_e4m3fn, 256, 8, None, 2.5),
+    )
+
+    fields = parse_key(cache_key.file_key)
+
+    assert fields.op == "flashinfer::trtllm_fp8_block_scale_moe"
+    assert fields.runner == "TrtllmGenMoERunner"
+    assert fields.shapes == ((8, 7168), (256, 7168))
+    assert fields.extras == "(torch.float8_e4m3fn, 256, 8, None, 2.5)"
+    assert fields.shapes_json == "[[8, 7168], [256, 7168]]"
+
+
+@settings(max_examples=300)
+@given(st.text(max_size=200))
+def test_parse_key_raises_only_value_error_on_any_text(text: str) -> None:
+    with contextlib.suppress(ValueError):
+        parse_key(text)
+
+
+key_alphabet = st.sampled_from(
+    list("()[],'\" \\-.0123456789eEabxuU_") + ["torch.bfloat16", "None", "'op'"]
+)
+
+
+@settings(max_examples=300)
+@given(st.lists(key_alphabet, max_size=60).map("".join))
+def test_parse_key_raises_only_value_error_on_key_like_text(text: str) -> None:
+    try:
+        fields = parse_key(text)
+    except ValueError:
+        return
+    assert isinstance(fields, KeyFields)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "__import__('os').system('touch PWNED')",
+        "('op', 'R', ((1,),), (__import__('os').system('touch PWNED'),))",
+        "('op', 'R', ((1,),), (torch.bfloat16.__class__('x'),))",
+        "('op', 'R', ((1,),), (x[0],))",
+        "('op', 'R', ((1,),), (lambda: 0,))",
+        "('op', 'R', ((1,),), (1 + 1,))",
+        "('op', 'R', ((1,),), (f'{x}',))",
+        "('op', 'R', ((1,),), ()) or print(1)",
+        "('op', 'R', ((1,),), ()); import os",
+        "('op', 'R', ((1.5,),), ())",
+        "('op', 'R', ((True,),), ())",
+        "(op, 'R', ((1,),), ())",
+        "('op', 'R', ((1,),), torch.bfloat16)",
+        "('', 'R', ((1,),), ())",
+        "('op', 'R', ((1,),))",
+        "('op', 'R', ((1,),), (), ())",
+        "('op', 'R', ((1,),), (1,)",
+        "('op' 'R', ((1,),), ())",
+        "",
+        "(" * 100 + ")" * 100,
+    ],
+)
+def test_parse_key_rejects_code_and_malformed_keys(key: str, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+
+    with pytest.raises(ValueError):
+        parse_key(key)
+
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_parse_key_refuses_a_huge_key() -> None:
+    with pytest.raises(ValueError, match="longer than"):
+        parse_key(str(("op", "R", (), ("x" * 20_000,))))
+
+
+# -- parse_cache_bytes ------------------------------------------------------------
+
+
+def test_parses_a_file_as_flashinfer_writes_it() -> None:
+    data = _file(
+        {
+            "_metadata": METADATA,
+            KEY: ["CutlassFp4Runner", [3, [1, 2]], POLICY],
+            KEY2: ["CutlassFp4Runner", -1],
+            "_generation": "ab" * 32,
+        }
+    )
+
+    cache = parse_cache_bytes(data)
+
+    assert cache.metadata == METADATA
+    assert cache.generation == "ab" * 32
+    assert cache.records is None
+    assert [(e.key, e.runner, e.tactic_json, e.policy_json) for e in cache.entries] == [
+        (KEY, "CutlassFp4Runner", "[3,[1,2]]", canonical_json(POLICY)),
+        (KEY2, "CutlassFp4Runner", "-1", None),
+    ]
+    assert cache.entries[0].fields == parse_key(KEY)
+
+
+def test_accepts_cache_generation_records_and_no_metadata() -> None:
+    cache = parse_cache_bytes(
+        _file(
+            {
+                "_cache_generation": "cd" * 32,
+                "_records": {"vllm": {"x": 1}},
+                KEY: ["CutlassFp4Runner", 0],
+            }
+        )
+    )
+
+    assert cache.metadata is None
+    assert cache.generation == "cd" * 32
+    assert cache.records == {"vllm": {"x": 1}}
+    assert len(cache.entries) == 1
+
+
+def test_an_empty_object_is_an_empty_cache() -> None:
+    assert parse_cache_bytes(b"{}").entries == ()
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b'{"_metadata": {"gpu": "H200"}, "x": [', "invalid JSON"),
+        (b"{'a': 1}", "invalid JSON"),
+        (b'{"a": NaN}', "invalid JSON"),
+        (b"\xff\xfe{}", "not UTF-8"),
+        (b"[1, 2]", "top level is a JSON list"),
+        (b'"text"', "top level is a JSON str"),
+        (_file({"_metadata": [1]}), "_metadata must be an object"),
+        (_file({"_records": 3}), "_records must be an object"),
+        (_file({"_generation": 3}), "_generation must be a string"),
+        (_file({KEY: "CutlassFp4Runner"}), "value must be [runner, tactic]"),
+        (_file({KEY: ["CutlassFp4Runner"]}), "value must be [runner, tactic]"),
+        (_file({KEY: ["CutlassFp4Runner", 1, POLICY, 4]}), "value must be [runner, tactic]"),
+        (_file({KEY: ["CutlassFp4Runner", {"tile": 1}]}), "tactic holds a dict"),
+        (_file({KEY: [7, 1]}), "runner must be a non-empty string"),
+        (_file({KEY: ["OtherRunner", 1]}), "differs from the key's"),
+        (_file({KEY: ["CutlassFp4Runner", 1, "hot"]}), "policy must be a list"),
+        (_file({KEY: ["CutlassFp4Runner", [[[[[[[[[[1]]]]]]]]]]]}), "nested too deeply"),
+        (_file({"__import__('os').system('touch PWNED')": ["R", 1]}), "entries invalid"),
+        (b"[" * 100_000 + b"]" * 100_000, "invalid JSON"),
+    ],
+)
+def test_rejects_bad_files_with_one_clear_error(
+    data: bytes, message: str, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+
+    with pytest.raises(CacheFileError) as info:
+        parse_cache_bytes(data, source="c.json")
+
+    text = str(info.value)
+    assert text.startswith("c.json: ")
+    assert message in text
+    assert "\n" not in text
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_one_bad_entry_rejects_the_whole_file_with_a_count() -> None:
+    data = _file({KEY: ["CutlassFp4Runner", 1], KEY2: ["Wrong", 1], "junk": ["R", 1]})
+
+    with pytest.raises(
+        CacheFileError, match=r"^x: 2 of 3 entries invalid, nothing imported; first: "
+    ):
+        parse_cache_bytes(data, source="x")
+
+
+def test_read_cache_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(CacheFileError, match="no such file"):
+        read_cache_file(tmp_path / "missing.json")
+    with pytest.raises(CacheFileError, match="is a directory"):
+        read_cache_file(tmp_path)
+
+
+# -- rendering ------------------------------------------------------------------------
+
+tactics = st.recursive(
+    st.one_of(
+        st.integers(min_value=-(2**62), max_value=2**62),
+        st.booleans(),
+        st.none(),
+        st.text(max_size=8),
+        st.floats(allow_nan=False, allow_infinity=False),
+    ),
+    lambda inner: st.lists(inner, max_size=4),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=100)
+@given(st.dictionaries(keys, st.tuples(tactics, st.none() | st.just(POLICY)), max_size=6))
+def test_render_then_parse_is_exact(entries: dict) -> None:
+    rows = []
+    expected = {}
+    for parts, (tactic, policy) in entries.items():
+        key = str(parts)
+        rows.append(
+            (key, parts[1], canonical_json(tactic), canonical_json(policy) if policy else None)
+        )
+        expected[key] = [parts[1], tactic] + ([policy] if policy else [])
+
+    text = render_cache(METADATA, rows)
+
+    assert json.loads(text) == {"_metadata": METADATA, **expected}
+    assert list(json.loads(text)) == ["_metadata", *sorted(expected)]
+    reparsed = parse_cache_bytes(text.encode())
+    assert sorted(
+        (e.key, e.runner, e.tactic_json, e.policy_json) for e in reparsed.entries
+    ) == sorted(rows)
+
+
+def test_render_exact_text() -> None:
+    text = render_cache(
+        {"gpu": "NVIDIA H200"},
+        [
+            (KEY2, "CutlassFp4Runner", "-1", None),
+            (KEY, "CutlassFp4Runner", "[3,[1,2]]", canonical_json(POLICY)),
+        ],
+    )
+
+    assert text == (
+        "{\n"
+        '"_metadata": {"gpu": "NVIDIA H200"},\n'
+        f'{json.dumps(KEY)}: ["CutlassFp4Runner", [3,[1,2]], '
+        '["cuda_graph_profile_replays",null,"l2_cache_policy","hot"]],\n'
+        f'{json.dumps(KEY2)}: ["CutlassFp4Runner", -1]\n'
+        "}\n"
+    )
+    assert render_cache(None, []) == "{}\n"
+
+
+# -- atomic writes ---------------------------------------------------------------------
+
+
+def test_write_atomic_replaces_and_leaves_no_temp(tmp_path: Path) -> None:
+    target = tmp_path / "sub" / "cache.json"
+
+    write_atomic(target, "one")
+    write_atomic(target, "two")
+
+    assert target.read_text() == "two"
+    assert os.listdir(target.parent) == ["cache.json"]
+
+
+def test_write_atomic_failure_keeps_the_old_file_and_no_temp(tmp_path: Path) -> None:
+    target = tmp_path / "cache.json"
+    target.mkdir()  # os.replace of a file onto a directory fails
+
+    with pytest.raises(OSError):
+        write_atomic(target, "new")
+
+    assert target.is_dir()
+    assert os.listdir(tmp_path) == ["cache.json"]

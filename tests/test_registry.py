@@ -1,0 +1,405 @@
+"""The registry library: commits, history, revert, prune plans, exports."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from ficache.errors import ConflictError, FicacheError, FingerprintError, NotFoundError
+from ficache.fingerprint import Fingerprint
+from ficache.flashinfer_format import parse_cache_bytes
+from ficache.registry import NewEntry, PruneGroup, Registry, rank_scope, validate_scope
+
+FIELDS = {
+    "flashinfer_version": "0.7.2.post1",
+    "cuda_version": "12.9",
+    "cublas_version": "12.9.1",
+    "cudnn_version": "91002",
+    "cudnn_frontend_version": "1.32.0",
+    "cutlass_dsl_version": "nvidia-cutlass-dsl==4.8.1",
+}
+H200 = Fingerprint(**FIELDS, gpu="NVIDIA H200", compute_capability="9.0", torch_version="2.13.0")
+B200 = Fingerprint(**FIELDS, gpu="NVIDIA B200", compute_capability="10.0", torch_version="2.13.0")
+H200_OLD = Fingerprint(**{**FIELDS, "flashinfer_version": "0.6.0"}, gpu="NVIDIA H200")
+
+
+def key(m: int, op: str = "flashinfer::mm_fp4", runner: str = "CutlassRunner") -> str:
+    return str((op, runner, ((m, 4096), (4096, 2048)), ("torch.bfloat16",)))
+
+
+def entry(
+    fp: Fingerprint, m: int, tactic: object, scope: str = "shared", policy: list | None = None
+) -> NewEntry:
+    return NewEntry(
+        fp,
+        key(m),
+        "CutlassRunner",
+        json.dumps(tactic, separators=(",", ":")),
+        json.dumps(policy, separators=(",", ":")) if policy is not None else None,
+        scope,
+    )
+
+
+def current(reg: Registry) -> dict[tuple[int, str, str], str]:
+    return {(e.fingerprint_id, e.scope, e.key): e.tactic_json for e in reg.entries()}
+
+
+def fid(reg: Registry, fp: Fingerprint) -> int:
+    [found] = [i.id for i in reg.fingerprints() if i.fingerprint == fp]
+    return found
+
+
+def count(path: Path, table: str) -> int:
+    with sqlite3.connect(path) as conn:
+        return conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+
+
+@pytest.fixture
+def reg(registry_path: Path):
+    with Registry.open(str(registry_path)) as registry:
+        yield registry
+
+
+def test_a_write_is_one_commit_with_provenance(reg: Registry, registry_path: Path) -> None:
+    result = reg.write(
+        [entry(H200, 16, 1), entry(H200, 32, [2, [3, 4]])],
+        kind="startup",
+        message="warm",
+        world_size=2,
+        layout="tp2",
+        provenance={"vllm": "0.33.0"},
+    )
+
+    assert (result.commit_id, result.added, result.replaced, result.unchanged) == (1, 2, 0, 0)
+    [commit] = reg.log()
+    assert (commit.id, commit.kind, commit.message, commit.world_size, commit.layout) == (
+        1,
+        "startup",
+        "warm",
+        2,
+        "tp2",
+    )
+    assert (commit.added, commit.replaced, commit.removed) == (1 + 1, 0, 0)
+    assert commit.provenance == {"vllm": "0.33.0"}
+    assert commit.host and commit.created_at > 0
+    entries = list(reg.entries())
+    assert [(e.key, e.op, e.runner, e.tactic_json, e.commit_id) for e in entries] == [
+        (key(16), "flashinfer::mm_fp4", "CutlassRunner", "1", 1),
+        (key(32), "flashinfer::mm_fp4", "CutlassRunner", "[2,[3,4]]", 1),
+    ]
+    assert json.loads(entries[0].shapes) == [[16, 4096], [4096, 2048]]
+    assert entries[0].extras == "('torch.bfloat16',)"
+    assert count(registry_path, "entry_changes") == 2
+
+
+def test_writing_nothing_new_creates_no_commit(reg: Registry, registry_path: Path, dump_db) -> None:
+    reg.write([entry(H200, 16, 1)], kind="import")
+    before = dump_db(registry_path)
+
+    assert reg.write([entry(H200, 16, 1)], kind="import").commit_id is None
+    assert reg.write([entry(H200, 16, 1)], kind="import").unchanged == 1
+    assert reg.write([], kind="import").commit_id is None
+
+    assert dump_db(registry_path) == before
+    assert len(reg.log()) == 1
+
+
+def test_replacing_keeps_the_old_value_in_history(reg: Registry, registry_path: Path) -> None:
+    reg.write([entry(H200, 16, 1), entry(H200, 32, 2)], kind="import")
+
+    result = reg.write([entry(H200, 16, 9), entry(H200, 32, 2), entry(H200, 64, 3)], kind="import")
+
+    assert (result.commit_id, result.added, result.replaced, result.unchanged) == (2, 1, 1, 1)
+    with sqlite3.connect(registry_path) as conn:
+        rows = conn.execute(
+            "SELECT action, key, old_tactic, old_commit_id FROM entry_changes WHERE commit_id = 2 ORDER BY id"
+        ).fetchall()
+    assert sorted(rows) == sorted([("added", key(64), None, None), ("replaced", key(16), "1", 1)])
+    assert reg.log()[0].replaced == 1
+
+
+def test_the_same_key_under_different_fingerprints_and_scopes_is_separate(reg: Registry) -> None:
+    reg.write(
+        [entry(H200, 16, 1), entry(B200, 16, 2), entry(H200, 16, 3, scope="tp2/rank1")],
+        kind="import",
+    )
+
+    assert sorted(current(reg).values()) == ["1", "2", "3"]
+    assert sorted((i.fingerprint.gpu, i.entries) for i in reg.fingerprints()) == [
+        ("NVIDIA B200", 1),
+        ("NVIDIA H200", 2),
+    ]
+
+
+def test_a_bad_key_or_scope_writes_nothing(reg: Registry, registry_path: Path, dump_db) -> None:
+    reg.write([entry(H200, 16, 1)], kind="import")
+    before = dump_db(registry_path)
+
+    with pytest.raises(FicacheError, match="not a FlashInfer key"):
+        reg.write([entry(H200, 32, 1), NewEntry(H200, "__import__('os')", "R", "1")], kind="import")
+    with pytest.raises(ValueError, match="scope must be"):
+        reg.write([entry(H200, 32, 1, scope="rank1")], kind="import")
+
+    assert dump_db(registry_path) == before
+
+
+def test_revert_restores_replaced_and_removes_added(reg: Registry) -> None:
+    reg.write([entry(H200, 16, 1), entry(H200, 32, 2)], kind="import")
+    before = current(reg)
+    reg.write([entry(H200, 16, 9), entry(H200, 64, 3)], kind="import")
+
+    result = reg.revert(2)
+
+    assert (result.commit_id, result.added, result.replaced, result.removed) == (3, 0, 1, 1)
+    assert current(reg) == before
+    newest = reg.log()[0]
+    assert (newest.kind, newest.reverts_commit_id, newest.message) == (
+        "revert",
+        2,
+        "revert commit 2",
+    )
+    # a revert is a commit too, so it can be reverted
+    reg.revert(3)
+    assert current(reg)[(1, "shared", key(16))] == "9"
+    assert (1, "shared", key(64)) in current(reg)
+
+
+def test_revert_refuses_when_later_commits_changed_its_entries(
+    reg: Registry, registry_path: Path, dump_db
+) -> None:
+    reg.write([entry(H200, 16, 1)], kind="import")
+    reg.write([entry(H200, 16, 2)], kind="import")
+    before = dump_db(registry_path)
+
+    with pytest.raises(ConflictError, match="1 of 1 entries of commit 1 changed in later commits"):
+        reg.revert(1)
+    with pytest.raises(NotFoundError, match="no commit 99"):
+        reg.revert(99)
+
+    assert dump_db(registry_path) == before
+
+
+def test_prune_plans_compare_with_eq_and_execute_as_one_commit(reg: Registry) -> None:
+    reg.write(
+        [
+            entry(H200, 16, 1),
+            entry(H200, 32, 2),
+            entry(H200, 16, 5, scope="tp2/rank0"),
+            entry(B200, 16, 3),
+            entry(H200_OLD, 16, 4),
+        ],
+        kind="import",
+    )
+
+    h200, b200, old = fid(reg, H200), fid(reg, B200), fid(reg, H200_OLD)
+
+    plan = reg.plan_prune(fingerprint_ids=[h200])
+
+    assert plan == reg.plan_prune(fingerprint_ids=[h200])
+    assert plan != reg.plan_prune(fingerprint_ids=[b200])
+    assert plan.criteria == (("fingerprint", str(h200)),)
+    assert plan.groups == (
+        PruneGroup(h200, "NVIDIA H200", "0.7.2.post1", "shared", 2),
+        PruneGroup(h200, "NVIDIA H200", "0.7.2.post1", "tp2/rank0", 1),
+    )
+    assert (plan.total, plan.is_empty) == (3, False)
+    assert reg.plan_prune(flashinfer_versions=["0.6.0"]).groups == (
+        PruneGroup(old, "NVIDIA H200", "0.6.0", "shared", 1),
+    )
+    assert reg.plan_prune(scope="tp2/rank0").total == 1
+    assert reg.plan_prune(fingerprint_ids=[h200], scope="shared").total == 2
+
+    result = plan.execute(reg)
+
+    assert (result.commit_id, result.removed) == (2, 3)
+    assert sorted(f for f, _s, _k in current(reg)) == sorted([b200, old])
+    newest = reg.log()[0]
+    assert (newest.kind, newest.removed, newest.message) == ("prune", 3, f"fingerprint={h200}")
+    # and a prune is revertible
+    reg.revert(2)
+    assert len(current(reg)) == 5
+
+
+def test_prune_by_age(reg: Registry) -> None:
+    reg.write([entry(H200, 16, 1)], kind="import")
+    written = next(iter(reg.entries())).updated_at
+
+    assert reg.plan_prune(older_than_seconds=60, now=written + 30).is_empty
+    assert reg.plan_prune(older_than_seconds=60, now=written + 90).total == 1
+    assert reg.plan_prune(older_than_seconds=60, now=written + 90).criteria == (
+        ("older_than_seconds", "60"),
+    )
+
+
+def test_an_empty_plan_writes_nothing(reg: Registry) -> None:
+    reg.write([entry(H200, 16, 1)], kind="import")
+
+    plan = reg.plan_prune(flashinfer_versions=["0.1"])
+
+    assert plan.is_empty
+    assert plan.execute(reg).commit_id is None
+    assert len(reg.log()) == 1
+
+
+def test_a_stale_plan_is_refused_and_removes_nothing(
+    reg: Registry, registry_path: Path, dump_db
+) -> None:
+    reg.write([entry(H200, 16, 1), entry(H200, 32, 2)], kind="import")
+    plan = reg.plan_prune(fingerprint_ids=[1])
+    reg.write([entry(H200, 16, 7)], kind="import")
+    before = dump_db(registry_path)
+
+    with pytest.raises(ConflictError, match="1 of 2 planned entries changed since the plan"):
+        plan.execute(reg)
+
+    assert dump_db(registry_path) == before
+
+
+def test_prune_needs_a_criterion_and_a_known_fingerprint(reg: Registry) -> None:
+    with pytest.raises(FicacheError, match="prune needs a criterion"):
+        reg.plan_prune()
+    with pytest.raises(NotFoundError, match="no fingerprint '7'"):
+        reg.plan_prune(fingerprint_ids=[7])
+
+
+def test_export_slices_shared_and_rank_scoped_entries(reg: Registry) -> None:
+    reg.write(
+        [
+            entry(H200, 16, 1),
+            entry(H200, 32, 2),
+            entry(H200, 16, 10, scope="tp2/rank0"),
+            entry(H200, 16, 11, scope="tp2/rank1"),
+            entry(H200, 64, 12, scope="tp2/rank1"),
+            entry(B200, 16, 3),
+        ],
+        kind="import",
+    )
+
+    h200 = fid(reg, H200)
+    shared, n_shared = reg.export_text(h200)
+    rank1, n_rank1 = reg.export_text(h200, scope="tp2/rank1")
+
+    assert n_shared == 2 and n_rank1 == 3
+    assert json.loads(shared) == {
+        "_metadata": H200.flashinfer_metadata(),
+        key(16): ["CutlassRunner", 1],
+        key(32): ["CutlassRunner", 2],
+    }
+    assert json.loads(rank1) == {
+        "_metadata": H200.flashinfer_metadata(),
+        key(16): ["CutlassRunner", 11],
+        key(32): ["CutlassRunner", 2],
+        key(64): ["CutlassRunner", 12],
+    }
+    assert reg.slice_rows([h200], ["shared", "tp2/rank0"])[key(16)] == (
+        key(16),
+        "CutlassRunner",
+        "10",
+        None,
+    )
+
+
+def test_export_for_an_environment_takes_every_serving_fingerprint(reg: Registry) -> None:
+    wildcard_gpu = Fingerprint(**FIELDS, gpu="*")
+    reg.write(
+        [
+            entry(H200, 16, 1),
+            entry(wildcard_gpu, 16, 2),
+            entry(wildcard_gpu, 32, 3),
+            entry(B200, 64, 4),
+        ],
+        kind="import",
+    )
+
+    text, n = reg.export_for(H200)
+
+    assert n == 2
+    # the exact fingerprint wins over the wildcard one; B200's entries are not served
+    assert json.loads(text) == {
+        "_metadata": H200.flashinfer_metadata(),
+        key(16): ["CutlassRunner", 1],
+        key(32): ["CutlassRunner", 3],
+    }
+    assert [i.fingerprint for i in reg.serving(H200)] == [H200, wildcard_gpu]
+    with pytest.raises(NotFoundError, match="no stored fingerprint serves"):
+        reg.export_for(H200_OLD)
+
+
+def test_export_is_exactly_what_was_imported(reg: Registry) -> None:
+    policy = ["cuda_graph_profile_replays", None, "l2_cache_policy", "hot"]
+    text = json.dumps(
+        {
+            "_metadata": H200.flashinfer_metadata(),
+            key(16): ["CutlassRunner", [1, [2, 3]], policy],
+            str(("op", "Runner", ((1,),), ("it's", 1e-05, float("-inf"), None))): ["Runner", -1],
+        }
+    )
+    cache = parse_cache_bytes(text.encode())
+    reg.import_cache([("a.json", cache)])
+
+    exported, _n = reg.export_text(1)
+
+    assert json.loads(exported) == json.loads(text)
+
+
+def test_import_without_metadata_needs_a_fingerprint(reg: Registry, registry_path: Path) -> None:
+    cache = parse_cache_bytes(json.dumps({key(16): ["CutlassRunner", 1]}).encode())
+
+    with pytest.raises(FingerprintError, match="a.json has no _metadata"):
+        reg.import_cache([("a.json", cache)])
+    assert reg.log() == []
+
+    result = reg.import_cache([("a.json", cache)], fingerprint=B200, scope="tp4/rank3")
+
+    assert result.added == 1
+    [stored] = reg.entries()
+    assert (reg.fingerprint(stored.fingerprint_id).fingerprint, stored.scope) == (B200, "tp4/rank3")
+
+
+def test_fingerprint_lookup_by_id_and_digest_prefix(reg: Registry) -> None:
+    reg.write([entry(H200, 16, 1), entry(B200, 16, 1)], kind="import")
+
+    assert reg.fingerprint(fid(reg, B200)).fingerprint == B200
+    assert reg.fingerprint(str(fid(reg, B200))).fingerprint == B200
+    assert reg.fingerprint(B200.digest[:8]).fingerprint == B200
+    assert reg.fingerprint(B200.digest.upper()).fingerprint == B200
+    with pytest.raises(NotFoundError):
+        reg.fingerprint(3)
+    with pytest.raises(NotFoundError):
+        reg.fingerprint("abc")
+
+
+def test_stats(reg: Registry) -> None:
+    reg.write(
+        [
+            entry(H200, 16, 1),
+            entry(H200, 32, 1, scope="tp2/rank1"),
+            NewEntry(H200, key(16, op="flashinfer::other"), "CutlassRunner", "1"),
+        ],
+        kind="import",
+    )
+
+    stats = reg.stats()
+
+    assert (
+        stats.fingerprints,
+        stats.entries,
+        stats.shared_entries,
+        stats.scoped_entries,
+        stats.commits,
+    ) == (1, 3, 2, 1, 1)
+    assert stats.ops == (("flashinfer::mm_fp4", 2), ("flashinfer::other", 1))
+    assert stats.revision == "0001_registry"
+    assert stats.size_bytes and stats.size_bytes > 0
+
+
+def test_scopes() -> None:
+    assert rank_scope("tp4", 3) == "tp4/rank3"
+    assert validate_scope("shared") == "shared"
+    assert validate_scope("tp4/rank3") == "tp4/rank3"
+    for bad in ["", "rank1", "tp4/rank", "tp4/rankx", "/rank1", "a/b/rank1"]:
+        with pytest.raises(ValueError):
+            validate_scope(bad)

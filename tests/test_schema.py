@@ -1,0 +1,338 @@
+"""Alembic owns the schema: creation at head, upgrades, refusal of newer
+schemas, no drift between models and migrations, frozen past registries."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import time
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import create_engine
+
+from ficache import schema
+from ficache.errors import NotARegistryError, RegistryReadOnlyError, SchemaTooNewError
+from ficache.fingerprint import Fingerprint
+from ficache.models import Base
+from ficache.registry import Registry
+
+HEAD = schema.head_revision()
+TABLES = {"alembic_version", "fingerprints", "commits", "entries", "entry_changes"}
+DATA = Path(__file__).parent / "data"
+FROZEN = sorted(DATA.glob("registry-*.db"))
+REPO = Path(__file__).resolve().parent.parent
+
+
+def query(path: Path, sql: str) -> list[tuple]:
+    with closing(sqlite3.connect(path)) as conn:
+        return conn.execute(sql).fetchall()
+
+
+def tables(path: Path) -> set[str]:
+    return {r[0] for r in query(path, "SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+
+def revision(path: Path) -> list[tuple]:
+    return query(path, "SELECT version_num FROM alembic_version")
+
+
+def entry_file(cache_file, name: str = "c.json", m: int = 16) -> Path:
+    key = str(("flashinfer::mm_fp4", "CutlassRunner", ((m, 4096),), ("torch.bfloat16",)))
+    return cache_file(name, {key: ["CutlassRunner", [1, 2]]}, metadata={"gpu": "NVIDIA H200"})
+
+
+def test_a_new_registry_is_created_at_head(registry_path: Path) -> None:
+    with Registry.open(str(registry_path)) as reg:
+        assert reg.stats().revision == HEAD
+
+    assert tables(registry_path) == TABLES
+    assert revision(registry_path) == [(HEAD,)]
+    assert query(registry_path, "PRAGMA journal_mode") == [("wal",)]
+
+
+def test_history_and_head() -> None:
+    rows = schema.history()
+
+    assert rows[0] == (
+        "0001_registry",
+        None,
+        "ficache 0.1: fingerprints, entries, commits and the entry change log.",
+    )
+    assert rows[-1][0] == HEAD
+
+
+def test_models_and_migrations_do_not_drift(registry_path: Path) -> None:
+    Registry.open(str(registry_path)).close()
+    engine = create_engine(f"sqlite:///{registry_path}")
+    try:
+        with engine.connect() as conn:
+            context = MigrationContext.configure(
+                conn, opts={"compare_type": True, "compare_server_default": True}
+            )
+            diff = compare_metadata(context, Base.metadata)
+    finally:
+        engine.dispose()
+
+    assert diff == []
+
+
+def test_down_to_base_and_up_again_through_the_cli(cli, cache_file, registry_path: Path) -> None:
+    assert cli("import", entry_file(cache_file)).exit_code == 0
+    where = registry_path.resolve()
+
+    down = cli("db", "downgrade", "base", "--yes")
+
+    assert (down.exit_code, down.stdout) == (
+        0,
+        f"downgrade plan: {where} from {HEAD} to base (drops all stored entries)\nregistry {where} is at base\n",
+    )
+    assert tables(registry_path) == {"alembic_version"}
+    assert revision(registry_path) == []
+    assert cli("db", "current").stdout == f"(none) (head {HEAD}: empty)\n"
+
+    up = cli("db", "upgrade")
+
+    assert (up.exit_code, up.stdout) == (0, f"registry {where} is at {HEAD}\n")
+    assert tables(registry_path) == TABLES
+    assert cli("db", "current").stdout == f"{HEAD} (head {HEAD}: up to date)\n"
+    assert cli("list", "--format", "json").stdout == "[\n]\n"
+    again = cli("import", entry_file(cache_file))
+    assert again.stdout.startswith("imported 1 entries from 1 file(s): 1 added")
+
+
+def test_db_upgrade_creates_a_new_registry_at_a_given_revision(cli, registry_path: Path) -> None:
+    result = cli("db", "upgrade", "0001_registry")
+
+    assert (result.exit_code, result.stdout) == (
+        0,
+        f"registry {registry_path.resolve()} is at 0001_registry\n",
+    )
+    assert revision(registry_path) == [("0001_registry",)]
+
+
+def test_unknown_revisions_are_refused(cli, registry_path: Path, dump_db) -> None:
+    Registry.open(str(registry_path)).close()
+    before = dump_db(registry_path)
+
+    up = cli("db", "upgrade", "0099_nope")
+    down = cli("db", "downgrade", "0099_nope", "--yes")
+
+    assert (up.exit_code, up.stderr) == (
+        1,
+        "error: unknown revision '0099_nope'; see ficache db history\n",
+    )
+    assert (down.exit_code, down.stderr) == (
+        1,
+        "error: unknown revision '0099_nope'; see ficache db history\n",
+    )
+    assert dump_db(registry_path) == before
+
+
+def test_an_older_registry_is_upgraded_when_opened(cli, cache_file, registry_path: Path) -> None:
+    Registry.open(str(registry_path)).close()
+    assert cli("db", "downgrade", "base", "--yes").exit_code == 0
+
+    with Registry.open(str(registry_path)) as reg:
+        assert reg.stats().revision == HEAD
+
+    assert tables(registry_path) == TABLES
+
+
+def test_an_older_read_only_registry_is_refused_not_upgraded(cli, registry_path: Path) -> None:
+    Registry.open(str(registry_path)).close()
+    assert cli("db", "downgrade", "base", "--yes").exit_code == 0
+    registry_path.chmod(0o444)
+    before = registry_path.read_bytes()
+
+    with pytest.raises(
+        RegistryReadOnlyError, match="is empty, needs '0001_registry', and is read-only"
+    ):
+        Registry.open(str(registry_path))
+
+    assert registry_path.read_bytes() == before
+
+
+def _make_newer(path: Path) -> None:
+    Registry.open(str(path)).close()
+    with closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute("UPDATE alembic_version SET version_num = '0099_from_the_future'")
+        conn.execute("CREATE TABLE future_things (id INTEGER PRIMARY KEY)")
+    # a rollback journal, which a future ficache might choose: any write
+    # (even switching it to WAL) would show in the file's bytes
+    query(path, "PRAGMA journal_mode = DELETE")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("list",),
+        ("stats",),
+        ("db", "current"),
+        ("db", "upgrade"),
+        ("db", "downgrade", "base", "--yes"),
+        ("prune", "--older-than", "1s", "--yes"),
+    ],
+)
+def test_a_newer_schema_is_refused_and_not_touched(
+    cli, registry_path: Path, command: tuple[str, ...]
+) -> None:
+    _make_newer(registry_path)
+    before = registry_path.read_bytes()
+    listing = sorted(os.listdir(registry_path.parent))
+
+    result = cli(*command)
+
+    assert result.exit_code == 1
+    assert result.stderr == (
+        f"error: registry {registry_path.resolve()} has schema revision '0099_from_the_future', newer than "
+        f"this ficache knows (head '{HEAD}'); upgrade ficache (pip install -U ficache)\n"
+    )
+    assert registry_path.read_bytes() == before
+    assert sorted(os.listdir(registry_path.parent)) == listing
+
+
+def test_a_newer_schema_is_refused_by_the_library(registry_path: Path) -> None:
+    _make_newer(registry_path)
+    before = registry_path.read_bytes()
+
+    with pytest.raises(SchemaTooNewError, match="upgrade ficache"):
+        Registry.open(str(registry_path))
+
+    assert registry_path.read_bytes() == before
+
+
+def test_a_foreign_sqlite_database_is_refused_and_not_touched(registry_path: Path) -> None:
+    with closing(sqlite3.connect(registry_path)) as conn, conn:
+        conn.execute("CREATE TABLE photos (id INTEGER PRIMARY KEY, name TEXT)")
+        conn.execute("INSERT INTO photos (name) VALUES ('cat.jpg')")
+    before = registry_path.read_bytes()
+
+    with pytest.raises(NotARegistryError, match="is a database but not a ficache registry"):
+        Registry.open(str(registry_path))
+
+    assert registry_path.read_bytes() == before
+
+
+def test_migrations_are_found_under_a_path_with_spaces(tmp_path: Path, monkeypatch) -> None:
+    spaced = tmp_path / "My Projects, v2" / "migrations"
+    shutil.copytree(schema.migrations_dir(), spaced)
+    monkeypatch.setattr(schema, "migrations_dir", lambda: spaced)
+
+    assert schema.head_revision() == HEAD
+    with Registry.open(str(tmp_path / "r.db")) as reg:
+        assert reg.stats().revision == HEAD
+
+
+# -- frozen registries of past revisions ------------------------------------------
+
+
+def test_every_revision_has_a_frozen_registry() -> None:
+    frozen = {p.name.removeprefix("registry-").removesuffix(".db") for p in FROZEN}
+
+    assert frozen == {rev for rev, _down, _title in schema.history()}, (
+        "freeze a registry for each new revision: python tests/data/make_frozen_registry.py"
+    )
+
+
+@pytest.mark.parametrize("frozen", FROZEN, ids=[p.stem for p in FROZEN])
+def test_a_frozen_registry_upgrades_to_head_and_keeps_its_data(
+    frozen: Path, tmp_path: Path
+) -> None:
+    path = tmp_path / frozen.name
+    shutil.copyfile(frozen, path)
+    h200 = Fingerprint.from_flashinfer_metadata({**_FROZEN_FIELDS, "gpu": "NVIDIA H200"})
+    b200 = Fingerprint.from_flashinfer_metadata({**_FROZEN_FIELDS, "gpu": "NVIDIA B200"})
+
+    with Registry.open(str(path)) as reg:
+        assert reg.stats().revision == HEAD
+        infos = {i.fingerprint: i for i in reg.fingerprints()}
+        assert {fp: i.entries for fp, i in infos.items()} == {h200: 4, b200: 0}
+        assert [(c.kind, c.added, c.replaced, c.removed, c.host) for c in reg.log()] == [
+            ("prune", 0, 0, 1, "frozen-host"),
+            ("import", 0, 1, 0, "frozen-host"),
+            ("import", 1, 0, 0, "frozen-host"),
+            ("import", 4, 0, 0, "frozen-host"),
+        ]
+        text, n = reg.export_text(infos[h200].id, scope="tp2/rank1")
+        assert n == 3
+        assert json.loads(text) == {
+            "_metadata": h200.flashinfer_metadata(),
+            _frozen_key(16): ["CutlassFp4Runner", 9],
+            _frozen_key(32): ["CutlassFp4Runner", 6],
+            _frozen_key(64, '(torch.float8_e4m3fn, None, "it\'s")'): ["CutlassFp4Runner", -1],
+        }
+        # old data stays writable: undo the prune
+        prune = reg.log()[0].id
+        assert reg.revert(prune).added == 1
+        assert {i.fingerprint: i.entries for i in reg.fingerprints()} == {h200: 4, b200: 1}
+
+
+_FROZEN_FIELDS = {
+    "flashinfer_version": "0.7.2.post1",
+    "cuda_version": "12.9",
+    "cublas_version": "12.9.1",
+    "cudnn_version": "91002",
+    "cudnn_frontend_version": "1.32.0",
+    "cutlass_dsl_version": "nvidia-cutlass-dsl==4.8.1",
+}
+
+
+def _frozen_key(m: int, extras: str = "(torch.bfloat16, 1)") -> str:
+    return f"('flashinfer::mm_fp4', 'CutlassFp4Runner', (({m}, 4096), (4096, 2048)), {extras})"
+
+
+# -- concurrent first open -------------------------------------------------------------
+
+_OPEN_AT = """
+import sys, time
+from ficache.registry import Registry
+start = float(sys.argv[2])
+while time.time() < start:
+    time.sleep(0.001)
+with Registry.open(sys.argv[1]) as reg:
+    print(reg.stats().revision)
+"""
+
+
+def test_several_processes_opening_a_new_registry_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "new" / "registry.db"
+    start = time.time() + 3.0  # after every interpreter has imported ficache
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _OPEN_AT, str(path), repr(start)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    results = [p.communicate(timeout=120) for p in procs]
+
+    assert [(p.returncode, out, err) for p, (out, err) in zip(procs, results, strict=True)] == [
+        (0, f"{HEAD}\n", "")
+    ] * 4
+    assert tables(path) == TABLES
+    assert revision(path) == [(HEAD,)]
+
+
+def test_a_registry_path_with_uri_characters(cli, cache_file, tmp_path: Path) -> None:
+    odd = tmp_path / "odd #1?x=%41 dir" / "registry.db"
+    data = cache_file("a.json", {"('mm', 'R', ((1,),), ())": ["R", 1]}, metadata={"gpu": "H200"})
+    assert cli("import", data, db=odd).exit_code == 0
+    odd.chmod(0o444)  # read-only registries are opened through a SQLite URI
+
+    listed = cli("list", "--format", "json", db=odd)
+
+    assert listed.exit_code == 0
+    assert [row["key"] for row in json.loads(listed.stdout)] == ["('mm', 'R', ((1,),), ())"]
+    assert sorted(os.listdir(tmp_path)) == ["a.json", "odd #1?x=%41 dir"]
+    assert os.listdir(odd.parent) == ["registry.db"]
