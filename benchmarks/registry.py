@@ -29,16 +29,26 @@ POLICY = ["cuda_graph_profile_replays", None, "l2_cache_policy", "hot"]
 
 def fingerprint(i: int) -> Fingerprint:
     return Fingerprint(
-        flashinfer_version="0.7.2.post1", cuda_version="13.0", cublas_version="13.1.0",
-        cudnn_version="91300", cudnn_frontend_version="1.32.0", cutlass_dsl_version="4.8.1",
-        gpu=f"NVIDIA H200 #{i}", compute_capability="9.0", torch_version="2.13.0",
+        flashinfer_version="0.7.2.post1",
+        cuda_version="13.0",
+        cublas_version="13.1.0",
+        cudnn_version="91300",
+        cudnn_frontend_version="1.32.0",
+        cutlass_dsl_version="4.8.1",
+        gpu=f"NVIDIA H200 #{i}",
+        compute_capability="9.0",
+        torch_version="2.13.0",
     )
 
 
 def synthetic_file(n: int, seed: int = 0) -> dict[str, object]:
     """A FlashInfer-shaped cache with ``n`` entries (keys as FlashInfer writes them)."""
     data: dict[str, object] = {"_metadata": fingerprint(0).flashinfer_metadata()}
-    ops = ("flashinfer::mm_bf16", "flashinfer::trtllm_fp8_block_scale_moe", "flashinfer::cudnn_gemm")
+    ops = (
+        "flashinfer::mm_bf16",
+        "flashinfer::trtllm_fp8_block_scale_moe",
+        "flashinfer::cudnn_gemm",
+    )
     for i in range(n):
         op = ops[i % len(ops)]
         runner = f"Runner{i % 7}"
@@ -48,7 +58,9 @@ def synthetic_file(n: int, seed: int = 0) -> dict[str, object]:
     return data
 
 
-def median_ms(fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None) -> float:
+def median_ms(
+    fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None
+) -> float:
     times = []
     for _ in range(reps):
         if setup is not None:
@@ -106,7 +118,8 @@ def bench_size(n: int, reps: int, tmp: Path) -> None:
     # A commit of n new entries through the library (parse done beforehand).
     entries = [
         NewEntry(fingerprint(1), key, value[0], canonical_json(value[1]), canonical_json(value[2]))  # type: ignore[index]
-        for key, value in data.items() if key != "_metadata"
+        for key, value in data.items()
+        if key != "_metadata"
     ]
 
     def commit() -> None:
@@ -132,7 +145,10 @@ def bench_big(total: int, per_fp: int, reps: int, tmp: Path) -> None:
     with Registry.open(str(db)) as reg:
         for f in range(n_fp):
             reg.write(
-                (NewEntry(fingerprint(f), k, v[0], canonical_json(v[1]), canonical_json(v[2])) for k, v in items),  # type: ignore[index]
+                (
+                    NewEntry(fingerprint(f), k, v[0], canonical_json(v[1]), canonical_json(v[2]))
+                    for k, v in items
+                ),  # type: ignore[index]
                 kind="import",
             )
     build_s = time.perf_counter() - t0
@@ -143,7 +159,9 @@ def bench_big(total: int, per_fp: int, reps: int, tmp: Path) -> None:
     peer = tmp / "big-peer.json"
     peer.write_text(text)
     t_peer = median_ms(lambda: render_cache(*_peer_rows(peer)), reps)
-    print(f"(built {n_fp} fingerprints x {per_fp} entries = {n_fp * per_fp} entries in {build_s:.0f} s)")
+    print(
+        f"(built {n_fp} fingerprints x {per_fp} entries = {n_fp * per_fp} entries in {build_s:.0f} s)"
+    )
     print(row(f"export {count} of {n_fp * per_fp} entries", t_export, t_peer))
 
 
@@ -151,18 +169,27 @@ def _peer_rows(path: Path) -> tuple[dict[str, str], list[tuple[str, str, str, st
     """The peer of a registry export: read one file, render it back."""
     data = json.loads(path.read_bytes())
     meta = data.pop("_metadata")
-    return meta, [(k, v[0], json.dumps(v[1]), json.dumps(v[2]) if len(v) > 2 else None) for k, v in data.items()]
+    return meta, [
+        (k, v[0], json.dumps(v[1]), json.dumps(v[2]) if len(v) > 2 else None)
+        for k, v in data.items()
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sizes", type=int, nargs="*", default=[1_000, 10_000, 100_000])
-    parser.add_argument("--big", type=int, default=1_000_000, help="entries in the big registry (0 skips)")
+    parser.add_argument(
+        "--big", type=int, default=1_000_000, help="entries in the big registry (0 skips)"
+    )
     parser.add_argument("--per-fingerprint", type=int, default=10_000)
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)
     print(f"{'operation':<34}{'ficache ms':>10}{'peer ms':>9}   ratio")
-    print("peer: one FlashInfer JSON cache file (merge-and-rewrite for import, read-and-write for export)")
+    print(
+        "peer: one FlashInfer JSON cache file (merge-and-rewrite for import, read-and-write for export)"
+    )
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for n in args.sizes:

@@ -27,7 +27,11 @@ from ficache import __version__
 from ficache.errors import FicacheError, NotFoundError
 
 FORMAT = click.option(
-    "--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True,
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "json"]),
+    default="table",
+    show_default=True,
     help="Output as an aligned table or as JSON.",
 )
 
@@ -138,8 +142,12 @@ def _confirm_or_stop(question: str, *, dry_run: bool, yes: bool) -> None:
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--db", envvar="FICACHE_DB", metavar="PATH_OR_URL",
-              help="Registry: a SQLite path or SQLAlchemy URL [env FICACHE_DB; default: the user cache dir].")
+@click.option(
+    "--db",
+    envvar="FICACHE_DB",
+    metavar="PATH_OR_URL",
+    help="Registry: a SQLite path or SQLAlchemy URL [env FICACHE_DB; default: the user cache dir].",
+)
 @click.option("--debug", is_flag=True, help="Show tracebacks of errors.")
 @click.version_option(__version__, prog_name="ficache")
 @click.pass_context
@@ -180,10 +188,15 @@ def fingerprints_cmd(obj: _Context, fmt: str) -> None:
         return
     from ficache.fingerprint import ALL_FIELDS
 
-    click.echo(_table(
-        ["id", "entries", "digest", *ALL_FIELDS],
-        [(i.id, i.entries, i.fingerprint.short_digest, *i.fingerprint.as_dict().values()) for i in infos],
-    ))
+    click.echo(
+        _table(
+            ["id", "entries", "digest", *ALL_FIELDS],
+            [
+                (i.id, i.entries, i.fingerprint.short_digest, *i.fingerprint.as_dict().values())
+                for i in infos
+            ],
+        )
+    )
 
 
 # -- import / export -----------------------------------------------------------
@@ -191,13 +204,23 @@ def fingerprints_cmd(obj: _Context, fmt: str) -> None:
 
 @cli.command("import")
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--fingerprint", "fingerprint_ref", metavar="ID|current",
-              help="Fingerprint for files without _metadata (a stored id or `current`).")
-@click.option("--scope", default="shared", show_default=True,
-              help="Rank scope of the entries: 'shared' or '<layout>/rank<N>'.")
+@click.option(
+    "--fingerprint",
+    "fingerprint_ref",
+    metavar="ID|current",
+    help="Fingerprint for files without _metadata (a stored id or `current`).",
+)
+@click.option(
+    "--scope",
+    default="shared",
+    show_default=True,
+    help="Rank scope of the entries: 'shared' or '<layout>/rank<N>'.",
+)
 @FORMAT
 @pass_ctx
-def import_cmd(obj: _Context, files: tuple[Path, ...], fingerprint_ref: str | None, scope: str, fmt: str) -> None:
+def import_cmd(
+    obj: _Context, files: tuple[Path, ...], fingerprint_ref: str | None, scope: str, fmt: str
+) -> None:
     """Import FlashInfer autotune cache files, all of them as one commit.
 
     Every file is read and validated first: one invalid file imports nothing.
@@ -216,25 +239,55 @@ def import_cmd(obj: _Context, files: tuple[Path, ...], fingerprint_ref: str | No
     total = sum(len(c.entries) for _, c in parsed)
     ignored_records = sum(len(c.records or {}) for _, c in parsed)
     if fmt == "json":
-        _dump_json({"files": len(parsed), "entries": total, "commit": result.commit_id,
-                    "added": result.added, "replaced": result.replaced, "unchanged": result.unchanged,
-                    "ignored_record_namespaces": ignored_records})
+        _dump_json(
+            {
+                "files": len(parsed),
+                "entries": total,
+                "commit": result.commit_id,
+                "added": result.added,
+                "replaced": result.replaced,
+                "unchanged": result.unchanged,
+                "ignored_record_namespaces": ignored_records,
+            }
+        )
     else:
-        where = f"commit {result.commit_id}" if result.commit_id is not None else "nothing new, no commit"
-        click.echo(f"imported {total} entries from {len(parsed)} file(s): {result.added} added, "
-                   f"{result.replaced} replaced, {result.unchanged} unchanged ({where})")
+        where = (
+            f"commit {result.commit_id}"
+            if result.commit_id is not None
+            else "nothing new, no commit"
+        )
+        click.echo(
+            f"imported {total} entries from {len(parsed)} file(s): {result.added} added, "
+            f"{result.replaced} replaced, {result.unchanged} unchanged ({where})"
+        )
     if ignored_records:
-        click.echo(f"warning: {ignored_records} _records namespace(s) were not imported "
-                   "(ficache stores tactics only)", err=True)
+        click.echo(
+            f"warning: {ignored_records} _records namespace(s) were not imported "
+            "(ficache stores tactics only)",
+            err=True,
+        )
 
 
 @cli.command("export")
-@click.option("--fingerprint", "fingerprint_ref", required=True, metavar="ID|current",
-              help="A stored fingerprint id, or `current` for what this environment would load.")
-@click.option("--scope", default="shared", show_default=True,
-              help="Also include the entries of '<layout>/rank<N>' (they win over shared ones).")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write the cache file here (atomically) instead of stdout.")
+@click.option(
+    "--fingerprint",
+    "fingerprint_ref",
+    required=True,
+    metavar="ID|current",
+    help="A stored fingerprint id, or `current` for what this environment would load.",
+)
+@click.option(
+    "--scope",
+    default="shared",
+    show_default=True,
+    help="Also include the entries of '<layout>/rank<N>' (they win over shared ones).",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the cache file here (atomically) instead of stdout.",
+)
 @pass_ctx
 def export_cmd(obj: _Context, fingerprint_ref: str, scope: str, output: Path | None) -> None:
     """Export a FlashInfer cache file that AutoTuner.load_configs accepts."""
@@ -268,30 +321,64 @@ def export_cmd(obj: _Context, fingerprint_ref: str, scope: str, output: Path | N
 @cli.command("list")
 @click.option("--op", help="Only entries of this custom op.")
 @click.option("--gpu", help="Only entries of fingerprints with this GPU name.")
-@click.option("--flashinfer-version", help="Only entries of fingerprints with this FlashInfer version.")
-@click.option("--fingerprint", "fingerprint_ref", metavar="ID", help="Only entries of this stored fingerprint.")
+@click.option(
+    "--flashinfer-version", help="Only entries of fingerprints with this FlashInfer version."
+)
+@click.option(
+    "--fingerprint",
+    "fingerprint_ref",
+    metavar="ID",
+    help="Only entries of this stored fingerprint.",
+)
 @click.option("--scope", help="Only entries of this scope ('shared' or '<layout>/rank<N>').")
 @click.option("--limit", type=click.IntRange(min=1), help="Show at most this many entries.")
 @FORMAT
 @pass_ctx
-def list_cmd(obj: _Context, op: str | None, gpu: str | None, flashinfer_version: str | None,
-             fingerprint_ref: str | None, scope: str | None, limit: int | None, fmt: str) -> None:
+def list_cmd(
+    obj: _Context,
+    op: str | None,
+    gpu: str | None,
+    flashinfer_version: str | None,
+    fingerprint_ref: str | None,
+    scope: str | None,
+    limit: int | None,
+    fmt: str,
+) -> None:
     """List stored entries."""
     with obj.registry(create=False) as reg:
         ids = [reg.fingerprint(fingerprint_ref).id] if fingerprint_ref else None
-        rows = reg.entries(fingerprint_ids=ids, op=op, gpu=gpu, flashinfer_version=flashinfer_version,
-                           scope=scope, limit=limit)
+        rows = reg.entries(
+            fingerprint_ids=ids,
+            op=op,
+            gpu=gpu,
+            flashinfer_version=flashinfer_version,
+            scope=scope,
+            limit=limit,
+        )
         if fmt == "json":
             click.echo("[", nl=False)
             for i, entry in enumerate(rows):
                 click.echo(("," if i else "") + "\n  " + json.dumps(entry.as_json()), nl=False)
             click.echo("\n]")
             return
-        click.echo(_table(
-            ["fingerprint", "scope", "op", "runner", "shapes", "extras", "tactic", "commit"],
-            ((e.fingerprint_id, e.scope, e.op, e.runner, e.shapes, e.extras, e.tactic_json, e.commit_id)
-             for e in rows),
-        ))
+        click.echo(
+            _table(
+                ["fingerprint", "scope", "op", "runner", "shapes", "extras", "tactic", "commit"],
+                (
+                    (
+                        e.fingerprint_id,
+                        e.scope,
+                        e.op,
+                        e.runner,
+                        e.shapes,
+                        e.extras,
+                        e.tactic_json,
+                        e.commit_id,
+                    )
+                    for e in rows
+                ),
+            )
+        )
 
 
 @cli.command("stats")
@@ -304,23 +391,36 @@ def stats_cmd(obj: _Context, fmt: str) -> None:
     if fmt == "json":
         _dump_json(stats.as_json())
         return
-    click.echo(_table(["", ""], [
-        ("registry", stats.location),
-        ("schema revision", stats.revision),
-        ("size", f"{stats.size_bytes} bytes" if stats.size_bytes is not None else "-"),
-        ("fingerprints", stats.fingerprints),
-        ("entries", f"{stats.entries} ({stats.shared_entries} shared, {stats.scoped_entries} rank-scoped)"),
-        ("commits", stats.commits),
-        ("last commit", _when(stats.last_commit_at)),
-    ]))
+    click.echo(
+        _table(
+            ["", ""],
+            [
+                ("registry", stats.location),
+                ("schema revision", stats.revision),
+                ("size", f"{stats.size_bytes} bytes" if stats.size_bytes is not None else "-"),
+                ("fingerprints", stats.fingerprints),
+                (
+                    "entries",
+                    f"{stats.entries} ({stats.shared_entries} shared, {stats.scoped_entries} rank-scoped)",
+                ),
+                ("commits", stats.commits),
+                ("last commit", _when(stats.last_commit_at)),
+            ],
+        )
+    )
     if stats.ops:
         click.echo()
         click.echo(_table(["op", "entries"], stats.ops))
 
 
 @cli.command("log")
-@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True,
-              help="Show at most this many commits, newest first.")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    default=20,
+    show_default=True,
+    help="Show at most this many commits, newest first.",
+)
 @FORMAT
 @pass_ctx
 def log_cmd(obj: _Context, limit: int, fmt: str) -> None:
@@ -330,44 +430,99 @@ def log_cmd(obj: _Context, limit: int, fmt: str) -> None:
     if fmt == "json":
         _dump_json([c.as_json() for c in commits])
         return
-    click.echo(_table(
-        ["commit", "when", "kind", "host", "added", "replaced", "removed", "world", "layout", "message"],
-        ((c.id, _when(c.created_at), c.kind, c.host, c.added, c.replaced, c.removed, c.world_size,
-          c.layout, (c.message or "")[:60]) for c in commits),
-    ))
+    click.echo(
+        _table(
+            [
+                "commit",
+                "when",
+                "kind",
+                "host",
+                "added",
+                "replaced",
+                "removed",
+                "world",
+                "layout",
+                "message",
+            ],
+            (
+                (
+                    c.id,
+                    _when(c.created_at),
+                    c.kind,
+                    c.host,
+                    c.added,
+                    c.replaced,
+                    c.removed,
+                    c.world_size,
+                    c.layout,
+                    (c.message or "")[:60],
+                )
+                for c in commits
+            ),
+        )
+    )
 
 
 # -- destructive ----------------------------------------------------------------
 
 
 @cli.command("prune")
-@click.option("--fingerprint", "fingerprint_refs", multiple=True, metavar="ID",
-              help="Remove the entries of this stored fingerprint (repeatable).")
-@click.option("--flashinfer-version", "versions", multiple=True, metavar="VERSION",
-              help="Remove entries of fingerprints with this FlashInfer version (repeatable).")
-@click.option("--older-than", type=AgeType(), help="Remove entries last written before this age (30d, 12h).")
+@click.option(
+    "--fingerprint",
+    "fingerprint_refs",
+    multiple=True,
+    metavar="ID",
+    help="Remove the entries of this stored fingerprint (repeatable).",
+)
+@click.option(
+    "--flashinfer-version",
+    "versions",
+    multiple=True,
+    metavar="VERSION",
+    help="Remove entries of fingerprints with this FlashInfer version (repeatable).",
+)
+@click.option(
+    "--older-than", type=AgeType(), help="Remove entries last written before this age (30d, 12h)."
+)
 @click.option("--scope", help="Remove only entries of this scope.")
 @click.option("--dry-run", is_flag=True, help="Show the plan and change nothing.")
 @click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
 @pass_ctx
-def prune_cmd(obj: _Context, fingerprint_refs: tuple[str, ...], versions: tuple[str, ...],
-              older_than: float | None, scope: str | None, dry_run: bool, yes: bool) -> None:
+def prune_cmd(
+    obj: _Context,
+    fingerprint_refs: tuple[str, ...],
+    versions: tuple[str, ...],
+    older_than: float | None,
+    scope: str | None,
+    dry_run: bool,
+    yes: bool,
+) -> None:
     """Remove entries matching all given criteria, as one revertible commit."""
     with obj.registry(create=False) as reg:
         reg.require_writable()
         ids = [reg.fingerprint(ref).id for ref in fingerprint_refs]
         try:
-            plan = reg.plan_prune(fingerprint_ids=ids, flashinfer_versions=versions,
-                                  older_than_seconds=older_than, scope=scope)
+            plan = reg.plan_prune(
+                fingerprint_ids=ids,
+                flashinfer_versions=versions,
+                older_than_seconds=older_than,
+                scope=scope,
+            )
         except ValueError as exc:
             raise click.BadParameter(str(exc)) from None
         if plan.is_empty:
             click.echo("nothing matches: nothing to prune")
             return
         click.echo(f"prune plan ({', '.join(f'{k}={v}' for k, v in plan.criteria)}):")
-        click.echo(_table(["fingerprint", "gpu", "flashinfer", "scope", "entries"],
-                          ((g.fingerprint_id, g.gpu, g.flashinfer_version, g.scope, g.entries)
-                           for g in plan.groups)))
+        click.echo(
+            _table(
+                ["fingerprint", "gpu", "flashinfer", "scope", "entries"],
+                (
+                    (g.fingerprint_id, g.gpu, g.flashinfer_version, g.scope, g.entries)
+                    for g in plan.groups
+                ),
+            )
+        )
         click.echo(f"{plan.total} entries would be removed (revertible with `ficache revert`)")
         _confirm_or_stop(f"Remove {plan.total} entries?", dry_run=dry_run, yes=yes)
         result = plan.execute(reg)
@@ -387,12 +542,16 @@ def revert_cmd(obj: _Context, commit_id: int, dry_run: bool, yes: bool) -> None:
         if not found:
             raise NotFoundError(f"no commit {commit_id}; see `ficache log`")
         c = found[0]
-        click.echo(f"revert plan: commit {c.id} ({c.kind}, {_when(c.created_at)}, {c.host}): "
-                   f"remove {c.added} added, restore {c.replaced} replaced, restore {c.removed} removed")
+        click.echo(
+            f"revert plan: commit {c.id} ({c.kind}, {_when(c.created_at)}, {c.host}): "
+            f"remove {c.added} added, restore {c.replaced} replaced, restore {c.removed} removed"
+        )
         _confirm_or_stop(f"Revert commit {c.id}?", dry_run=dry_run, yes=yes)
         result = reg.revert(commit_id)
-    click.echo(f"reverted commit {commit_id} as commit {result.commit_id}: {result.removed} removed, "
-               f"{result.replaced} restored, {result.added} re-added")
+    click.echo(
+        f"reverted commit {commit_id} as commit {result.commit_id}: {result.removed} removed, "
+        f"{result.replaced} restored, {result.added} re-added"
+    )
 
 
 # -- schema -------------------------------------------------------------------
@@ -466,8 +625,10 @@ def db_downgrade(obj: _Context, revision: str, dry_run: bool, yes: bool) -> None
     try:
         with engine.connect() as conn:
             current = schema.check_revision(conn, location)
-        click.echo(f"downgrade plan: {location.display} from {current} to {revision}"
-                   + (" (drops all stored entries)" if revision == "base" else ""))
+        click.echo(
+            f"downgrade plan: {location.display} from {current} to {revision}"
+            + (" (drops all stored entries)" if revision == "base" else "")
+        )
         _confirm_or_stop(f"Downgrade to {revision}?", dry_run=dry_run, yes=yes)
         schema.downgrade(engine, location, revision)
     finally:

@@ -126,7 +126,9 @@ class Fingerprint:
             values[name] = raw if isinstance(raw, str) and raw else WILDCARD
         return cls(**values)
 
-    def mismatches(self, current: Fingerprint) -> tuple[dict[str, tuple[str, str]], dict[str, tuple[str, str]]]:
+    def mismatches(
+        self, current: Fingerprint
+    ) -> tuple[dict[str, tuple[str, str]], dict[str, tuple[str, str]]]:
         """Split the fields where ``self`` (stored) fails to serve ``current``.
 
         Returns ``(hard, soft)``, each ``field -> (stored, current)``.
@@ -144,7 +146,6 @@ class Fingerprint:
         """True when entries stored under ``self`` may be used by ``current``."""
         hard, soft = self.mismatches(current)
         return not hard and not soft
-
 
 
 def collect() -> Fingerprint:

@@ -99,8 +99,19 @@ _TOKEN = re.compile(
     re.VERBOSE | re.DOTALL,
 )
 _ESCAPE = re.compile(r"""\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|[nrt0\\'"abfv])""")
-_SIMPLE_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "0": "\0", "\\": "\\", "'": "'", '"': '"',
-                   "a": "\a", "b": "\b", "f": "\f", "v": "\v"}
+_SIMPLE_ESCAPES = {
+    "n": "\n",
+    "r": "\r",
+    "t": "\t",
+    "0": "\0",
+    "\\": "\\",
+    "'": "'",
+    '"': '"',
+    "a": "\a",
+    "b": "\b",
+    "f": "\f",
+    "v": "\v",
+}
 _MAX_DEPTH = 32
 
 
@@ -224,7 +235,9 @@ def _common_key(key: str) -> KeyFields | None:
     extras_text = m.group(4)
     if not _is_tuple_literal(extras_text):
         return None
-    return KeyFields(_unquote(f"'{m.group(1)}'"), _unquote(f"'{m.group(2)}'"), tuple(shapes), extras_text)
+    return KeyFields(
+        _unquote(f"'{m.group(1)}'"), _unquote(f"'{m.group(2)}'"), tuple(shapes), extras_text
+    )
 
 
 def parse_key(key: str) -> KeyFields:
@@ -303,7 +316,9 @@ def parse_cache_bytes(data: bytes, *, source: str = "<bytes>") -> CacheFile:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise CacheFileError(f"{source}: not UTF-8 text (byte {exc.start}); not a cache file") from None
+        raise CacheFileError(
+            f"{source}: not UTF-8 text (byte {exc.start}); not a cache file"
+        ) from None
 
     def _reject_constant(name: str) -> Any:
         raise ValueError(f"non-standard JSON constant {name}")

@@ -128,8 +128,13 @@ class FingerprintInfo:
     created_at: float
 
     def as_json(self) -> dict[str, Any]:
-        return {"id": self.id, "digest": self.fingerprint.digest, **self.fingerprint.as_dict(),
-                "entries": self.entries, "created_at": self.created_at}
+        return {
+            "id": self.id,
+            "digest": self.fingerprint.digest,
+            **self.fingerprint.as_dict(),
+            "entries": self.entries,
+            "created_at": self.created_at,
+        }
 
 
 @dataclass(frozen=True)
@@ -224,7 +229,9 @@ def _fingerprint_from_row(row: Any) -> Fingerprint:
     return Fingerprint(**{name: getattr(row, name) for name in ALL_FIELDS})
 
 
-def _insert_many(conn: Connection, table: Any, rows: list[tuple[Any, ...]], columns: Sequence[str]) -> None:
+def _insert_many(
+    conn: Connection, table: Any, rows: list[tuple[Any, ...]], columns: Sequence[str]
+) -> None:
     """Bulk insert positional rows; the bulk path of every write.
 
     Goes to the driver's ``executemany`` directly where its paramstyle is
@@ -238,15 +245,37 @@ def _insert_many(conn: Connection, table: Any, rows: list[tuple[Any, ...]], colu
         conn.execute(insert(table), [dict(zip(columns, row, strict=True)) for row in rows])
         return
     quote = conn.dialect.identifier_preparer.quote
-    sql = (f"INSERT INTO {quote(table.name)} ({', '.join(quote(c) for c in columns)}) "
-           f"VALUES ({', '.join([marker] * len(columns))})")
+    sql = (
+        f"INSERT INTO {quote(table.name)} ({', '.join(quote(c) for c in columns)}) "
+        f"VALUES ({', '.join([marker] * len(columns))})"
+    )
     conn.exec_driver_sql(sql, rows)
 
 
-_ENTRY_COLUMNS = ("fingerprint_id", "scope", "key", "op", "runner", "shapes", "extras", "tactic", "policy",
-                  "commit_id", "updated_at")
-_CHANGE_COLUMNS = ("commit_id", "fingerprint_id", "scope", "key", "action", "old_runner", "old_tactic",
-                   "old_policy", "old_commit_id")
+_ENTRY_COLUMNS = (
+    "fingerprint_id",
+    "scope",
+    "key",
+    "op",
+    "runner",
+    "shapes",
+    "extras",
+    "tactic",
+    "policy",
+    "commit_id",
+    "updated_at",
+)
+_CHANGE_COLUMNS = (
+    "commit_id",
+    "fingerprint_id",
+    "scope",
+    "key",
+    "action",
+    "old_runner",
+    "old_tactic",
+    "old_policy",
+    "old_commit_id",
+)
 
 
 def _inserted_id(result: Any) -> int:
@@ -335,7 +364,9 @@ class Registry:
             if len(found) == 1:
                 return found[0]
             if len(found) > 1:
-                raise FingerprintError(f"fingerprint prefix {text!r} is ambiguous; give more characters or the id")
+                raise FingerprintError(
+                    f"fingerprint prefix {text!r} is ambiguous; give more characters or the id"
+                )
         raise NotFoundError(f"no fingerprint {text!r} in the registry; see `ficache fingerprints`")
 
     def serving(self, current: Fingerprint) -> list[FingerprintInfo]:
@@ -355,8 +386,17 @@ class Registry:
         limit: int | None = None,
     ) -> Iterator[StoredEntry]:
         query = select(
-            E.c.fingerprint_id, E.c.scope, E.c.key, E.c.op, E.c.runner, E.c.shapes,
-            E.c.extras, E.c.tactic, E.c.policy, E.c.commit_id, E.c.updated_at,
+            E.c.fingerprint_id,
+            E.c.scope,
+            E.c.key,
+            E.c.op,
+            E.c.runner,
+            E.c.shapes,
+            E.c.extras,
+            E.c.tactic,
+            E.c.policy,
+            E.c.commit_id,
+            E.c.updated_at,
         )
         if gpu is not None or flashinfer_version is not None:
             query = query.join(F, F.c.id == E.c.fingerprint_id)
@@ -391,9 +431,9 @@ class Registry:
 
         def run() -> dict[str, tuple[str, str, str, str | None]]:
             result: dict[str, tuple[str, str, str, str | None]] = {}
-            query = select(E.c.fingerprint_id, E.c.scope, E.c.key, E.c.runner, E.c.tactic, E.c.policy).where(
-                E.c.fingerprint_id.in_(list(fingerprint_ids)), E.c.scope.in_(list(scopes))
-            )
+            query = select(
+                E.c.fingerprint_id, E.c.scope, E.c.key, E.c.runner, E.c.tactic, E.c.policy
+            ).where(E.c.fingerprint_id.in_(list(fingerprint_ids)), E.c.scope.in_(list(scopes)))
             fp_rank = {fid: i for i, fid in enumerate(fingerprint_ids)}
             scope_rank = {s: i for i, s in enumerate(scopes)}
             best: dict[str, tuple[int, int]] = {}
@@ -441,9 +481,19 @@ class Registry:
             with self._read() as conn:
                 return [
                     CommitInfo(
-                        r.id, r.created_at, r.kind, r.host, r.user, r.message, r.world_size,
-                        r.layout, r.added, r.replaced, r.removed,
-                        json.loads(r.provenance) if r.provenance else {}, r.reverts_commit_id,
+                        r.id,
+                        r.created_at,
+                        r.kind,
+                        r.host,
+                        r.user,
+                        r.message,
+                        r.world_size,
+                        r.layout,
+                        r.added,
+                        r.replaced,
+                        r.removed,
+                        json.loads(r.provenance) if r.provenance else {},
+                        r.reverts_commit_id,
                     )
                     for r in conn.execute(query)
                 ]
@@ -456,13 +506,17 @@ class Registry:
                 n_fp = conn.execute(select(func.count()).select_from(F)).scalar_one()
                 per_scope = dict(
                     conn.execute(
-                        select(E.c.scope == SHARED_SCOPE, func.count()).group_by(E.c.scope == SHARED_SCOPE)
+                        select(E.c.scope == SHARED_SCOPE, func.count()).group_by(
+                            E.c.scope == SHARED_SCOPE
+                        )
                     ).all()
                 )
                 ops = tuple(
                     (op, n)
                     for op, n in conn.execute(
-                        select(E.c.op, func.count()).group_by(E.c.op).order_by(func.count().desc(), E.c.op)
+                        select(E.c.op, func.count())
+                        .group_by(E.c.op)
+                        .order_by(func.count().desc(), E.c.op)
                     )
                 )
                 n_commits, last = conn.execute(select(func.count(), func.max(C.c.created_at))).one()
@@ -473,11 +527,24 @@ class Registry:
             if self.location.path is not None and self.location.path.exists():
                 size = sum(
                     p.stat().st_size
-                    for p in (self.location.path, self.location.path.with_name(self.location.path.name + "-wal"))
+                    for p in (
+                        self.location.path,
+                        self.location.path.with_name(self.location.path.name + "-wal"),
+                    )
                     if p.exists()
                 )
-            return Stats(n_fp, shared + scoped, shared, scoped, n_commits, ops, last, revision,
-                         self.location.display, size)
+            return Stats(
+                n_fp,
+                shared + scoped,
+                shared,
+                scoped,
+                n_commits,
+                ops,
+                last,
+                revision,
+                self.location.display,
+                size,
+            )
 
         return self._guard(run)
 
@@ -526,7 +593,10 @@ class Registry:
             user = None
         result = conn.execute(
             insert(C).values(
-                created_at=now, kind=kind, host=socket.gethostname(), user=user,
+                created_at=now,
+                kind=kind,
+                host=socket.gethostname(),
+                user=user,
                 provenance=json.dumps(provenance, sort_keys=True) if provenance else None,
                 **{"added": 0, "replaced": 0, "removed": 0, **values},
             )
@@ -559,59 +629,116 @@ class Registry:
                     try:
                         kf = parse_key(key)
                     except ValueError as exc:
-                        raise FicacheError(f"entry key {key[:80]!r} is not a FlashInfer key: {exc}") from None
+                        raise FicacheError(
+                            f"entry key {key[:80]!r} is not a FlashInfer key: {exc}"
+                        ) from None
                 fields[key] = (kf.op, kf.shapes_json, kf.extras)
 
         def body(conn: Connection) -> WriteResult:
             now = time.time()
-            fp_ids = {fp: self._fingerprint_id(conn, fp, now) for fp in dict.fromkeys(k[0] for k in wanted)}
+            fp_ids = {
+                fp: self._fingerprint_id(conn, fp, now)
+                for fp in dict.fromkeys(k[0] for k in wanted)
+            }
             existing: dict[tuple[int, str, str], tuple[int, str, str, str | None, int]] = {}
             for fp, fid in fp_ids.items():
                 scopes = sorted({s for (f, s, _k) in wanted if f == fp})
-                query = select(E.c.id, E.c.scope, E.c.key, E.c.runner, E.c.tactic, E.c.policy, E.c.commit_id).where(
-                    E.c.fingerprint_id == fid, E.c.scope.in_(scopes)
-                )
+                query = select(
+                    E.c.id, E.c.scope, E.c.key, E.c.runner, E.c.tactic, E.c.policy, E.c.commit_id
+                ).where(E.c.fingerprint_id == fid, E.c.scope.in_(scopes))
                 for eid, scope, key, runner, tactic, policy, cid in conn.execute(query):
                     existing[(fid, scope, key)] = (eid, runner, tactic, policy, cid)
             added: list[tuple[int, str, str, NewEntry]] = []
-            replaced: list[tuple[int, str, str, NewEntry, tuple[int, str, str, str | None, int]]] = []
+            replaced: list[
+                tuple[int, str, str, NewEntry, tuple[int, str, str, str | None, int]]
+            ] = []
             unchanged = 0
             for (fp, scope, key), entry in wanted.items():
                 fid = fp_ids[fp]
                 old = existing.get((fid, scope, key))
                 if old is None:
                     added.append((fid, scope, key, entry))
-                elif (old[1], old[2], old[3]) == (entry.runner, entry.tactic_json, entry.policy_json):
+                elif (old[1], old[2], old[3]) == (
+                    entry.runner,
+                    entry.tactic_json,
+                    entry.policy_json,
+                ):
                     unchanged += 1
                 else:
                     replaced.append((fid, scope, key, entry, old))
             if not added and not replaced:
                 raise _NothingToWrite(WriteResult(None, unchanged=unchanged))
-            commit_id = self._new_commit(conn, now, kind, message=message, world_size=world_size,
-                                         layout=layout, provenance=provenance, added=len(added),
-                                         replaced=len(replaced))
+            commit_id = self._new_commit(
+                conn,
+                now,
+                kind,
+                message=message,
+                world_size=world_size,
+                layout=layout,
+                provenance=provenance,
+                added=len(added),
+                replaced=len(replaced),
+            )
             rows = []
             for fid, scope, key, entry in added:
                 op, shapes, extras = fields[key]
-                rows.append((fid, scope, key, op, entry.runner, shapes, extras, entry.tactic_json,
-                             entry.policy_json, commit_id, now))
+                rows.append(
+                    (
+                        fid,
+                        scope,
+                        key,
+                        op,
+                        entry.runner,
+                        shapes,
+                        extras,
+                        entry.tactic_json,
+                        entry.policy_json,
+                        commit_id,
+                        now,
+                    )
+                )
             _insert_many(conn, E, rows, _ENTRY_COLUMNS)
             if replaced:
                 conn.execute(
-                    update(E).where(E.c.id == bindparam("b_id")).values(
-                        runner=bindparam("runner"), tactic=bindparam("tactic"), policy=bindparam("policy"),
-                        commit_id=bindparam("commit_id"), updated_at=bindparam("updated_at"),
+                    update(E)
+                    .where(E.c.id == bindparam("b_id"))
+                    .values(
+                        runner=bindparam("runner"),
+                        tactic=bindparam("tactic"),
+                        policy=bindparam("policy"),
+                        commit_id=bindparam("commit_id"),
+                        updated_at=bindparam("updated_at"),
                     ),
-                    [{"b_id": old[0], "runner": entry.runner, "tactic": entry.tactic_json,
-                      "policy": entry.policy_json, "commit_id": commit_id, "updated_at": now}
-                     for _fid, _scope, _key, entry, old in replaced],
+                    [
+                        {
+                            "b_id": old[0],
+                            "runner": entry.runner,
+                            "tactic": entry.tactic_json,
+                            "policy": entry.policy_json,
+                            "commit_id": commit_id,
+                            "updated_at": now,
+                        }
+                        for _fid, _scope, _key, entry, old in replaced
+                    ],
                 )
-            _insert_many(conn, H, [
-                *((commit_id, fid, scope, key, "added", None, None, None, None) for fid, scope, key, _e in added),
-                *((commit_id, fid, scope, key, "replaced", old[1], old[2], old[3], old[4])
-                  for fid, scope, key, _e, old in replaced),
-            ], _CHANGE_COLUMNS)
-            return WriteResult(commit_id, added=len(added), replaced=len(replaced), unchanged=unchanged)
+            _insert_many(
+                conn,
+                H,
+                [
+                    *(
+                        (commit_id, fid, scope, key, "added", None, None, None, None)
+                        for fid, scope, key, _e in added
+                    ),
+                    *(
+                        (commit_id, fid, scope, key, "replaced", old[1], old[2], old[3], old[4])
+                        for fid, scope, key, _e, old in replaced
+                    ),
+                ],
+                _CHANGE_COLUMNS,
+            )
+            return WriteResult(
+                commit_id, added=len(added), replaced=len(replaced), unchanged=unchanged
+            )
 
         try:
             return self._write(body)
@@ -646,7 +773,8 @@ class Registry:
                     "import it with --fingerprint ID|current"
                 )
             new.extend(
-                NewEntry(fp, e.key, e.runner, e.tactic_json, e.policy_json, scope, e.fields) for e in cache.entries
+                NewEntry(fp, e.key, e.runner, e.tactic_json, e.policy_json, scope, e.fields)
+                for e in cache.entries
             )
         message = ", ".join(source for source, _ in files)
         return self.write(new, kind=kind, message=message[:2000], provenance=provenance)
@@ -663,12 +791,19 @@ class Registry:
         now: float | None = None,
     ) -> PrunePlan:
         """Plan removing entries matching all the given criteria (at least one)."""
-        if not fingerprint_ids and not flashinfer_versions and older_than_seconds is None and scope is None:
-            raise FicacheError("prune needs a criterion: --fingerprint, --flashinfer-version, --older-than or --scope")
+        if (
+            not fingerprint_ids
+            and not flashinfer_versions
+            and older_than_seconds is None
+            and scope is None
+        ):
+            raise FicacheError(
+                "prune needs a criterion: --fingerprint, --flashinfer-version, --older-than or --scope"
+            )
         criteria: list[tuple[str, str]] = []
-        query = select(E.c.id, E.c.commit_id, E.c.fingerprint_id, E.c.scope, F.c.gpu, F.c.flashinfer_version).join(
-            F, F.c.id == E.c.fingerprint_id
-        )
+        query = select(
+            E.c.id, E.c.commit_id, E.c.fingerprint_id, E.c.scope, F.c.gpu, F.c.flashinfer_version
+        ).join(F, F.c.id == E.c.fingerprint_id)
         if fingerprint_ids:
             for fid in fingerprint_ids:
                 self.fingerprint(fid)  # raises NotFoundError for an unknown id
@@ -696,7 +831,9 @@ class Registry:
                     g[2] += 1
             return PrunePlan(
                 tuple(criteria),
-                tuple(PruneGroup(fid, g[0], g[1], sc, g[2]) for (fid, sc), g in sorted(groups.items())),
+                tuple(
+                    PruneGroup(fid, g[0], g[1], sc, g[2]) for (fid, sc), g in sorted(groups.items())
+                ),
                 tuple(versions),
             )
 
@@ -712,8 +849,16 @@ class Registry:
                 ids = [eid for eid, _ in chunk]
                 expected = dict(chunk)
                 for row in conn.execute(
-                    select(E.c.id, E.c.fingerprint_id, E.c.scope, E.c.key, E.c.runner, E.c.tactic,
-                           E.c.policy, E.c.commit_id).where(E.c.id.in_(ids))
+                    select(
+                        E.c.id,
+                        E.c.fingerprint_id,
+                        E.c.scope,
+                        E.c.key,
+                        E.c.runner,
+                        E.c.tactic,
+                        E.c.policy,
+                        E.c.commit_id,
+                    ).where(E.c.id.in_(ids))
                 ):
                     if expected.get(row.id) == row.commit_id:
                         rows.append(row)
@@ -723,13 +868,26 @@ class Registry:
                     "was made; nothing removed, run prune again"
                 )
             now = time.time()
-            commit_id = self._new_commit(conn, now, "prune", message="; ".join(f"{k}={v}" for k, v in plan.criteria))
-            conn.execute(insert(H), [
-                {"commit_id": commit_id, "fingerprint_id": r.fingerprint_id, "scope": r.scope, "key": r.key,
-                 "action": "removed", "old_runner": r.runner, "old_tactic": r.tactic, "old_policy": r.policy,
-                 "old_commit_id": r.commit_id}
-                for r in rows
-            ])
+            commit_id = self._new_commit(
+                conn, now, "prune", message="; ".join(f"{k}={v}" for k, v in plan.criteria)
+            )
+            conn.execute(
+                insert(H),
+                [
+                    {
+                        "commit_id": commit_id,
+                        "fingerprint_id": r.fingerprint_id,
+                        "scope": r.scope,
+                        "key": r.key,
+                        "action": "removed",
+                        "old_runner": r.runner,
+                        "old_tactic": r.tactic,
+                        "old_policy": r.policy,
+                        "old_commit_id": r.commit_id,
+                    }
+                    for r in rows
+                ],
+            )
             for chunk in _chunks([r.id for r in rows]):
                 conn.execute(delete(E).where(E.c.id.in_(list(chunk))))
             conn.execute(update(C).where(C.c.id == commit_id).values(removed=len(rows)))
@@ -746,7 +904,9 @@ class Registry:
             target = conn.execute(select(C.c.id).where(C.c.id == commit_id)).scalar_one_or_none()
             if target is None:
                 raise NotFoundError(f"no commit {commit_id}; see `ficache log`")
-            changes = conn.execute(select(H).where(H.c.commit_id == commit_id).order_by(H.c.id)).all()
+            changes = conn.execute(
+                select(H).where(H.c.commit_id == commit_id).order_by(H.c.id)
+            ).all()
             current: dict[tuple[int, str, str], Any] = {}
             by_fp: dict[int, list[str]] = {}
             for ch in changes:
@@ -754,8 +914,16 @@ class Registry:
             for fid, keys in by_fp.items():
                 for chunk in _chunks(sorted(set(keys))):
                     for row in conn.execute(
-                        select(E.c.id, E.c.fingerprint_id, E.c.scope, E.c.key, E.c.runner, E.c.tactic,
-                               E.c.policy, E.c.commit_id).where(E.c.fingerprint_id == fid, E.c.key.in_(list(chunk)))
+                        select(
+                            E.c.id,
+                            E.c.fingerprint_id,
+                            E.c.scope,
+                            E.c.key,
+                            E.c.runner,
+                            E.c.tactic,
+                            E.c.policy,
+                            E.c.commit_id,
+                        ).where(E.c.fingerprint_id == fid, E.c.key.in_(list(chunk)))
                     ):
                         current[(row.fingerprint_id, row.scope, row.key)] = row
             conflicts = 0
@@ -771,8 +939,13 @@ class Registry:
                     "revert those first (ficache log)"
                 )
             now = time.time()
-            new_id = self._new_commit(conn, now, "revert", message=f"revert commit {commit_id}",
-                                      reverts_commit_id=commit_id)
+            new_id = self._new_commit(
+                conn,
+                now,
+                "revert",
+                message=f"revert commit {commit_id}",
+                reverts_commit_id=commit_id,
+            )
             added = replaced = removed = 0
             history = []
             for ch in changes:
@@ -785,31 +958,61 @@ class Registry:
                     removed += 1
                 elif ch.action == "replaced":
                     assert now_row is not None  # checked for conflicts above
-                    conn.execute(update(E).where(E.c.id == now_row.id).values(
-                        runner=ch.old_runner, tactic=ch.old_tactic, policy=ch.old_policy,
-                        commit_id=new_id, updated_at=now))
+                    conn.execute(
+                        update(E)
+                        .where(E.c.id == now_row.id)
+                        .values(
+                            runner=ch.old_runner,
+                            tactic=ch.old_tactic,
+                            policy=ch.old_policy,
+                            commit_id=new_id,
+                            updated_at=now,
+                        )
+                    )
                     history.append((ch, "replaced", now_row))
                     replaced += 1
                 else:
                     kf = parse_key(ch.key)
-                    conn.execute(insert(E).values(
-                        fingerprint_id=ch.fingerprint_id, scope=ch.scope, key=ch.key, op=kf.op,
-                        runner=ch.old_runner, shapes=kf.shapes_json,
-                        extras=kf.extras, tactic=ch.old_tactic, policy=ch.old_policy,
-                        commit_id=new_id, updated_at=now))
+                    conn.execute(
+                        insert(E).values(
+                            fingerprint_id=ch.fingerprint_id,
+                            scope=ch.scope,
+                            key=ch.key,
+                            op=kf.op,
+                            runner=ch.old_runner,
+                            shapes=kf.shapes_json,
+                            extras=kf.extras,
+                            tactic=ch.old_tactic,
+                            policy=ch.old_policy,
+                            commit_id=new_id,
+                            updated_at=now,
+                        )
+                    )
                     history.append((ch, "added", None))
                     added += 1
             if history:
-                conn.execute(insert(H), [
-                    {"commit_id": new_id, "fingerprint_id": ch.fingerprint_id, "scope": ch.scope, "key": ch.key,
-                     "action": action,
-                     "old_runner": old.runner if old is not None else None,
-                     "old_tactic": old.tactic if old is not None else None,
-                     "old_policy": old.policy if old is not None else None,
-                     "old_commit_id": old.commit_id if old is not None else None}
-                    for ch, action, old in history
-                ])
-            conn.execute(update(C).where(C.c.id == new_id).values(added=added, replaced=replaced, removed=removed))
+                conn.execute(
+                    insert(H),
+                    [
+                        {
+                            "commit_id": new_id,
+                            "fingerprint_id": ch.fingerprint_id,
+                            "scope": ch.scope,
+                            "key": ch.key,
+                            "action": action,
+                            "old_runner": old.runner if old is not None else None,
+                            "old_tactic": old.tactic if old is not None else None,
+                            "old_policy": old.policy if old is not None else None,
+                            "old_commit_id": old.commit_id if old is not None else None,
+                        }
+                        for ch, action, old in history
+                    ],
+                )
+            conn.execute(
+                update(C)
+                .where(C.c.id == new_id)
+                .values(added=added, replaced=replaced, removed=removed)
+            )
             return WriteResult(new_id, added=added, replaced=replaced, removed=removed)
 
         return self._write(body)

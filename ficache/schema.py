@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 from alembic import command
@@ -81,7 +82,9 @@ def resolve(db: str | os.PathLike[str] | None = None) -> Location:
         try:
             url = make_url(raw)
         except ArgumentError:
-            raise RegistryError(f"cannot parse registry URL {raw!r}; give a path or a SQLAlchemy URL") from None
+            raise RegistryError(
+                f"cannot parse registry URL {raw!r}; give a path or a SQLAlchemy URL"
+            ) from None
         if url.get_backend_name() == "sqlite":
             database = url.database
             if database and database != ":memory:" and not database.startswith("file:"):
@@ -96,14 +99,18 @@ def resolve(db: str | os.PathLike[str] | None = None) -> Location:
 def _check_sqlite_file(path: Path) -> bool:
     """Validate an existing file; return True when it may only be read."""
     if path.is_dir():
-        raise NotARegistryError(f"{path} is a directory; give the registry's file path (e.g. {path}/registry.db)")
+        raise NotARegistryError(
+            f"{path} is a directory; give the registry's file path (e.g. {path}/registry.db)"
+        )
     try:
         with path.open("rb") as handle:
             head = handle.read(len(SQLITE_MAGIC))
     except PermissionError:
         raise RegistryError(f"cannot read registry {path}: permission denied") from None
     if head and head != SQLITE_MAGIC:
-        raise NotARegistryError(f"{path} is not a SQLite database; pass another --db or move the file away")
+        raise NotARegistryError(
+            f"{path} is not a SQLite database; pass another --db or move the file away"
+        )
     # os.access says yes to root for any file; a file without write bits
     # (chmod a-w) is read-only for everyone, root included.
     has_write_bits = bool(path.stat().st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
@@ -113,7 +120,7 @@ def _check_sqlite_file(path: Path) -> bool:
 
 def _install_sqlite_events(engine: Engine, *, readonly: bool) -> None:
     @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_connection, _record):  # type: ignore[no-untyped-def]
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         # Let SQLAlchemy's "begin" event, not pysqlite, open transactions.
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
@@ -126,7 +133,7 @@ def _install_sqlite_events(engine: Engine, *, readonly: bool) -> None:
         cursor.close()
 
     @event.listens_for(engine, "begin")
-    def _on_begin(conn):  # type: ignore[no-untyped-def]
+    def _on_begin(conn: Connection) -> None:
         if conn.get_execution_options().get("ficache_write"):
             conn.exec_driver_sql("BEGIN IMMEDIATE")
         else:
@@ -144,12 +151,16 @@ def make_engine(location: Location, *, create: bool = True) -> tuple[Engine, boo
         if path.exists():
             readonly = _check_sqlite_file(path)
         elif not create:
-            raise RegistryError(f"no registry at {path}; import a cache file first (ficache import FILE)")
+            raise RegistryError(
+                f"no registry at {path}; import a cache file first (ficache import FILE)"
+            )
         else:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
-                raise RegistryError(f"cannot create directory for registry {path}: {exc.strerror}") from None
+                raise RegistryError(
+                    f"cannot create directory for registry {path}: {exc.strerror}"
+                ) from None
             if not os.access(path.parent, os.W_OK):
                 raise RegistryReadOnlyError(
                     f"cannot create registry {path}: directory is not writable; pass --db or set {ENV_VAR}"
@@ -157,8 +168,11 @@ def make_engine(location: Location, *, create: bool = True) -> tuple[Engine, boo
         if readonly:
             # A URI filename: percent-encode it, or a '#' or '?' in the path
             # would cut it short (and SQLite would create the shorter path).
-            url = URL.create("sqlite", database=f"file:{quote(str(path))}",
-                             query={"mode": "ro", "immutable": "1", "uri": "true"})
+            url = URL.create(
+                "sqlite",
+                database=f"file:{quote(str(path))}",
+                query={"mode": "ro", "immutable": "1", "uri": "true"},
+            )
         else:
             url = URL.create("sqlite", database=str(path))  # no URL parsing: '%', '?' are path text
         engine = create_engine(url, poolclass=NullPool)
@@ -227,7 +241,9 @@ def write_transaction(engine: Engine) -> Iterator[Connection]:
         conn = conn.execution_options(ficache_write=True)
         with conn.begin():
             if conn.dialect.name == "postgresql":
-                conn.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": PG_MIGRATION_LOCK_ID})
+                conn.execute(
+                    text("SELECT pg_advisory_xact_lock(:id)"), {"id": PG_MIGRATION_LOCK_ID}
+                )
             yield conn
 
 
@@ -235,16 +251,22 @@ def translate_operational_error(exc: DatabaseError, location: Location) -> Regis
     message = str(exc.orig) if getattr(exc, "orig", None) is not None else str(exc)
     lowered = message.lower()
     if "readonly" in lowered or "read-only" in lowered:
-        return RegistryReadOnlyError(f"registry {location.display} is read-only; pass a writable --db")
+        return RegistryReadOnlyError(
+            f"registry {location.display} is read-only; pass a writable --db"
+        )
     if "locked" in lowered or "busy" in lowered:
         return RegistryBusyError(
             f"registry {location.display} stayed locked by another writer for "
             f"{BUSY_TIMEOUT_MS // 1000} s; retry when it finishes"
         )
     if "not a database" in lowered or "malformed" in lowered:
-        return NotARegistryError(f"registry {location.display} is corrupt ({message}); restore it or pass another --db")
+        return NotARegistryError(
+            f"registry {location.display} is corrupt ({message}); restore it or pass another --db"
+        )
     if "disk" in lowered and "full" in lowered:
-        return RegistryError(f"disk full while writing registry {location.display}; free space and retry")
+        return RegistryError(
+            f"disk full while writing registry {location.display}; free space and retry"
+        )
     return RegistryError(f"registry {location.display}: {message}")
 
 
@@ -337,6 +359,10 @@ def history() -> list[tuple[str, str | None, str]]:
     rows = []
     for script in reversed(list(script_directory().walk_revisions())):
         title = (script.doc or "").strip().splitlines()[0] if script.doc else ""
-        down = script.down_revision if isinstance(script.down_revision, str) or script.down_revision is None else ",".join(script.down_revision)
+        down = (
+            script.down_revision
+            if isinstance(script.down_revision, str) or script.down_revision is None
+            else ",".join(script.down_revision)
+        )
         rows.append((script.revision, down, title))
     return rows
