@@ -381,6 +381,10 @@ def read_cache_file(path: str | os.PathLike[str]) -> CacheFile:
     return parse_cache_bytes(data, source=str(p))
 
 
+# The JSON string encoder json.dumps itself uses, without its per-call set-up.
+_json_string = json.encoder.encode_basestring_ascii
+
+
 def render_cache(
     metadata: Mapping[str, str] | None,
     entries: Iterable[tuple[str, str, str, str | None]],
@@ -390,12 +394,15 @@ def render_cache(
     ``_metadata`` comes first, then entries sorted by key, as FlashInfer
     writes them. Stored JSON fragments are spliced in, not re-parsed.
     """
+    quote = _json_string
     parts: list[str] = []
     if metadata is not None:
         parts.append(f'"{METADATA_KEY}": {json.dumps(dict(metadata), sort_keys=False)}')
     for key, runner, tactic_json, policy_json in sorted(entries, key=lambda row: row[0]):
-        head = f"{json.dumps(key)}: [{json.dumps(runner)}, {tactic_json}"
-        parts.append(head + (f", {policy_json}]" if policy_json is not None else "]"))
+        if policy_json is None:
+            parts.append(f"{quote(key)}: [{quote(runner)}, {tactic_json}]")
+        else:
+            parts.append(f"{quote(key)}: [{quote(runner)}, {tactic_json}, {policy_json}]")
     if not parts:
         return "{}\n"
     return "{\n" + ",\n".join(parts) + "\n}\n"

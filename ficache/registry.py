@@ -331,39 +331,51 @@ class Registry:
         except (OperationalError, DatabaseError) as exc:
             raise schema.translate_operational_error(exc, self.location) from None
 
-    def fingerprints(self) -> list[FingerprintInfo]:
+    def fingerprints(self, *, ids: Sequence[int] | None = None) -> list[FingerprintInfo]:
+        """Stored fingerprints (all, or those with ``ids``) with their entry counts.
+
+        Counting uses the entries index per fingerprint, so asking for a few
+        fingerprints of a large registry stays cheap.
+        """
+
         def run() -> list[FingerprintInfo]:
-            counts = (
-                select(E.c.fingerprint_id, func.count().label("n"))
-                .group_by(E.c.fingerprint_id)
-                .subquery()
-            )
-            query = (
-                select(F, func.coalesce(counts.c.n, 0).label("n"))
-                .outerjoin(counts, counts.c.fingerprint_id == F.c.id)
-                .order_by(F.c.id)
-            )
+            fp_query = select(F).order_by(F.c.id)
+            count_query = select(E.c.fingerprint_id, func.count()).group_by(E.c.fingerprint_id)
+            if ids is not None:
+                fp_query = fp_query.where(F.c.id.in_(list(ids)))
+                count_query = count_query.where(E.c.fingerprint_id.in_(list(ids)))
             with self._read() as conn:
+                counts = dict(conn.execute(count_query).all())
                 return [
-                    FingerprintInfo(row.id, _fingerprint_from_row(row), row.n, row.created_at)
-                    for row in conn.execute(query)
+                    FingerprintInfo(
+                        row.id, _fingerprint_from_row(row), counts.get(row.id, 0), row.created_at
+                    )
+                    for row in conn.execute(fp_query)
                 ]
+
+        return self._guard(run)
+
+    def _fingerprint_ids(self) -> list[tuple[int, Fingerprint]]:
+        def run() -> list[tuple[int, Fingerprint]]:
+            with self._read() as conn:
+                return [(row.id, _fingerprint_from_row(row)) for row in conn.execute(select(F))]
 
         return self._guard(run)
 
     def fingerprint(self, ref: int | str) -> FingerprintInfo:
         """Find a stored fingerprint by id or (a prefix of at least 6 of) its digest."""
-        infos = self.fingerprints()
         text = str(ref).strip()
         if text.isdigit():
-            for info in infos:
-                if info.id == int(text):
-                    return info
-        elif len(text) >= 6:
-            found = [i for i in infos if i.fingerprint.digest.startswith(text.lower())]
-            if len(found) == 1:
+            found = self.fingerprints(ids=[int(text)])
+            if found:
                 return found[0]
-            if len(found) > 1:
+        elif len(text) >= 6:
+            matches = [
+                fid for fid, fp in self._fingerprint_ids() if fp.digest.startswith(text.lower())
+            ]
+            if len(matches) == 1:
+                return self.fingerprints(ids=matches)[0]
+            if len(matches) > 1:
                 raise FingerprintError(
                     f"fingerprint prefix {text!r} is ambiguous; give more characters or the id"
                 )
@@ -371,7 +383,8 @@ class Registry:
 
     def serving(self, current: Fingerprint) -> list[FingerprintInfo]:
         """Stored fingerprints whose entries ``current`` may use, exact match first."""
-        infos = [i for i in self.fingerprints() if i.fingerprint.serves(current)]
+        ids = [fid for fid, fp in self._fingerprint_ids() if fp.serves(current)]
+        infos = self.fingerprints(ids=ids) if ids else []
         infos.sort(key=lambda i: (i.fingerprint != current, -i.id))
         return infos
 
@@ -431,18 +444,17 @@ class Registry:
 
         def run() -> dict[str, tuple[str, str, str, str | None]]:
             result: dict[str, tuple[str, str, str, str | None]] = {}
-            query = select(
-                E.c.fingerprint_id, E.c.scope, E.c.key, E.c.runner, E.c.tactic, E.c.policy
-            ).where(E.c.fingerprint_id.in_(list(fingerprint_ids)), E.c.scope.in_(list(scopes)))
-            fp_rank = {fid: i for i, fid in enumerate(fingerprint_ids)}
-            scope_rank = {s: i for i, s in enumerate(scopes)}
-            best: dict[str, tuple[int, int]] = {}
+            # One indexed range per (fingerprint, scope), weakest first, so a
+            # stronger row simply overwrites a weaker one.
             with self._read() as conn:
-                for fid, scope, key, runner, tactic, policy in conn.execute(query):
-                    order = (fp_rank[fid], -scope_rank[scope])
-                    if key not in best or order < best[key]:
-                        best[key] = order
-                        result[key] = (key, runner, tactic, policy)
+                for fid in reversed(list(fingerprint_ids)):
+                    for scope in scopes:
+                        rows = conn.execute(
+                            select(E.c.key, E.c.runner, E.c.tactic, E.c.policy).where(
+                                E.c.fingerprint_id == fid, E.c.scope == scope
+                            )
+                        )
+                        result.update({row[0]: row for row in rows})
             return result
 
         return self._guard(run)
