@@ -554,6 +554,40 @@ def revert_cmd(obj: _Context, commit_id: int, dry_run: bool, yes: bool) -> None:
     )
 
 
+# -- the startup protocol --------------------------------------------------------
+
+
+@cli.command("demo")
+@click.option(
+    "--world",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Ranks to run (default: one per GPU, else 2 CPU ranks).",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cuda", "cpu"]),
+    default="auto",
+    show_default=True,
+    help="GPUs with FlashInfer's real tuning, or CPU ranks with the labelled stand-in.",
+)
+@FORMAT
+@pass_ctx
+def demo_cmd(obj: _Context, world: int | None, device: str, fmt: str) -> None:
+    """Two consecutive warm starts on N local processes against the registry.
+
+    On a fresh registry the first start tunes and commits; the second loads
+    everything and tunes nothing.
+    """
+    from ficache.demo import render_table, run_demo
+
+    result = run_demo(world, obj.db, device=device)
+    if fmt == "json":
+        _dump_json(result)
+    else:
+        click.echo(render_table(result))
+
+
 # -- schema -------------------------------------------------------------------
 
 

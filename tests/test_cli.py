@@ -83,6 +83,7 @@ def test_the_command_set() -> None:
             "db downgrade",
             "db history",
             "db upgrade",
+            "demo",
             "export",
             "fingerprint",
             "fingerprints",

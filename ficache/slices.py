@@ -1,0 +1,307 @@
+"""Rank slices: what each rank of a layout loads from the registry, and their cache.
+
+A rank's slice is the FlashInfer cache file it should load: the shared
+entries plus the entries scoped to that rank of the layout
+(``rank_scope(layout, rank)``), from every stored fingerprint that serves the
+running environment (``Registry.serving``; exact fingerprint first), with the
+running environment's ``_metadata`` so FlashInfer accepts it. Precedence is
+``Registry.slice_rows``'s: an earlier fingerprint wins, and within one a
+rank-scoped entry wins over a shared one.
+
+Invariants:
+- Slices are symmetric or shared-only. FlashInfer's synchronized tuning
+  deadlocks when one rank hits where another misses, so when the ranks'
+  slices differ in size (a rank's scoped entries were pruned, say) every
+  rank gets the shared entries only and the rank-scoped ones are tuned
+  again, with a warning.
+- The slice cache is derived data, never a source of truth. Rendering 10k
+  entries from SQL costs ~100x more than reading them back, so exports are
+  kept in one file per (registry, fingerprint, layout) under the user cache
+  dir, keyed by the registry's state (schema revision, last commit, entry
+  count, last entry id and update time). Any commit or migration, and any
+  out-of-band insert or delete, changes the state, and a stale, foreign,
+  truncated or tampered cache file is a miss (every segment carries its
+  SHA-256), never an error. It is written atomically and best-effort: a
+  read-only cache dir only costs speed.
+- ``cached_slices`` is the warm path for SQLite files: it reads the state
+  over one plain read-only connection, without opening the registry
+  (engine, Alembic checks), and only trusts a cache whose schema revision is
+  this ficache's head; on any doubt it returns None and the caller takes
+  the full path, which reports the registry's problems in its own words.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import sqlite3
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import text as sql_text
+from sqlalchemy.exc import DatabaseError
+
+from ficache import schema
+from ficache.fingerprint import Fingerprint
+from ficache.flashinfer_format import render_cache
+from ficache.models import SHARED_SCOPE, CommitRow, EntryRow
+from ficache.registry import Registry, rank_scope
+
+FORMAT = 1
+MAGIC = b"FICACHE-SLICES"
+
+#: ``(last commit id, last commit time, entry count, last entry id, last entry update)``.
+State = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class RankSlices:
+    """Every rank's slice of a layout: one base text plus, per rank, an overlay.
+
+    Rank ``r`` loads ``base``, then ``overlays[r]`` when it is not None (its
+    entries replace the base's for the same key), and then holds
+    ``counts[r]`` entries. In the common case every overlay is None and all
+    ranks load the same text.
+    """
+
+    base: str
+    overlays: tuple[str | None, ...]
+    counts: tuple[int, ...]
+    fingerprint_ids: tuple[int, ...]
+    state: State
+    cache: str = "off"  # "hit", "miss" or "off"
+    warnings: tuple[str, ...] = field(default=())
+
+    @property
+    def uniform(self) -> bool:
+        return all(o is None for o in self.overlays)
+
+
+def default_cache_dir() -> Path:
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("ficache", appauthor=False)) / "slices"
+
+
+_STATE_SQL = (
+    "SELECT (SELECT max(version_num) FROM alembic_version), "
+    f"(SELECT max(id) FROM {CommitRow.__tablename__}), (SELECT max(created_at) FROM {CommitRow.__tablename__}), "
+    f"(SELECT count(*) FROM {EntryRow.__tablename__}), (SELECT max(id) FROM {EntryRow.__tablename__}), "
+    f"(SELECT max(updated_at) FROM {EntryRow.__tablename__})"
+)
+
+
+def registry_state(reg: Registry) -> State:
+    """A cheap token that changes whenever the registry's entries may have changed.
+
+    ``(schema revision, last commit id, its time, entry count, last entry id,
+    last entry update)``: any commit, migration, or insert or delete made
+    behind the registry's back changes it.
+    """
+    try:
+        with reg.engine.connect() as conn:
+            return tuple(conn.execute(sql_text(_STATE_SQL)).one())
+    except DatabaseError as exc:
+        raise schema.translate_operational_error(exc, reg.location) from None
+
+
+@functools.lru_cache(maxsize=1)
+def _head_revision() -> str:
+    return schema.head_revision()
+
+
+def cached_slices(
+    db: str | os.PathLike[str] | None,
+    current: Fingerprint,
+    layout: str,
+    world: int,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> tuple[RankSlices, str] | None:
+    """The cached slices of a SQLite registry file, checked without opening the registry.
+
+    The warm path: one read-only SQLite connection reads the registry's state
+    and the cache file must match it, at the schema revision this ficache
+    creates. Returns ``(slices, registry display name)``, or None on any
+    doubt (not a SQLite file, no cache, a stale one, an older or newer schema,
+    any error), after which the caller opens the registry as usual.
+    """
+    try:
+        location = schema.resolve(db)
+        if location.path is None or not location.path.is_file():
+            return None
+        directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        path = _cache_file(directory, location.url, current, layout, world)
+        if not path.is_file():
+            return None
+        conn = sqlite3.connect(location.path.as_uri() + "?mode=ro", uri=True, timeout=1.0)
+        try:
+            state = tuple(conn.execute(_STATE_SQL).fetchone())
+        finally:
+            conn.close()
+        if state[0] != _head_revision():
+            return None
+    except Exception:  # noqa: BLE001 - any doubt: take the slow path, which explains itself
+        return None
+    cached = _read_cache(path, _header(location.url, current, layout, world, state))
+    return (cached, location.display) if cached is not None else None
+
+
+def _header(
+    url: str, current: Fingerprint, layout: str, world: int, state: State
+) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "url": url,
+        "fingerprint": current.digest,
+        "layout": layout,
+        "world": world,
+        "state": list(state),
+    }
+
+
+def _cache_file(cache_dir: Path, url: str, fp: Fingerprint, layout: str, world: int) -> Path:
+    ident = json.dumps([url, fp.digest, layout, world])
+    return cache_dir / (hashlib.sha256(ident.encode()).hexdigest()[:32] + ".slices")
+
+
+def _read_cache(path: Path, header_want: dict[str, Any]) -> RankSlices | None:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    try:
+        head, sep, body = data.partition(b"\n")
+        if not sep or not head.startswith(MAGIC + b" "):
+            return None
+        header = json.loads(head[len(MAGIC) + 1 :])
+        if any(header.get(k) != v for k, v in header_want.items()):
+            return None
+        segments: list[str] = []
+        offset = 0
+        for length, digest in header["segments"]:
+            chunk = body[offset : offset + length]
+            offset += length
+            if len(chunk) != length or hashlib.sha256(chunk).hexdigest() != digest:
+                return None
+            segments.append(chunk.decode("utf-8"))
+        if offset != len(body):
+            return None
+        overlays = tuple(segments[i] if i is not None else None for i in header["overlays"])
+        counts = tuple(int(n) for n in header["counts"])
+        if len(overlays) != header_want["world"] or len(counts) != len(overlays):
+            return None
+        return RankSlices(
+            segments[0],
+            overlays,
+            counts,
+            tuple(header["fingerprint_ids"]),
+            tuple(header["state"]),
+            "hit",
+            tuple(header.get("warnings", ())),
+        )
+    except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError):
+        return None
+
+
+def _write_cache(path: Path, header_base: dict[str, Any], slices: RankSlices) -> None:
+    segments: list[bytes] = [slices.base.encode("utf-8")]
+    overlays: list[int | None] = []
+    for overlay in slices.overlays:
+        if overlay is None:
+            overlays.append(None)
+        else:
+            overlays.append(len(segments))
+            segments.append(overlay.encode("utf-8"))
+    header = {
+        **header_base,
+        "fingerprint_ids": list(slices.fingerprint_ids),
+        "counts": list(slices.counts),
+        "overlays": overlays,
+        "segments": [[len(s), hashlib.sha256(s).hexdigest()] for s in segments],
+        "warnings": list(slices.warnings),
+    }
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as handle:
+            handle.write(MAGIC + b" " + json.dumps(header, separators=(",", ":")).encode() + b"\n")
+            for segment in segments:
+                handle.write(segment)
+        os.replace(tmp, path)
+    except OSError:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def export_slices(
+    reg: Registry,
+    current: Fingerprint,
+    layout: str,
+    world: int,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+    use_cache: bool = True,
+    for_tuning: bool = True,
+) -> RankSlices:
+    """Every rank's slice for ``current`` on ``layout`` of ``world`` ranks.
+
+    ``for_tuning=False`` skips the symmetry rule (for slices loaded after
+    tuning, when no rank profiles any more) and reads no cache, but still
+    refreshes it when the slices are symmetric. Raises the registry's
+    ``FicacheError`` subclasses when it cannot be read.
+    """
+    state = registry_state(reg)
+    path = None
+    header_want: dict[str, Any] = {}
+    if use_cache:
+        directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        path = _cache_file(directory, reg.location.url, current, layout, world)
+        header_want = _header(reg.location.url, current, layout, world, state)
+        cached = _read_cache(path, header_want) if for_tuning else None
+        if cached is not None:
+            return cached
+    slices = _export(reg, current, layout, world, state, symmetric=for_tuning)
+    if path is not None and len(set(slices.counts)) <= 1:
+        _write_cache(path, header_want, slices)
+        return dataclasses.replace(slices, cache="miss")
+    return slices
+
+
+def _export(
+    reg: Registry, current: Fingerprint, layout: str, world: int, state: State, *, symmetric: bool
+) -> RankSlices:
+    metadata = current.flashinfer_metadata()
+    ids = tuple(info.id for info in reg.serving(current))
+    if not ids:
+        return RankSlices(render_cache(metadata, ()), (None,) * world, (0,) * world, ids, state)
+    shared = reg.slice_rows(ids, [SHARED_SCOPE])
+    base = render_cache(metadata, shared.values())
+    scopes = [rank_scope(layout, r) for r in range(world)]
+    if not any(reg.slice_rows(ids, [scope]) for scope in scopes):
+        return RankSlices(base, (None,) * world, (len(shared),) * world, ids, state)
+    per_rank = [reg.slice_rows(ids, [SHARED_SCOPE, scope]) for scope in scopes]
+    counts = [len(rows) for rows in per_rank]
+    if symmetric and len(set(counts)) > 1:
+        warning = (
+            f"rank-scoped entries of layout {layout!r} differ in number between ranks "
+            f"({', '.join(map(str, counts))}); loading shared entries only, so that every rank "
+            "tunes the same keys"
+        )
+        return RankSlices(
+            base, (None,) * world, (len(shared),) * world, ids, state, warnings=(warning,)
+        )
+    overlays: list[str | None] = []
+    for rows in per_rank:
+        # A rank's slice holds every shared key (more scopes only add candidates),
+        # so base + overlay is exactly the slice.
+        differ = [row for key, row in rows.items() if shared.get(key) != row]
+        overlays.append(render_cache(metadata, differ) if differ else None)
+    return RankSlices(base, tuple(overlays), tuple(counts), ids, state)

@@ -1,0 +1,948 @@
+"""The startup protocol: ``warm_start``, a distributed warm start of FlashInfer's autotuner.
+
+::
+
+    with ficache.warm_start(group) as ws:   # every rank of one gloo group
+        run_warmup_forward_passes()         # FlashInfer tunes what is missing
+    print(ws.report)                        # loaded, tuned, committed, commit id, seconds per phase
+
+Protocol. Every rank of ``group`` runs every step below, in this order, on
+every path. A failure is a value that travels to the next collective, never
+a rank that leaves early.
+
+On enter:
+
+1. Each rank collects its fingerprint and clears its tuner: for the block,
+   ``warm_start`` owns the AutoTuner's cache, and every rank starts from
+   exactly its slice.
+2. Rank 0 opens the registry and exports one slice per rank for its own
+   fingerprint (``ficache.slices``): the shared entries plus that rank's
+   entries scoped to ``layout``.
+3. One broadcast carries the slices (a base every rank loads, plus an
+   overlay per rank where its scoped entries differ), or the reason there
+   are none.
+4. A rank whose fingerprint equals rank 0's loads its slice.
+5. One all-gather (a few integers) confirms fingerprints and loads.
+   Fingerprints that differ, a load that failed anywhere, or ranks that
+   loaded different numbers of entries: every rank clears and tunes from
+   empty.
+6. The tuning group is set (``set_autotune_process_group``).
+
+On exit, also when the block raised:
+
+7. The tuning group is cleared (in ``finally``).
+8. One all-gather of every rank's status: did its block raise, how many new
+   entries it holds (entries it tuned that differ from what it loaded).
+9. Only when something was tuned: the new entries are gathered to rank 0,
+   which commits them in one transaction, and one broadcast carries the
+   outcome and the final slices (the registry's state after the commit) to
+   every rank, which loads its own. When nothing was tuned every rank already
+   knows the outcome from step 8 (the same data everywhere), so every rank
+   logs the same thing either way.
+
+Decisions:
+
+- Heterogeneous ranks (fingerprints differ): nothing is loaded and nothing is
+  committed, because no single fingerprint describes what they tune. The
+  tuning group is still set: they start from the same (empty) cache, so they
+  profile the same sequence and pick the same tactics, which keeps the
+  kernels of later collectives consistent across ranks.
+- Any failure on any rank (registry unusable on rank 0, a load, the block
+  raising, a rank unable to read its tuner, a collective) means nothing is
+  committed; the reason is in every rank's report and logged once per rank.
+  An exception raised in the block propagates out of ``with`` on its rank,
+  after the protocol completed on every rank.
+- A registry that can be read but not written (read-only, or locked longer
+  than ``busy_timeout``) still serves its entries; only the commit is
+  skipped, or fails and leaves the registry as it was.
+- Shared or scoped: a new entry equal (runner, tactic, policy) on every rank
+  of a synchronized start is stored shared; every other new entry (tactics
+  that differ, or a key only some ranks produced) is stored once per rank
+  that produced it, scoped to that rank of ``layout``. Entries of a start
+  that was not synchronized (``synchronize=False``) are never stored shared.
+- The tuning group. FlashInfer's all-reduces run on a dedicated gloo group
+  (one per process and caller group, created collectively with
+  ``torch.distributed.new_group`` the first time and reused), not on
+  ``group``, so tuning all-reduces can never interleave with the protocol's
+  own collectives, and the tuning group can be released. A rank whose block
+  raised releases it at once; a rank that finished its block waits
+  ``release_grace`` seconds for the others at step 8, then releases it. A peer
+  still blocked in a tuning all-reduce (it missed where this rank hit, or
+  this rank failed) then fails at once ("Connection closed by peer") instead
+  of waiting out the group's timeout (30 minutes by default). Releasing is
+  safe at that point: a rank that has left its block never all-reduces
+  again, so a peer's pending or later all-reduce could never complete.
+  ``new_group`` must be called by every rank of the default group, so when
+  ``group`` is smaller than the world, tuning all-reduces run on ``group``
+  itself and cannot be released early.
+
+Cost: a warm start with nothing to tune is four collectives on ``group`` plus
+one ``load_configs`` per rank. Rank 0 reads rendered slices from the slice
+cache (``ficache.slices``) after checking the registry's state over one
+read-only SQLite connection, and the tuner adapter pauses the garbage
+collector during ``load_configs``; see ``benchmarks/warm_start.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from sqlalchemy import event
+
+from ficache.errors import FicacheError, RegistryBusyError, RegistryReadOnlyError, TunerError
+from ficache.fingerprint import ALL_FIELDS, Fingerprint, collect
+from ficache.flashinfer_format import canonical_json, parse_key
+from ficache.registry import SHARED_SCOPE, NewEntry, Registry, rank_scope
+from ficache.slices import cached_slices, export_slices
+from ficache.tuner import FlashInferTuner, Row, Tuner
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: gloo's default timeout, used when ``timeout`` is None.
+DEFAULT_TIMEOUT_S = 1800.0
+
+# caller group id -> (caller group, its dedicated tuning group)
+_TUNING_GROUPS: dict[int, tuple[Any, Any]] = {}
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+@dataclass
+class WarmStartReport:
+    """What one warm start did, as seen by one rank (``as_json`` for machines)."""
+
+    rank: int = 0
+    world_size: int = 1
+    layout: str = "world1"
+    fingerprint: str | None = None  # digest of this rank's fingerprint
+    registry: str | None = None  # where rank 0 read (and wrote) entries
+    status: str = "starting"  # "warm", "partial", "cold" or "uncached: <reason>"
+    reason: str | None = None  # why nothing was loaded, or nothing committed
+    loaded: int = 0  # entries this rank loaded
+    tuned: int = 0  # new entries this rank produced
+    committed: int = 0  # registry rows this start added or replaced (all ranks)
+    commit_id: int | None = None
+    shared: int = 0  # new keys stored shared
+    scoped: int = 0  # new rows stored scoped to one rank of the layout
+    disagreements: int = 0  # new keys whose value differed between ranks
+    synchronized: bool = False  # tuning all-reduced over every rank, from matching caches
+    slice_cache: str = "off"  # rank 0's slice cache: "hit", "miss" or "off"
+    loaded_by_rank: list[int] = field(default_factory=list)
+    tuned_by_rank: list[int] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total_seconds(self) -> float:
+        return self.seconds.get("total", 0.0)
+
+    def as_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------
+# Collectives on the caller's group. Any failure breaks the channel on this
+# rank: later steps skip their collectives and the start ends uncommitted.
+
+
+class _Channel:
+    def __init__(self, group: Any, rank: int, world: int) -> None:
+        self.group = group
+        self.rank = rank
+        self.world = world
+        self.error: str | None = None
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T | None:
+        if self.error is not None:
+            return None
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - a failed collective is a value
+            self.error = f"{what} failed on rank {self.rank}: {_one_line(exc)}"
+            logger.error("ficache warm start: %s", self.error)
+            return None
+
+    def broadcast(self, obj: Any) -> Any | None:
+        """Rank 0's ``obj`` on every rank."""
+        if self.world == 1:
+            return obj
+
+        def run() -> Any:
+            box = [obj if self.rank == 0 else None]
+            dist.broadcast_object_list(box, group=self.group, group_src=0)
+            return box[0]
+
+        return self._call("broadcast", run)
+
+    def all_gather(self, obj: Any) -> list[Any] | None:
+        if self.world == 1:
+            return [obj]
+
+        def run() -> list[Any]:
+            out: list[Any] = [None] * self.world
+            dist.all_gather_object(out, obj, group=self.group)
+            return out
+
+        return self._call("all-gather", run)
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]] | None:
+        """All-gather a few integers (one collective, no pickling)."""
+        if self.world == 1:
+            return [values]
+
+        def run() -> list[list[int]]:
+            mine = torch.tensor(values, dtype=torch.int64)
+            out = [torch.zeros_like(mine) for _ in range(self.world)]
+            dist.all_gather(out, mine, group=self.group)
+            return [[int(v) for v in t.tolist()] for t in out]
+
+        return self._call("all-gather", run)
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Everyone's ``obj`` on rank 0 (others get ``[]``)."""
+        if self.world == 1:
+            return [obj]
+
+        def run() -> list[Any]:
+            out: list[Any] | None = [None] * self.world if self.rank == 0 else None
+            dist.gather_object(obj, out, group=self.group, group_dst=0)
+            return out if out is not None else []
+
+        return self._call("gather", run)
+
+    def exchange(
+        self, values: list[int], grace: float, timeout: float, on_stall: Callable[[], None]
+    ) -> list[list[int]] | None:
+        """All-gather a few integers; call ``on_stall`` if peers are not there within ``grace``."""
+        if self.world == 1:
+            return [values]
+
+        def run() -> list[list[int]]:
+            mine = torch.tensor(values, dtype=torch.int64)
+            out = [torch.zeros_like(mine) for _ in range(self.world)]
+            work = dist.all_gather(out, mine, group=self.group, async_op=True)
+            assert work is not None
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=grace))
+            except Exception:
+                if work.is_completed():
+                    raise
+                on_stall()
+                work.wait(timeout=datetime.timedelta(seconds=timeout))
+            return [[int(v) for v in t.tolist()] for t in out]
+
+        return self._call("status exchange", run)
+
+
+class _NoTuner:
+    """Stands in for a tuner that could not be created: holds nothing, loads nothing."""
+
+    def clear(self) -> None:
+        pass
+
+    def load(self, text: str) -> int:
+        raise TunerError("no tuner")
+
+    def entries(self) -> dict[str, Row]:
+        return {}
+
+    def tuned(self) -> dict[str, Row]:
+        return {}
+
+    def set_process_group(self, group: Any | None) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------
+# The dedicated tuning group.
+
+
+def _cached_tuning_group(group: Any) -> Any | None:
+    entry = _TUNING_GROUPS.get(id(group))
+    return entry[1] if entry is not None and entry[0] is group else None
+
+
+def _drop_tuning_group(group: Any) -> None:
+    entry = _TUNING_GROUPS.pop(id(group), None)
+    if entry is not None and entry[0] is group:
+        with suppress(Exception):
+            dist.destroy_process_group(entry[1])
+
+
+def _holds(frame: Any, target: Any) -> bool:
+    for value in frame.f_locals.values():
+        if value is target:
+            return True
+        if isinstance(value, dict):
+            if any(v is target for v in value.values()):
+                return True
+        elif isinstance(value, (tuple, list)) and any(v is target for v in value):
+            return True
+    return False
+
+
+def _drop_frame_references(exc: BaseException | None, target: Any) -> None:
+    """Clear the locals of finished frames in ``exc``'s traceback that hold ``target``.
+
+    A rank whose tuning all-reduce failed holds the tuning group in the
+    locals of the frames it failed in (torch.distributed's, and any caller
+    that kept the group in a variable). gloo closes a group's connections
+    only when its last reference goes, so without this a failed rank would
+    keep its sockets open and stall the peers still waiting on it.
+    """
+    seen: set[int] = set()
+    while target is not None and exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        while tb is not None:
+            with suppress(Exception):
+                if _holds(tb.tb_frame, target):
+                    tb.tb_frame.clear()  # RuntimeError for a frame still running: skipped
+                    # Reading f_locals cached a snapshot of them on the frame;
+                    # reading it again after clear() empties that snapshot.
+                    _ = tb.tb_frame.f_locals
+            tb = tb.tb_next
+        exc = exc.__cause__ or exc.__context__
+
+
+def _bound_busy_timeout(reg: Registry, seconds: float | None) -> None:
+    """Make the registry's later SQLite connections wait at most ``seconds`` for a lock."""
+    if seconds is None or reg.engine.dialect.name != "sqlite":
+        return
+    milliseconds = max(int(seconds * 1000), 0)
+
+    @event.listens_for(reg.engine, "connect")
+    def _busy(dbapi_connection: Any, _record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        cursor.execute(f"PRAGMA busy_timeout = {milliseconds}")
+        cursor.close()
+
+
+def _describe_difference(fields: list[dict[str, str] | None]) -> str:
+    """Which fingerprint fields differ between ranks, for a one-line reason."""
+    diffs = []
+    for name in ALL_FIELDS:
+        values = [f.get(name) if f else None for f in fields]
+        if len(set(values)) > 1:
+            diffs.append(f"{name} ({', '.join(f'rank{r}={v}' for r, v in enumerate(values))})")
+    return "; ".join(diffs[:3]) or "fingerprint"
+
+
+# --------------------------------------------------------------------------
+
+
+class WarmStart:
+    """The context manager ``warm_start`` returns; ``report`` is filled on exit."""
+
+    def __init__(
+        self,
+        group: Any = None,
+        *,
+        db: str | os.PathLike[str] | None = None,
+        layout: str | None = None,
+        tuner: Tuner | None = None,
+        fingerprint: Fingerprint | None = None,
+        synchronize: bool = True,
+        timeout: float | None = None,
+        release_grace: float = 5.0,
+        busy_timeout: float | None = 5.0,
+        slice_cache: bool = True,
+        provenance: dict[str, Any] | None = None,
+    ) -> None:
+        self.group = group
+        self.db = os.fspath(db) if db is not None else None
+        self._layout = layout
+        self._tuner = tuner
+        self._fingerprint = fingerprint
+        self.synchronize = synchronize
+        self.timeout = float(timeout) if timeout is not None else DEFAULT_TIMEOUT_S
+        self.release_grace = release_grace
+        self.busy_timeout = busy_timeout
+        self.slice_cache = slice_cache
+        self.provenance = dict(provenance or {})
+        self.report = WarmStartReport()
+        self.tuner: Tuner
+        self._fp: Fingerprint | None = None
+        self._channel: _Channel
+        self._uncached: str | None = None  # why the registry is not used at all
+        self._no_commit: str | None = None  # why nothing may be committed
+        self._readonly = False
+        self._loaded_texts: list[str] = []
+        self._tune_group: Any = None
+        self._tune_group_dedicated = False
+        self._released = False
+        self._started = 0.0
+        self._block_started = 0.0
+        self._failed_at = 0.0
+        self._rank_failed = False  # a rank raised, or could not take part
+
+    # -- helpers ----------------------------------------------------------
+
+    def _phase(self, name: str, since: float) -> float:
+        now = time.perf_counter()
+        self.report.seconds[name] = round(self.report.seconds.get(name, 0.0) + now - since, 6)
+        return now
+
+    def _warn(self, message: str) -> None:
+        if message not in self.report.warnings:
+            self.report.warnings.append(message)
+
+    def _registry(self) -> Registry:
+        reg = Registry.open(self.db)
+        try:
+            _bound_busy_timeout(reg, self.busy_timeout)
+        except Exception:
+            reg.close()
+            raise
+        return reg
+
+    # -- enter ------------------------------------------------------------
+
+    def __enter__(self) -> WarmStart:
+        self._started = t = time.perf_counter()
+        if dist.is_available() and dist.is_initialized():
+            rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        else:
+            rank, world = 0, 1
+        layout = self._layout or f"world{world}"
+        rank_scope(layout, rank)  # validates the layout name (ValueError before any collective)
+        report = self.report
+        report.rank, report.world_size, report.layout = rank, world, layout
+        report.synchronized = world == 1 and self.synchronize
+        self._channel = channel = _Channel(self.group, rank, world)
+
+        # 1. fingerprint and a clean tuner
+        local_error: str | None = None
+        try:
+            self._fp = self._fingerprint or collect()
+            report.fingerprint = self._fp.digest
+        except Exception as exc:  # noqa: BLE001 - becomes "tune uncached"
+            local_error = f"rank {rank} could not collect its fingerprint: {_one_line(exc)}"
+        try:
+            self.tuner = self._tuner if self._tuner is not None else FlashInferTuner()
+            self.tuner.clear()
+        except Exception as exc:  # noqa: BLE001
+            local_error = local_error or f"rank {rank} could not set up its tuner: {_one_line(exc)}"
+            if not hasattr(self, "tuner"):
+                self.tuner = _NoTuner()
+        t = self._phase("prepare", t)
+
+        # 2. rank 0 exports every rank's slice
+        payload = self._export_payload(world, layout) if rank == 0 else None
+        t = self._phase("export", t)
+
+        # 3. one broadcast
+        mine = channel.broadcast(payload)
+        t = self._phase("distribute", t)
+        if not isinstance(mine, dict):
+            mine = {"reason": channel.error or "no slice received", "fingerprint": None}
+        report.registry = mine.get("registry")
+        report.slice_cache = mine.get("cache", "off")
+        self._readonly = bool(mine.get("readonly"))
+        for warning in mine.get("warnings", ()):
+            self._warn(warning)
+
+        # 4. load
+        ok, loaded, load_error = True, 0, None
+        if local_error is None and mine.get("base") is not None and self._fp is not None:
+            if mine.get("fingerprint") == self._fp.digest:
+                try:
+                    loaded = self._load_slice(mine)
+                except Exception as exc:  # noqa: BLE001 - a failed load is a value
+                    ok, load_error = (
+                        False,
+                        f"rank {rank} could not load its slice: {_one_line(exc)}",
+                    )
+        elif local_error is not None:
+            ok, load_error = False, local_error
+        t = self._phase("load", t)
+
+        # 5. confirm together: one all-gather of a few integers; details only on trouble
+        digest = bytes.fromhex(self._fp.digest) if self._fp else bytes(32)
+        vector = [int(ok), loaded, int(_cached_tuning_group(self.group) is not None)]
+        vector += [
+            int.from_bytes(digest[i : i + 8], "little", signed=True) for i in range(0, 32, 8)
+        ]
+        vectors = channel.all_gather_ints(vector)
+        alive = False
+        if vectors is None:
+            vectors = [vector]
+            self._uncached = channel.error
+        else:
+            alive = all(v[2] for v in vectors)
+            differ = len({tuple(v[3:]) for v in vectors}) > 1
+            failed = not all(v[0] for v in vectors)
+            if mine.get("reason"):
+                self._uncached = mine["reason"]
+            elif differ or failed:
+                details = channel.all_gather(
+                    {"fields": self._fp.as_dict() if self._fp else None, "error": load_error}
+                )
+                if details is None:
+                    self._uncached = channel.error
+                elif differ:
+                    self._uncached = "ranks run in different environments: " + _describe_difference(
+                        [d["fields"] for d in details]
+                    )
+                else:
+                    errors = [
+                        d["error"] or "a rank failed"
+                        for d, v in zip(details, vectors, strict=True)
+                        if not v[0]
+                    ]
+                    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+                    self._uncached = errors[0] + more
+            elif len({v[1] for v in vectors}) > 1:
+                self._uncached = (
+                    "ranks loaded different numbers of entries ("
+                    + ", ".join(str(v[1]) for v in vectors)
+                    + "); a rank that hits where another misses would stall synchronized tuning"
+                )
+        if self._uncached is not None:
+            self._no_commit = self._uncached
+            if loaded:
+                with suppress(Exception):
+                    self.tuner.clear()
+            loaded, self._loaded_texts = 0, []
+            report.loaded_by_rank = [0] * world
+        else:
+            report.loaded_by_rank = [int(v[1]) for v in vectors]
+        report.loaded = loaded
+        t = self._phase("confirm", t)
+
+        # 6. the tuning group
+        if world > 1 and channel.error is None and self.synchronize:
+            self._set_tuning_group(alive)
+            report.synchronized = self._tune_group is not None
+        self._phase("group", t)
+        if self._uncached is not None:
+            logger.warning(
+                "ficache warm start rank %d/%d: tuning uncached: %s", rank, world, self._uncached
+            )
+        self._block_started = time.perf_counter()
+        return self
+
+    def _load_slice(self, message: dict[str, Any]) -> int:
+        """Load the base text and this rank's overlay; return the entries now held."""
+        texts = [message["base"]]
+        overlays = message.get("overlays") or []
+        overlay = overlays[self.report.rank] if self.report.rank < len(overlays) else None
+        if overlay is not None:
+            texts.append(overlay)
+        self._loaded_texts = []
+        loaded = 0
+        for text in texts:
+            loaded += self.tuner.load(text)
+            self._loaded_texts.append(text)
+        return loaded
+
+    def _export_payload(self, world: int, layout: str) -> dict[str, Any]:
+        """Rank 0: what every rank needs to load its slice, or why there is nothing."""
+        payload: dict[str, Any] = {
+            "fingerprint": self._fp.digest if self._fp else None,
+            "registry": None,
+            "readonly": False,
+            "reason": None,
+            "base": None,
+            "overlays": None,
+            "cache": "off",
+            "warnings": [],
+        }
+        if self._fp is None:
+            payload["reason"] = "rank 0 could not collect its fingerprint"
+            return payload
+        fast = cached_slices(self.db, self._fp, layout, world) if self.slice_cache else None
+        if fast is not None:
+            slices, payload["registry"] = fast
+        else:
+            try:
+                with self._registry() as reg:
+                    payload["registry"] = reg.location.display
+                    payload["readonly"] = reg.readonly
+                    slices = export_slices(reg, self._fp, layout, world, use_cache=self.slice_cache)
+            except FicacheError as exc:
+                payload["reason"] = str(exc)
+                return payload
+            except Exception as exc:  # noqa: BLE001 - any registry problem means "uncached"
+                payload["reason"] = f"registry could not be read: {_one_line(exc)}"
+                return payload
+        payload.update(
+            base=slices.base,
+            overlays=list(slices.overlays),
+            cache=slices.cache,
+            warnings=list(slices.warnings),
+        )
+        if payload["readonly"]:
+            payload["warnings"].append(
+                f"registry {payload['registry']} is read-only: this start commits nothing"
+            )
+        return payload
+
+    def _set_tuning_group(self, alive: bool) -> None:
+        group = self.group
+        dedicated = dist.get_world_size(group) == dist.get_world_size()
+        chosen: Any = group
+        if dedicated:
+            if alive:
+                chosen = _cached_tuning_group(group)
+            else:
+                _drop_tuning_group(group)
+                created, error = None, None
+                try:
+                    created = dist.new_group(
+                        backend="gloo",
+                        timeout=datetime.timedelta(seconds=self.timeout),
+                        group_desc="ficache_tuning",
+                    )
+                except Exception as exc:  # noqa: BLE001
+                    error = _one_line(exc)
+                oks = self._channel.all_gather(error is None)
+                if oks is not None and all(oks) and created is not None:
+                    _TUNING_GROUPS[id(group)] = (group, created)
+                    chosen = created
+                else:
+                    if created is not None:
+                        with suppress(Exception):
+                            dist.destroy_process_group(created)
+                    self._warn(
+                        f"could not create a tuning group ({error or 'on another rank'}); tuning on the caller's group"
+                    )
+                    dedicated = False
+                    if oks is None:
+                        return
+        try:
+            self.tuner.set_process_group(chosen)
+        except Exception as exc:  # noqa: BLE001
+            self._warn(f"could not set the autotune process group: {_one_line(exc)}")
+            return
+        self._tune_group = chosen
+        self._tune_group_dedicated = dedicated
+
+    # -- exit -------------------------------------------------------------
+
+    def _release(self) -> None:
+        """Close the dedicated tuning group now (see the module docstring)."""
+        if self._released:
+            return
+        self._released = True
+        with suppress(Exception):
+            self.tuner.set_process_group(None)
+        if self._tune_group_dedicated:
+            _drop_tuning_group(self.group)
+            self._tune_group = None
+
+    def _new_entries(self) -> dict[str, Row]:
+        tuned = self.tuner.tuned()
+        if not tuned:
+            return {}
+        loaded: dict[str, Any] = {}
+        for text in self._loaded_texts:
+            loaded.update(json.loads(text))
+        new: dict[str, Row] = {}
+        for key, row in tuned.items():
+            old = loaded.get(key)
+            if isinstance(old, list) and len(old) in (2, 3):
+                policy = canonical_json(old[2]) if len(old) == 3 else None
+                if (old[0], canonical_json(old[1]), policy) == row:
+                    continue
+            new[key] = row
+        return new
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._failed_at = time.time()  # wall clock: the earliest failure is the root cause
+        t = self._phase("block", self._block_started)
+        report, channel = self.report, self._channel
+        raised = exc is not None
+        # 7. clear the tuning group (and release it at once if this block failed)
+        with suppress(Exception):
+            self.tuner.set_process_group(None)
+        if raised:
+            _drop_frame_references(exc, self._tune_group if self._tune_group_dedicated else None)
+            self._release()
+
+        new: dict[str, Row] = {}
+        tuner_error = None
+        try:
+            new = self._new_entries()
+        except Exception as exc2:  # noqa: BLE001
+            tuner_error = f"rank {report.rank} could not read its tuner: {_one_line(exc2)}"
+        report.tuned = len(new)
+
+        # 8. everyone's status
+        statuses = channel.exchange(
+            [int(raised), len(new), int(tuner_error is not None)],
+            self.release_grace,
+            self.timeout,
+            self._release,
+        )
+        t = self._phase("exchange", t)
+        outcome: dict[str, Any] = {}
+        if statuses is None:
+            self._rank_failed = True
+            self._release()
+            self._no_commit = self._no_commit or channel.error
+            report.tuned_by_rank = [len(new)]
+        else:
+            report.tuned_by_rank = [s[1] for s in statuses]
+            if any(s[0] or s[2] for s in statuses):
+                # Someone raised or cannot read its tuner: share the reasons, commit nothing.
+                self._rank_failed = True
+                if any(s[0] for s in statuses):
+                    self._release()
+                mine = None
+                if raised and exc is not None:
+                    mine = (
+                        self._failed_at,
+                        f"rank {report.rank} raised {_one_line(exc)} in the warm-start block",
+                    )
+                elif tuner_error is not None:
+                    mine = (self._failed_at, tuner_error)
+                messages = sorted(m for m in channel.all_gather(mine) or [mine] if m)
+                first = messages[0][1] if messages else "a rank failed"
+                more = (
+                    f" (then {len(messages) - 1} more rank(s) failed)" if len(messages) > 1 else ""
+                )
+                self._no_commit = self._no_commit or first + more
+            # 9. commit what was tuned
+            if any(s[1] for s in statuses):
+                outcome = self._commit_phase(new, statuses)
+        self._finish(outcome, exc)
+
+    def _commit_phase(self, new: dict[str, Row], statuses: list[list[int]]) -> dict[str, Any]:
+        channel, report = self._channel, self.report
+        t = time.perf_counter()
+        gathered = channel.gather(new)
+        t = self._phase("gather", t)
+        outcome = None
+        if report.rank == 0 and gathered is not None:
+            outcome = self._commit(gathered)
+            t = self._phase("commit", t)
+        mine = channel.broadcast(outcome)
+        if not isinstance(mine, dict):
+            self._no_commit = self._no_commit or channel.error or "no outcome received"
+            return {}
+        if mine.get("base") is not None:
+            try:
+                self.tuner.clear()
+                self._load_slice(mine)
+            except Exception as exc:  # noqa: BLE001 - the tuner keeps what it tuned
+                self._warn(f"rank {report.rank} could not load its final slice: {_one_line(exc)}")
+        self._phase("final", t)
+        return mine
+
+    def _commit(self, gathered: list[dict[str, Row] | None]) -> dict[str, Any]:
+        """Rank 0: classify, commit once, export the final slices. Never raises."""
+        report, world, layout = self.report, self.report.world_size, self.report.layout
+        result: dict[str, Any] = {
+            "reason": self._no_commit,
+            "committed": 0,
+            "commit_id": None,
+            "shared": 0,
+            "scoped": 0,
+            "disagreements": 0,
+            "warnings": [],
+        }
+        per_rank: list[dict[str, Row]] = [g if isinstance(g, dict) else {} for g in gathered]
+        keys = sorted(set().union(*per_rank))
+        synchronized = report.synchronized and self._no_commit is None
+        shared: list[tuple[str, Row]] = []
+        scoped: list[tuple[int, str, Row]] = []
+        invalid = 0
+        for key in keys:
+            values = [p.get(key) for p in per_rank]
+            present = [v for v in values if v is not None]
+            if len(present) >= 2 and len(set(present)) > 1:
+                result["disagreements"] += 1
+            try:
+                fields = parse_key(key)
+                if any(v[0] != fields.runner for v in present):
+                    raise ValueError("runner differs from the key's")
+                for v in present:
+                    json.loads(v[1])
+            except ValueError:
+                invalid += 1
+                continue
+            if synchronized and len(present) == world and len(set(present)) == 1:
+                shared.append((key, present[0]))
+            else:
+                scoped.extend((r, key, v) for r, v in enumerate(values) if v is not None)
+        if invalid:
+            result["warnings"].append(
+                f"{invalid} tuned entries had keys or tactics ficache cannot store; skipped"
+            )
+        result["shared"], result["scoped"] = len(shared), len(scoped)
+        if self._no_commit is None and self._readonly:
+            self._no_commit = f"registry {report.registry} is read-only"
+        if self._no_commit is None and self._fp is not None and (shared or scoped):
+            fp = self._fp
+            entries = [NewEntry(fp, k, v[0], v[1], v[2], SHARED_SCOPE) for k, v in shared]
+            entries += [
+                NewEntry(fp, k, v[0], v[1], v[2], rank_scope(layout, r)) for r, k, v in scoped
+            ]
+            provenance = {
+                **self.provenance,
+                "protocol": "ficache.warm_start",
+                "world_size": world,
+                "layout": layout,
+                "fingerprint": fp.digest,
+                "tuned_by_rank": [len(p) for p in per_rank],
+                "shared": len(shared),
+                "scoped": len(scoped),
+                "disagreements": result["disagreements"],
+                "synchronized": synchronized,
+            }
+            try:
+                with self._registry() as reg:
+                    if reg.readonly:
+                        raise RegistryReadOnlyError(f"registry {reg.location.display} is read-only")
+                    written = reg.write(
+                        entries,
+                        kind="startup",
+                        world_size=world,
+                        layout=layout,
+                        provenance=provenance,
+                        message=f"warm start on {world} rank(s) ({layout}): {len(keys)} new keys",
+                    )
+                    result["committed"] = written.added + written.replaced
+                    result["commit_id"] = written.commit_id
+                    try:
+                        final = export_slices(
+                            reg, fp, layout, world, use_cache=self.slice_cache, for_tuning=False
+                        )
+                        result.update(base=final.base, overlays=list(final.overlays))
+                    except Exception as exc:  # noqa: BLE001 - ranks keep what they hold
+                        result["warnings"].append(
+                            f"could not export the final slices: {_one_line(exc)}"
+                        )
+            except RegistryBusyError:
+                self._no_commit = (
+                    f"commit failed: registry {report.registry} stayed locked by another writer "
+                    f"(waited {self.busy_timeout:g} s per attempt); nothing was written"
+                )
+            except FicacheError as exc:
+                self._no_commit = f"commit failed: {exc}"
+            except Exception as exc:  # noqa: BLE001 - a failed commit leaves the registry as it was
+                self._no_commit = f"commit failed: {_one_line(exc)}"
+        result["reason"] = self._no_commit
+        if self._no_commit is not None:
+            result["shared"] = result["scoped"] = 0
+        return result
+
+    def _finish(self, outcome: dict[str, Any], exc: BaseException | None) -> None:
+        report = self.report
+        if outcome:
+            report.committed = int(outcome.get("committed", 0))
+            report.commit_id = outcome.get("commit_id")
+            report.shared = int(outcome.get("shared", 0))
+            report.scoped = int(outcome.get("scoped", 0))
+            report.disagreements = int(outcome.get("disagreements", 0))
+            for warning in outcome.get("warnings", ()):
+                self._warn(warning)
+            self._no_commit = outcome.get("reason") or self._no_commit
+        tuned_any = any(report.tuned_by_rank) or report.tuned > 0
+        if self._uncached is not None:
+            report.status = f"uncached: {self._uncached}"
+            report.reason = self._uncached
+        else:
+            if not any(report.loaded_by_rank):
+                report.status = "cold"
+            elif tuned_any:
+                report.status = "partial"
+            else:
+                report.status = "warm"
+            if self._no_commit is not None and (tuned_any or self._rank_failed):
+                report.reason = f"nothing committed: {self._no_commit}"
+        self._phase("total", self._started)
+        if report.reason and self._uncached is None:
+            logger.warning(
+                "ficache warm start rank %d/%d: %s", report.rank, report.world_size, report.reason
+            )
+        for warning in report.warnings:
+            logger.warning(
+                "ficache warm start rank %d/%d: %s", report.rank, report.world_size, warning
+            )
+        logger.info(
+            "ficache warm start rank %d/%d (%s): %s; loaded %d, tuned %d, committed %d (commit %s), "
+            "%d disagreements, %.3f s",
+            report.rank,
+            report.world_size,
+            report.layout,
+            report.status.split(":")[0],
+            report.loaded,
+            report.tuned,
+            report.committed,
+            report.commit_id,
+            report.disagreements,
+            report.total_seconds,
+        )
+
+
+def warm_start(
+    group: Any = None,
+    *,
+    db: str | os.PathLike[str] | None = None,
+    layout: str | None = None,
+    tuner: Tuner | None = None,
+    fingerprint: Fingerprint | None = None,
+    synchronize: bool = True,
+    timeout: float | None = None,
+    release_grace: float = 5.0,
+    busy_timeout: float | None = 5.0,
+    slice_cache: bool = True,
+    provenance: dict[str, Any] | None = None,
+) -> WarmStart:
+    """A warm start of FlashInfer's autotuner, entered by every rank of ``group``.
+
+    ``group`` is a gloo process group (None: the default group, or a single
+    process when torch.distributed is not initialized). Only rank 0 reads
+    ``db`` (a path or SQLAlchemy URL; None: ``FICACHE_DB``, then the default
+    registry). ``layout`` names the rank layout for rank-scoped entries
+    (default ``f"world{N}"``). ``tuner=None`` is FlashInfer's ``AutoTuner``.
+    ``fingerprint`` overrides the collected one. ``synchronize=False`` tunes
+    without a process group (entries are then stored per rank only).
+    ``timeout`` bounds the protocol's waits and the tuning group's
+    collectives (default 1800 s); ``release_grace`` is how long a rank that
+    left its block waits before releasing the tuning group;
+    ``busy_timeout`` bounds each wait for the registry's write lock (the
+    registry retries a busy write a few times). ``slice_cache=False``
+    bypasses the on-disk cache of rendered slices. ``provenance`` (rank 0's)
+    is added to the commit's provenance (framework, model, ...).
+
+    After the ``with`` block, ``.report`` is this rank's ``WarmStartReport``.
+    """
+    return WarmStart(
+        group,
+        db=db,
+        layout=layout,
+        tuner=tuner,
+        fingerprint=fingerprint,
+        synchronize=synchronize,
+        timeout=timeout,
+        release_grace=release_grace,
+        busy_timeout=busy_timeout,
+        slice_cache=slice_cache,
+        provenance=provenance,
+    )

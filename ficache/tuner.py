@@ -1,0 +1,177 @@
+"""The adapter between the startup protocol and FlashInfer's ``AutoTuner``.
+
+The protocol (``ficache.sync``) needs five things from a tuner, and nothing
+else; ``Tuner`` names them. ``FlashInferTuner`` implements them over the
+process-wide ``flashinfer.autotuner.AutoTuner.get()``.
+
+An entry is ``file_key -> (runner, tactic_json, policy_json)``: the key
+string verbatim, the tactic and the measurement policy as canonical JSON
+(``ficache.flashinfer_format.canonical_json``), exactly as a FlashInfer cache
+file and the registry hold them.
+
+Invariants:
+- ``load`` goes through FlashInfer's public ``load_configs`` (a private temp
+  file, removed afterwards) and raises ``TunerError`` on any failure,
+  including FlashInfer refusing the file (``load_configs`` returning False on
+  a metadata mismatch). It adds to what the tuner holds; callers ``clear``
+  first when they want exactly the loaded slice. Python's cyclic garbage
+  collector is paused for the ``load_configs`` call: it allocates a few
+  objects per entry, and a full collection triggered halfway (it walks
+  torch's whole heap) used to cost 0.1-0.4 s of a 10k-entry load.
+- ``entries`` is what FlashInfer would save: ``save_configs`` to a private
+  temp file (never an existing one: ``save_configs`` merges with what is on
+  disk), parsed strictly with ``parse_cache_bytes``.
+- ``tuned`` is what this process profiled since the last ``clear`` (the
+  public ``AutoTuner.profiling_cache``), rendered the way ``save_configs``
+  renders it, without touching the disk. It costs nothing when nothing was
+  profiled, which is the warm path. It reads one private attribute,
+  ``_profiling_cache_policies`` (the measurement policy ``save_configs``
+  writes as the third element), read-only; a test checks that ``tuned``
+  agrees with ``entries`` so a FlashInfer change is caught.
+- ``set_process_group`` is ``set_autotune_process_group``: while a group is
+  set, FlashInfer all-reduces every per-tactic timing over it, so every rank
+  of the group must profile the same sequence (see ``ficache.sync``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import shutil
+import tempfile
+from typing import Any, Protocol
+
+from ficache.errors import CacheFileError, TunerError
+from ficache.flashinfer_format import canonical_json, parse_cache_bytes
+
+#: ``(runner, tactic_json, policy_json)`` of one entry.
+Row = tuple[str, str, str | None]
+
+
+class Tuner(Protocol):
+    """What the startup protocol needs from an autotuner."""
+
+    def clear(self) -> None:
+        """Forget every loaded and tuned entry."""
+
+    def load(self, text: str) -> int:
+        """Load a FlashInfer cache file's text; return the entries now loaded.
+
+        Raises ``TunerError`` when the tuner refuses or fails to load it.
+        """
+
+    def entries(self) -> dict[str, Row]:
+        """Everything the tuner holds now (loaded and tuned)."""
+
+    def tuned(self) -> dict[str, Row]:
+        """What the tuner profiled itself since the last ``clear``."""
+
+    def set_process_group(self, group: Any | None) -> None:
+        """Set (or clear, with None) the group timings are all-reduced over."""
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+class FlashInferTuner:
+    """``Tuner`` over FlashInfer's process-wide ``AutoTuner``.
+
+    ``autotuner`` defaults to ``AutoTuner.get()``; ``tmpdir`` is where the
+    short-lived files for ``load_configs`` / ``save_configs`` go (default:
+    the system temp dir).
+    """
+
+    def __init__(
+        self, autotuner: Any | None = None, *, tmpdir: str | os.PathLike[str] | None = None
+    ) -> None:
+        if autotuner is None:
+            from flashinfer.autotuner import AutoTuner
+
+            autotuner = AutoTuner.get()
+        self.autotuner = autotuner
+        self.tmpdir = os.fspath(tmpdir) if tmpdir is not None else None
+
+    def clear(self) -> None:
+        self.autotuner.clear_cache()
+
+    def load(self, text: str) -> int:
+        before = len(getattr(self.autotuner, "_file_configs", {}))
+        try:
+            fd, path = tempfile.mkstemp(prefix="ficache-load-", suffix=".json", dir=self.tmpdir)
+        except OSError as exc:
+            raise TunerError(
+                f"cannot create a temp file to load the cache: {_one_line(exc)}"
+            ) from None
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(text)
+            paused = gc.isenabled()
+            gc.disable()  # see the module docstring
+            try:
+                accepted = self.autotuner.load_configs(path)
+            except Exception as exc:  # noqa: BLE001 - FlashInfer raises several kinds
+                raise TunerError(f"FlashInfer could not load the cache: {_one_line(exc)}") from None
+            finally:
+                if paused:
+                    gc.enable()
+        except OSError as exc:
+            raise TunerError(f"cannot write the cache to load it: {_one_line(exc)}") from None
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        if not accepted:
+            raise TunerError(
+                "FlashInfer refused the cache: its _metadata does not match this environment "
+                "(flashinfer.autotuner._collect_metadata())"
+            )
+        return max(len(getattr(self.autotuner, "_file_configs", {})) - before, 0)
+
+    def entries(self) -> dict[str, Row]:
+        try:
+            directory = tempfile.mkdtemp(prefix="ficache-save-", dir=self.tmpdir)
+        except OSError as exc:
+            raise TunerError(
+                f"cannot create a temp dir to read the tuner: {_one_line(exc)}"
+            ) from None
+        try:
+            path = os.path.join(directory, "cache.json")
+            try:
+                self.autotuner.save_configs(path)
+                with open(path, "rb") as handle:
+                    data = handle.read()
+            except FileNotFoundError:
+                return {}
+            except Exception as exc:  # noqa: BLE001 - FlashInfer raises several kinds
+                raise TunerError(f"FlashInfer could not save its cache: {_one_line(exc)}") from None
+            try:
+                parsed = parse_cache_bytes(data, source="AutoTuner.save_configs")
+            except CacheFileError as exc:
+                raise TunerError(str(exc)) from None
+            return {e.key: (e.runner, e.tactic_json, e.policy_json) for e in parsed.entries}
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def tuned(self) -> dict[str, Row]:
+        cache = self.autotuner.profiling_cache
+        if not cache:
+            return {}
+        from flashinfer.autotuner import _tactic_to_json
+
+        policies = getattr(self.autotuner, "_profiling_cache_policies", {})
+        out: dict[str, Row] = {}
+        for key, (tactic, _profile) in list(cache.items()):
+            policy = policies.get((None, key))
+            out[key.file_key] = (
+                key.runner_class_name,
+                canonical_json(_tactic_to_json(tactic)),
+                canonical_json(list(policy)) if policy is not None else None,
+            )
+        return out
+
+    def set_process_group(self, group: Any | None) -> None:
+        from flashinfer.autotuner import set_autotune_process_group
+
+        set_autotune_process_group(group)

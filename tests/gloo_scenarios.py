@@ -1,0 +1,332 @@
+"""Scenarios of the startup protocol, run on every rank of a real gloo group.
+
+``tests/test_sync.py`` runs ``run_plan`` through ``ficache._ranks.run_ranks``
+(N spawned processes, a hard timeout) and asserts on what each rank
+returns. Every scenario uses the real ``AutoTuner``, filled by the CPU
+stand-in (``ficache.standin``), and its own SQLite registry file. Rank 0
+prepares faults (a corrupt file, a held lock, ...) before the warm start;
+the other ranks wait for it inside the protocol, as a real server would.
+
+Fault injection is named as such: ``FailingLoadTuner`` is the real
+``FlashInferTuner`` whose ``load`` raises on one rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sqlite3
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from ficache.errors import TunerError
+from ficache.standin import DEFAULT_SHAPES, standin_tune
+from ficache.sync import warm_start
+from ficache.tuner import FlashInferTuner
+
+GROUP_TIMEOUT = 60.0
+SHAPES_A = DEFAULT_SHAPES[:2]  # 12 keys
+ALL = len(DEFAULT_SHAPES) * 6  # 18 keys
+
+
+class FailingLoadTuner(FlashInferTuner):
+    """Fault injection: the real FlashInfer tuner, except that ``load`` fails."""
+
+    def load(self, text: str) -> int:
+        raise TunerError("injected load failure")
+
+
+def _quiet_logs() -> None:
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("flashinfer").setLevel(logging.ERROR)
+    logging.getLogger("alembic").setLevel(logging.ERROR)
+
+
+def start(
+    db: Any,
+    *,
+    tune: dict[str, Any] | None = None,
+    fail: Callable[[], None] | None = None,
+    fail_before: bool = False,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """One warm start around the stand-in; returns the report, tuning stats and any exception."""
+    kwargs.setdefault("timeout", GROUP_TIMEOUT)
+    out: dict[str, Any] = {"exception": None}
+    block_started = time.monotonic()
+    try:
+        with warm_start(None, db=str(db), **kwargs) as ws:
+            block_started = time.monotonic()
+            if fail is not None and fail_before:
+                fail()
+            result = standin_tune(**(tune or {}))
+            out["standin"] = dataclasses.asdict(result)
+            if fail is not None and not fail_before:
+                fail()
+    except Exception as exc:  # noqa: BLE001 - recorded for the test to assert on
+        out["exception"] = f"{type(exc).__name__}: {exc}"
+    out["block_seconds"] = time.monotonic() - block_started
+    out["report"] = ws.report.as_json()
+    out["entries"] = FlashInferTuner().entries()
+    return out
+
+
+def registry_summary(db: Path) -> dict[str, Any] | None:
+    """Commits and entries per scope, read with plain sqlite3 (None if there is no file)."""
+    if not db.exists():
+        return None
+    try:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            commits = conn.execute("SELECT count(*) FROM commits").fetchone()[0]
+            scopes = dict(
+                conn.execute("SELECT scope, count(*) FROM entries GROUP BY scope").fetchall()
+            )
+            return {"commits": commits, "scopes": scopes}
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        return {"error": str(exc)}
+
+
+def _boom() -> None:
+    raise ValueError("boom")
+
+
+# --------------------------------------------------------------------------
+# Scenarios: fn(rank, world, tmp) -> dict; ``tmp`` is this scenario's directory.
+
+
+def cold_warm(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    db = tmp / "new-dir" / "registry.db"  # a registry that does not exist yet
+    out = {"cold": start(db), "warm": start(db)}
+    if rank == 0:
+        # Delete half the entries behind the registry's back.
+        conn = sqlite3.connect(db)
+        conn.execute("DELETE FROM entries WHERE id % 2 = 0")
+        conn.commit()
+        conn.close()
+    dist.barrier()
+    out["half"] = start(db)
+    out["registry"] = registry_summary(db)
+    return out
+
+
+def partial(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    db = tmp / "registry.db"
+    return {
+        "first": start(db, tune={"shapes": SHAPES_A}),
+        "second": start(db),
+        "registry": registry_summary(db),
+    }
+
+
+def per_rank_keys(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    db = tmp / "registry.db"
+    tune = {"rank_tag": f"rank{rank}"}
+    return {
+        "first": start(db, tune=tune),
+        "second": start(db, tune=tune),
+        "registry": registry_summary(db),
+    }
+
+
+def disagree(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    db = tmp / "registry.db"
+    tune = {"force_tactic": rank % 5}
+    return {
+        "first": start(db, tune=tune),
+        "second": start(db, tune=tune),
+        "registry": registry_summary(db),
+    }
+
+
+def unsynchronized(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    db = tmp / "registry.db"
+    tune = {"force_tactic": 0, "sync": False}
+    return {"first": start(db, tune=tune, synchronize=False), "registry": registry_summary(db)}
+
+
+def missing_dir(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    blocker = tmp / "not-a-dir"
+    if rank == 0:
+        blocker.write_text("a regular file where a directory should be\n")
+    db = blocker / "registry.db"
+    return {"first": start(db), "exists": db.exists()}
+
+
+def corrupt(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    db = tmp / "registry.db"
+    junk = b"this is not a database\n" * 100
+    if rank == 0:
+        db.write_bytes(junk)
+    out = {"first": start(db)}
+    out["unchanged"] = db.read_bytes() == junk
+    return out
+
+
+def truncated(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    db = tmp / "registry.db"
+    out = {"setup": start(db)}
+    if rank == 0:
+        conn = sqlite3.connect(db)
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        conn.close()
+        data = db.read_bytes()
+        db.write_bytes(data[: len(data) // 3])
+        for suffix in ("-wal", "-shm"):
+            Path(str(db) + suffix).unlink(missing_ok=True)
+    dist.barrier()
+    out["first"] = start(db)
+    return out
+
+
+def newer_schema(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    db = tmp / "registry.db"
+    out = {"setup": start(db)}
+    before = None
+    if rank == 0:
+        conn = sqlite3.connect(db)
+        conn.execute("UPDATE alembic_version SET version_num = '9999_from_the_future'")
+        conn.commit()
+        conn.close()
+        before = list(sqlite3.connect(db).iterdump())
+    dist.barrier()
+    out["first"] = start(db)
+    if rank == 0:
+        out["unchanged"] = list(sqlite3.connect(db).iterdump()) == before
+    return out
+
+
+def locked(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    db = tmp / "registry.db"
+    out = {"setup": start(db, tune={"shapes": SHAPES_A})}
+    holder = None
+    if rank == 0:
+        holder = sqlite3.connect(db, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")  # another writer holds the write lock throughout
+    dist.barrier()
+    out["first"] = start(db, busy_timeout=0.2)
+    if holder is not None:
+        holder.execute("ROLLBACK")
+        holder.close()
+    out["registry"] = registry_summary(db)
+    return out
+
+
+def read_only(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    db = tmp / "registry.db"
+    out = {"setup": start(db, tune={"shapes": SHAPES_A})}
+    # The registry opened read-only through SQLite's URI (works as root too).
+    out["uri"] = start(f"sqlite:///file:{db}?mode=ro&uri=true")
+    if os.geteuid() != 0:  # a read-only file (root could write it anyway)
+        if rank == 0:
+            db.chmod(0o444)
+        dist.barrier()
+        out["file"] = start(db)
+        if rank == 0:
+            db.chmod(0o644)
+    out["registry"] = registry_summary(db)
+    return out
+
+
+def load_fails(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    db = tmp / "registry.db"
+    out = {"setup": start(db)}
+    tuner = FailingLoadTuner() if rank == 1 else None
+    out["first"] = start(db, tuner=tuner)
+    out["registry"] = registry_summary(db)
+    return out
+
+
+def heterogeneous(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    from ficache.fingerprint import collect
+
+    db = tmp / "registry.db"
+    out = {"setup": start(db)}
+    fp = collect()
+    if rank == 1:
+        fp = dataclasses.replace(fp, gpu="Another GPU")
+    out["first"] = start(db, fingerprint=fp)
+    out["registry"] = registry_summary(db)
+    return out
+
+
+def raise_after(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    db = tmp / "registry.db"
+    out = {"first": start(db, fail=_boom if rank == 1 else None)}
+    out["registry"] = registry_summary(db)
+    return out
+
+
+def raise_before(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    db = tmp / "registry.db"
+    out = {"first": start(db, fail=_boom if rank == 1 else None, fail_before=True)}
+    out["registry"] = registry_summary(db)
+    out["after"] = start(db)  # the next start in the same processes works
+    return out
+
+
+def stuck_peer(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    """Rank 1 misses what the others hit: the others release it instead of waiting 30 min."""
+    db = tmp / "registry.db"
+    out = {"setup": start(db)}
+
+    def lose_cache() -> None:
+        FlashInferTuner().clear()
+
+    # Rank 1 forgets its loaded slice inside the block, then tunes alone.
+    out["first"] = start(
+        db, fail=lose_cache if rank == 1 else None, fail_before=True, release_grace=1.0
+    )
+    out["registry"] = registry_summary(db)
+    return out
+
+
+SCENARIOS: dict[str, Callable[[int, int, Path], dict[str, Any]]] = {
+    f.__name__: f
+    for f in (
+        cold_warm,
+        partial,
+        per_rank_keys,
+        disagree,
+        unsynchronized,
+        missing_dir,
+        corrupt,
+        truncated,
+        newer_schema,
+        locked,
+        read_only,
+        load_fails,
+        heterogeneous,
+        raise_after,
+        raise_before,
+        stuck_peer,
+    )
+}
+
+
+def run_plan(rank: int, world: int, root: str, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Run the named scenarios in order on this rank; an error in one is recorded, not raised."""
+    _quiet_logs()
+    os.environ["XDG_CACHE_HOME"] = str(Path(root) / "user-cache")
+    results: dict[str, dict[str, Any]] = {}
+    for name in names:
+        tmp = Path(root) / name
+        if rank == 0:
+            tmp.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        started = time.monotonic()
+        try:
+            out = SCENARIOS[name](rank, world, tmp)
+        except Exception:  # noqa: BLE001
+            out = {"error": traceback.format_exc()}
+        out["seconds"] = time.monotonic() - started
+        results[name] = out
+    return results

@@ -1,0 +1,321 @@
+"""The startup protocol on real gloo ranks (world 2 and 4), real SQLite, the real AutoTuner.
+
+Each world size spawns its ranks once (``ficache._ranks.run_ranks``, a hard
+timeout: a deadlock fails every test here instead of hanging) and runs every
+scenario of ``tests/gloo_scenarios.py`` in them, one after the other; the
+tests below assert on what each rank returned. The AutoTuner's cache is
+filled by the CPU stand-in (``ficache.standin``), 18 entries per start.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import gloo_scenarios
+import pytest
+
+from ficache._ranks import run_ranks
+
+pytestmark = pytest.mark.slow
+
+ALL = gloo_scenarios.ALL  # 18 keys
+HALF = 9
+WORLDS = (2, 4)
+#: Well under the groups' 60 s timeout: a failure path that waited it out would show.
+FAST = 20.0
+
+
+def _run(world: int, root: str) -> dict[int, dict[str, dict[str, Any]]]:
+    names = list(gloo_scenarios.SCENARIOS)
+    results = run_ranks(gloo_scenarios.run_plan, world, root, names, timeout=420, group_timeout=60)
+    return dict(enumerate(results))
+
+
+class _Worlds:
+    """Spawns each world size once, on first use, and keeps what its ranks returned."""
+
+    def __init__(self, factory: pytest.TempPathFactory) -> None:
+        self.factory = factory
+        self.results: dict[int, dict[int, dict[str, dict[str, Any]]]] = {}
+
+    def __call__(self, world: int) -> dict[int, dict[str, dict[str, Any]]]:
+        if world not in self.results:
+            self.results[world] = _run(world, str(self.factory.mktemp(f"world{world}")))
+        return self.results[world]
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory: pytest.TempPathFactory) -> _Worlds:
+    return _Worlds(tmp_path_factory)
+
+
+@pytest.fixture(params=WORLDS, ids=[f"world{w}" for w in WORLDS])
+def world(request: pytest.FixtureRequest, worlds: _Worlds) -> tuple[int, dict[int, dict[str, Any]]]:
+    return request.param, worlds(request.param)
+
+
+def scenario(results: dict[int, dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    out = [results[rank][name] for rank in sorted(results)]
+    for rank, r in enumerate(out):
+        assert "error" not in r, f"scenario {name} failed on rank {rank}:\n{r['error']}"
+    return out
+
+
+def reports(per_rank: list[dict[str, Any]], phase: str) -> list[dict[str, Any]]:
+    return [r[phase]["report"] for r in per_rank]
+
+
+def assert_uncached(per_rank: list[dict[str, Any]], phase: str, *fragments: str) -> None:
+    """The failure-path outcome: tuned uncached, nothing committed, the reason on every rank."""
+    for r in per_rank:
+        rep = r[phase]["report"]
+        assert rep["status"].startswith("uncached: "), rep
+        for fragment in fragments:
+            assert fragment in rep["reason"], rep["reason"]
+        assert rep["loaded"] == 0 and rep["tuned"] == ALL
+        assert rep["committed"] == 0 and rep["commit_id"] is None
+        assert r[phase]["standin"]["profiled"] == ALL
+        assert r[phase]["exception"] is None
+        assert r[phase]["block_seconds"] < FAST
+    assert len({r[phase]["report"]["reason"] for r in per_rank}) == 1  # every rank says the same
+
+
+# --------------------------------------------------------------------------
+
+
+def test_cold_then_warm_then_half(world: tuple[int, Any]) -> None:
+    n, results = world
+    per_rank = scenario(results, "cold_warm")
+    for rep, r in zip(reports(per_rank, "cold"), per_rank, strict=True):
+        assert rep["status"] == "cold" and rep["reason"] is None
+        assert rep["loaded"] == 0 and rep["tuned"] == ALL
+        assert rep["committed"] == ALL and rep["commit_id"] == 1
+        assert rep["shared"] == ALL and rep["scoped"] == 0 and rep["disagreements"] == 0
+        assert rep["synchronized"] is True
+        assert rep["loaded_by_rank"] == [0] * n and rep["tuned_by_rank"] == [ALL] * n
+        assert r["cold"]["standin"]["profiled"] == ALL
+        assert r["cold"]["standin"]["reduces"] == ALL * 5  # one all-reduce per tactic
+    # Every rank then holds the same final cache.
+    finals = [r["cold"]["entries"] for r in per_rank]
+    assert len(finals[0]) == ALL and all(f == finals[0] for f in finals)
+
+    for rep, r in zip(reports(per_rank, "warm"), per_rank, strict=True):
+        assert rep["status"] == "warm" and rep["reason"] is None
+        assert rep["loaded"] == ALL and rep["tuned"] == 0
+        assert rep["committed"] == 0 and rep["commit_id"] is None
+        assert rep["slice_cache"] == "hit"
+        assert r["warm"]["standin"] == {
+            **r["warm"]["standin"],
+            "profiled": 0,
+            "hits": ALL,
+            "reduces": 0,
+        }
+        assert r["warm"]["entries"] == finals[0]
+
+    # Half the entries deleted behind the registry's back: exactly that half is tuned again.
+    for rep, r in zip(reports(per_rank, "half"), per_rank, strict=True):
+        assert rep["status"] == "partial"
+        assert rep["loaded"] == HALF and rep["tuned"] == HALF
+        assert rep["committed"] == HALF and rep["commit_id"] == 2
+        assert rep["shared"] == HALF and rep["disagreements"] == 0
+        assert r["half"]["standin"]["profiled"] == HALF and r["half"]["standin"]["hits"] == HALF
+        assert rep["slice_cache"] == "miss"  # the out-of-band delete changed the registry's state
+    assert per_rank[0]["registry"] == {"commits": 2, "scopes": {"shared": ALL}}
+
+
+def test_partial_start_tunes_only_what_is_missing(world: tuple[int, Any]) -> None:
+    _n, results = world
+    per_rank = scenario(results, "partial")
+    for rep in reports(per_rank, "first"):
+        assert (rep["status"], rep["loaded"], rep["tuned"], rep["committed"]) == ("cold", 0, 12, 12)
+    for rep, r in zip(reports(per_rank, "second"), per_rank, strict=True):
+        assert (rep["status"], rep["loaded"], rep["tuned"], rep["committed"]) == (
+            "partial",
+            12,
+            6,
+            6,
+        )
+        assert r["second"]["standin"]["profiled"] == 6
+    assert per_rank[0]["registry"] == {"commits": 2, "scopes": {"shared": ALL}}
+
+
+def test_per_rank_keys_are_stored_scoped_and_each_rank_gets_its_own(world: tuple[int, Any]) -> None:
+    n, results = world
+    per_rank = scenario(results, "per_rank_keys")
+    for rep in reports(per_rank, "first"):
+        assert rep["shared"] == 0 and rep["scoped"] == ALL * n and rep["committed"] == ALL * n
+        assert rep["disagreements"] == 0
+    assert per_rank[0]["registry"]["scopes"] == {f"world{n}/rank{r}": ALL for r in range(n)}
+    for rank, r in enumerate(per_rank):
+        rep = r["second"]["report"]
+        assert (rep["status"], rep["loaded"], rep["tuned"], rep["committed"]) == ("warm", ALL, 0, 0)
+        assert r["second"]["standin"]["profiled"] == 0
+        assert all(f"'rank{rank}'" in key for key in r["second"]["entries"])
+
+
+def test_rank_divergent_tactics_are_never_shared(world: tuple[int, Any]) -> None:
+    n, results = world
+    per_rank = scenario(results, "disagree")
+    for rep in reports(per_rank, "first"):
+        assert rep["disagreements"] == ALL
+        assert rep["shared"] == 0 and rep["scoped"] == ALL * n
+    assert "shared" not in per_rank[0]["registry"]["scopes"]
+    for rank, r in enumerate(per_rank):
+        rep = r["second"]["report"]
+        assert (rep["status"], rep["loaded"], rep["tuned"]) == ("warm", ALL, 0)
+        assert {row[1] for row in r["second"]["entries"].values()} == {str(rank % 5)}
+
+
+def test_unsynchronized_entries_are_never_shared(world: tuple[int, Any]) -> None:
+    n, results = world
+    per_rank = scenario(results, "unsynchronized")
+    for rep, r in zip(reports(per_rank, "first"), per_rank, strict=True):
+        assert rep["synchronized"] is False
+        assert r["first"]["standin"]["reduces"] == 0
+        # Identical on every rank, yet tuned without synchronizing: stored per rank.
+        assert rep["disagreements"] == 0 and rep["shared"] == 0 and rep["scoped"] == ALL * n
+
+
+def test_registry_directory_cannot_be_created(world: tuple[int, Any]) -> None:
+    _n, results = world
+    per_rank = scenario(results, "missing_dir")
+    assert_uncached(per_rank, "first", "cannot create directory for registry")
+    assert not any(r["exists"] for r in per_rank)
+
+
+def test_corrupt_registry(world: tuple[int, Any]) -> None:
+    _n, results = world
+    per_rank = scenario(results, "corrupt")
+    assert_uncached(per_rank, "first", "is not a SQLite database")
+    assert all(r["unchanged"] for r in per_rank)
+
+
+def test_truncated_registry(world: tuple[int, Any]) -> None:
+    _n, results = world
+    per_rank = scenario(results, "truncated")
+    assert_uncached(per_rank, "first", "is corrupt")
+
+
+def test_newer_schema(world: tuple[int, Any]) -> None:
+    _n, results = world
+    per_rank = scenario(results, "newer_schema")
+    assert_uncached(per_rank, "first", "9999_from_the_future", "upgrade ficache")
+    assert per_rank[0]["unchanged"] is True
+
+
+def test_locked_registry_serves_but_commits_nothing(world: tuple[int, Any]) -> None:
+    _n, results = world
+    per_rank = scenario(results, "locked")
+    for r in per_rank:
+        rep = r["first"]["report"]
+        assert (rep["status"], rep["loaded"], rep["tuned"], rep["committed"]) == (
+            "partial",
+            12,
+            6,
+            0,
+        )
+        assert rep["commit_id"] is None
+        assert (
+            rep["reason"].startswith("nothing committed: commit failed")
+            and "locked" in rep["reason"]
+        )
+        assert r["first"]["block_seconds"] < FAST
+    assert len({r["first"]["report"]["reason"] for r in per_rank}) == 1
+    assert per_rank[0]["registry"] == {"commits": 1, "scopes": {"shared": 12}}
+
+
+def test_read_only_registry_serves_but_commits_nothing(world: tuple[int, Any]) -> None:
+    _n, results = world
+    per_rank = scenario(results, "read_only")
+    phases = ["uri"] + (["file"] if os.geteuid() != 0 else [])
+    for phase in phases:
+        for r in per_rank:
+            rep = r[phase]["report"]
+            assert (rep["loaded"], rep["tuned"], rep["committed"]) == (12, 6, 0)
+            assert "read-only" in rep["reason"]
+    assert per_rank[0]["registry"] == {"commits": 1, "scopes": {"shared": 12}}
+
+
+def test_a_rank_whose_load_fails_makes_every_rank_tune_from_empty(world: tuple[int, Any]) -> None:
+    n, results = world
+    per_rank = scenario(results, "load_fails")
+    assert_uncached(per_rank, "first", "rank 1 could not load its slice", "injected load failure")
+    for r in per_rank:
+        assert r["first"]["report"]["loaded_by_rank"] == [0] * n
+        assert r["first"]["report"]["synchronized"] is True
+    assert per_rank[0]["registry"]["commits"] == 1  # the setup's only
+
+
+def test_heterogeneous_ranks_tune_uncached_and_commit_nothing(world: tuple[int, Any]) -> None:
+    _n, results = world
+    per_rank = scenario(results, "heterogeneous")
+    assert_uncached(per_rank, "first", "different environments", "gpu", "Another GPU")
+    for r in per_rank:
+        # Still synchronized: they picked the same tactics.
+        assert r["first"]["report"]["synchronized"] is True
+    entries = [r["first"]["entries"] for r in per_rank]
+    assert all(e == entries[0] for e in entries)
+    assert per_rank[0]["registry"]["commits"] == 1
+
+
+def test_exception_after_tuning_on_one_rank(world: tuple[int, Any]) -> None:
+    _n, results = world
+    per_rank = scenario(results, "raise_after")
+    for rank, r in enumerate(per_rank):
+        assert r["first"]["exception"] == ("ValueError: boom" if rank == 1 else None)
+        rep = r["first"]["report"]
+        assert rep["committed"] == 0 and rep["commit_id"] is None
+        assert (
+            rep["reason"]
+            == "nothing committed: rank 1 raised ValueError: boom in the warm-start block"
+        )
+        assert r["first"]["block_seconds"] < FAST
+    assert per_rank[0]["registry"] == {"commits": 0, "scopes": {}}
+
+
+def test_exception_before_tuning_releases_the_peers(world: tuple[int, Any]) -> None:
+    _n, results = world
+    per_rank = scenario(results, "raise_before")
+    for rank, r in enumerate(per_rank):
+        if rank == 1:
+            assert r["first"]["exception"] == "ValueError: boom"
+        else:  # blocked in a tuning all-reduce with rank 1: released at once, not after 60 s
+            assert r["first"]["exception"].startswith("RuntimeError")
+        assert r["first"]["block_seconds"] < FAST
+        rep = r["first"]["report"]
+        assert rep["committed"] == 0
+        assert rep["reason"].startswith("nothing committed: rank 1 raised ValueError: boom")
+        # The next start in the same processes works.
+        after = r["after"]["report"]
+        assert (after["status"], after["tuned"], after["committed"], after["reason"]) == (
+            "cold",
+            ALL,
+            ALL,
+            None,
+        )
+    assert per_rank[0]["registry"] == {"commits": 0, "scopes": {}}
+
+
+def test_a_peer_that_misses_where_the_others_hit_fails_fast(world: tuple[int, Any]) -> None:
+    _n, results = world
+    per_rank = scenario(results, "stuck_peer")
+    for rank, r in enumerate(per_rank):
+        if rank == 1:
+            assert "Connection closed by peer" in r["first"]["exception"]
+        else:
+            assert r["first"]["exception"] is None
+        assert r["first"]["block_seconds"] < FAST  # release_grace=1 s, not the 60 s group timeout
+        rep = r["first"]["report"]
+        assert rep["committed"] == 0 and rep["reason"].startswith(
+            "nothing committed: rank 1 raised RuntimeError"
+        )
+    assert per_rank[0]["registry"]["commits"] == 1
+
+
+def test_every_collective_bounded(world: tuple[int, Any]) -> None:
+    """No scenario waited out a group timeout (60 s)."""
+    _n, results = world
+    for name in gloo_scenarios.SCENARIOS:
+        for r in scenario(results, name):
+            assert r["seconds"] < 45, (name, r["seconds"])
