@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import stat
@@ -215,7 +216,9 @@ def alembic_config(connection: Connection | None = None) -> Config:
     return config
 
 
+@functools.lru_cache(maxsize=1)
 def script_directory() -> ScriptDirectory:
+    """The installed revisions (read once per process: they cannot change under it)."""
     return ScriptDirectory.from_config(alembic_config())
 
 
