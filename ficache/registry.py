@@ -252,6 +252,18 @@ def _insert_many(
     conn.exec_driver_sql(sql, rows)
 
 
+#: An entry's identity and current value, as prune and revert read it.
+_ENTRY_STATE = (
+    E.c.id,
+    E.c.fingerprint_id,
+    E.c.scope,
+    E.c.key,
+    E.c.runner,
+    E.c.tactic,
+    E.c.policy,
+    E.c.commit_id,
+)
+
 _ENTRY_COLUMNS = (
     "fingerprint_id",
     "scope",
@@ -860,18 +872,7 @@ class Registry:
             for chunk in _chunks(plan.entry_versions):
                 ids = [eid for eid, _ in chunk]
                 expected = dict(chunk)
-                for row in conn.execute(
-                    select(
-                        E.c.id,
-                        E.c.fingerprint_id,
-                        E.c.scope,
-                        E.c.key,
-                        E.c.runner,
-                        E.c.tactic,
-                        E.c.policy,
-                        E.c.commit_id,
-                    ).where(E.c.id.in_(ids))
-                ):
+                for row in conn.execute(select(*_ENTRY_STATE).where(E.c.id.in_(ids))):
                     if expected.get(row.id) == row.commit_id:
                         rows.append(row)
             if len(rows) != plan.total:
@@ -926,16 +927,9 @@ class Registry:
             for fid, keys in by_fp.items():
                 for chunk in _chunks(sorted(set(keys))):
                     for row in conn.execute(
-                        select(
-                            E.c.id,
-                            E.c.fingerprint_id,
-                            E.c.scope,
-                            E.c.key,
-                            E.c.runner,
-                            E.c.tactic,
-                            E.c.policy,
-                            E.c.commit_id,
-                        ).where(E.c.fingerprint_id == fid, E.c.key.in_(list(chunk)))
+                        select(*_ENTRY_STATE).where(
+                            E.c.fingerprint_id == fid, E.c.key.in_(list(chunk))
+                        )
                     ):
                         current[(row.fingerprint_id, row.scope, row.key)] = row
             conflicts = 0

@@ -45,6 +45,8 @@ from flashinfer.autotuner import (
     get_autotune_process_group,
 )
 
+from ficache.tunable_matmul import floor_bucket, matmul_variant
+
 #: The custom-op name of the stand-in's entries (never a FlashInfer op).
 STANDIN_OP = "ficache::cpu_standin_matmul"
 #: Tactics: 0 ``a @ b``, 1 ``torch.mm``, 2 ``(b.T @ a.T).T``, 3 split-K, 4 split-M.
@@ -55,12 +57,7 @@ DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 
 
 def _bucket(m: int) -> int:
-    """The largest default bucket not above ``m`` (FlashInfer's floor semantics)."""
-    best = DEFAULT_BUCKETS[0]
-    for b in DEFAULT_BUCKETS:
-        if b <= m:
-            best = b
-    return best
+    return floor_bucket(m, DEFAULT_BUCKETS)
 
 
 def _all_buckets(_m: int) -> tuple[int, ...]:
@@ -101,17 +98,7 @@ class CpuStandInMatmulRunner(TunableRunner):
         **kwargs: Any,
     ) -> torch.Tensor:
         a, b = inputs
-        if tactic == 1:
-            return torch.mm(a, b)
-        if tactic == 2:
-            return (b.T @ a.T).T
-        if tactic == 3 and a.shape[1] >= 2:
-            k = a.shape[1] // 2
-            return a[:, :k] @ b[:k] + a[:, k:] @ b[k:]
-        if tactic == 4 and a.shape[0] >= 2:
-            m = a.shape[0] // 2
-            return torch.cat([a[:m] @ b, a[m:] @ b])
-        return a @ b
+        return matmul_variant(a, b, tactic)
 
 
 @dataclass(frozen=True)

@@ -33,13 +33,17 @@ DEFAULT_WEIGHTS: tuple[tuple[int, int], ...] = (
 )
 
 
-def bucket(m: int) -> int:
-    """The largest bucket not above ``m`` (FlashInfer's floor semantics)."""
-    best = BUCKETS[0]
-    for b in BUCKETS:
+def floor_bucket(m: int, buckets: Sequence[int]) -> int:
+    """The largest of ascending ``buckets`` not above ``m`` (FlashInfer's floor semantics)."""
+    best = buckets[0]
+    for b in buckets:
         if b <= m:
             best = b
     return best
+
+
+def bucket(m: int) -> int:
+    return floor_bucket(m, BUCKETS)
 
 
 def _buckets(_m: int) -> tuple[int, ...]:
@@ -53,6 +57,25 @@ CONFIG = TuningConfig(
         ),
     )
 )
+
+
+def matmul_variant(a: torch.Tensor, b: torch.Tensor, tactic: Any) -> torch.Tensor:
+    """``a @ b`` computed the way ``tactic`` says (-1 and 0: plain ``@``).
+
+    1: ``torch.mm``; 2: ``(b.T @ a.T).T``; 3: split-K in two halves;
+    4: split-M in two halves. Same result, slightly different timings.
+    """
+    if tactic == 1:
+        return torch.mm(a, b)
+    if tactic == 2:
+        return (b.T @ a.T).T
+    if tactic == 3 and a.shape[1] >= 2:
+        k = a.shape[1] // 2
+        return a[:, :k] @ b[:k] + a[:, k:] @ b[k:]
+    if tactic == 4 and a.shape[0] >= 2:
+        m = a.shape[0] // 2
+        return torch.cat([a[:m] @ b, a[m:] @ b])
+    return a @ b
 
 
 class MatmulVariantsRunner(TunableRunner):
@@ -72,17 +95,7 @@ class MatmulVariantsRunner(TunableRunner):
         **kwargs: Any,
     ) -> torch.Tensor:
         a, b = inputs
-        if tactic == 1:
-            return torch.mm(a, b)
-        if tactic == 2:
-            return (b.T @ a.T).T
-        if tactic == 3 and a.shape[1] >= 2:
-            k = a.shape[1] // 2
-            return a[:, :k] @ b[:k] + a[:, k:] @ b[k:]
-        if tactic == 4 and a.shape[0] >= 2:
-            m = a.shape[0] // 2
-            return torch.cat([a[:m] @ b, a[m:] @ b])
-        return a @ b
+        return matmul_variant(a, b, tactic)
 
 
 RUNNER = MatmulVariantsRunner()
