@@ -638,10 +638,22 @@ class Registry:
         provenance: dict[str, Any] | None = None,
     ) -> WriteResult:
         """Store ``entries`` (insert or replace) as one commit."""
-        wanted: dict[tuple[Fingerprint, str, str], NewEntry] = {}
+        # Entries keyed by (fingerprint index, scope, key); a later duplicate wins.
+        fingerprints: dict[Fingerprint, int] = {}
+        scopes_by_fp: list[set[str]] = []
+        wanted: dict[tuple[int, str, str], NewEntry] = {}
+        last_fp: Fingerprint | None = None
+        fp_index = -1
         for entry in entries:
-            validate_scope(entry.scope)
-            wanted[(entry.fingerprint, entry.scope, entry.key)] = entry
+            if entry.fingerprint is not last_fp:  # entries come in runs of one fingerprint
+                last_fp = entry.fingerprint
+                fp_index = fingerprints.setdefault(last_fp, len(fingerprints))
+                if fp_index == len(scopes_by_fp):
+                    scopes_by_fp.append(set())
+            if entry.scope not in scopes_by_fp[fp_index]:
+                validate_scope(entry.scope)
+                scopes_by_fp[fp_index].add(entry.scope)
+            wanted[(fp_index, entry.scope, entry.key)] = entry
         if not wanted:
             return WriteResult(None)
         # Parse keys before the transaction: the lock is held for SQL only.
@@ -660,16 +672,12 @@ class Registry:
 
         def body(conn: Connection) -> WriteResult:
             now = time.time()
-            fp_ids = {
-                fp: self._fingerprint_id(conn, fp, now)
-                for fp in dict.fromkeys(k[0] for k in wanted)
-            }
+            fp_ids = [self._fingerprint_id(conn, fp, now) for fp in fingerprints]
             existing: dict[tuple[int, str, str], tuple[int, str, str, str | None, int]] = {}
-            for fp, fid in fp_ids.items():
-                scopes = sorted({s for (f, s, _k) in wanted if f == fp})
+            for index, fid in enumerate(fp_ids):
                 query = select(
                     E.c.id, E.c.scope, E.c.key, E.c.runner, E.c.tactic, E.c.policy, E.c.commit_id
-                ).where(E.c.fingerprint_id == fid, E.c.scope.in_(scopes))
+                ).where(E.c.fingerprint_id == fid, E.c.scope.in_(sorted(scopes_by_fp[index])))
                 for eid, scope, key, runner, tactic, policy, cid in conn.execute(query):
                     existing[(fid, scope, key)] = (eid, runner, tactic, policy, cid)
             added: list[tuple[int, str, str, NewEntry]] = []
@@ -677,8 +685,8 @@ class Registry:
                 tuple[int, str, str, NewEntry, tuple[int, str, str, str | None, int]]
             ] = []
             unchanged = 0
-            for (fp, scope, key), entry in wanted.items():
-                fid = fp_ids[fp]
+            for (index, scope, key), entry in wanted.items():
+                fid = fp_ids[index]
                 old = existing.get((fid, scope, key))
                 if old is None:
                     added.append((fid, scope, key, entry))
