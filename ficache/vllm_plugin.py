@@ -19,11 +19,21 @@ rank within that group). The layout is derived from the parallel config
 (``tp2-pp1-dp1-ep1``), and the commit's provenance records the vLLM
 version, the model and vLLM's config hash. During the dummy runs vLLM sets
 its own autotune process group (that same ``cpu_group``) in place of the
-tuning group ``warm_start`` set: timings are all-reduced over the same
-ranks, and the protocol's collectives come only before and after. A rank
-that fails in the middle of tuning therefore leaves its peers waiting for
-vLLM's group timeout, exactly as without ficache. ``last_report()`` is this
-process's latest ``WarmStartReport``; one INFO line per start summarizes it.
+tuning group ``warm_start`` set (which stays unused): timings are
+all-reduced over the same ranks, and the protocol's collectives on that
+group come only before and after vLLM's own, in the same order on every
+rank. ``last_report()`` is this process's latest ``WarmStartReport``; one
+INFO line per start summarizes it.
+
+When vLLM's function raises on a rank (a failed dummy run, a broken
+collective), the wrapper re-raises at once and leaves that start
+abandoned: no exit protocol, nothing committed. The exit protocol would run
+collectives on the group vLLM is still using: the other ranks are then
+blocked in vLLM's own collectives on it (a tuning all-reduce, the barrier
+after tuning), so ficache's exchange would pair with them and stall until
+the group's timeout or garble both. An exception there is fatal to vLLM
+(nothing catches it), so the failing worker dies, which closes the group
+and fails its peers at once, exactly as without ficache.
 
 vLLM's own autotune file cache. vLLM 0.32+ keeps a per-rank JSON file and,
 when every rank has a "matching" one (same metadata and entry count, not
@@ -127,13 +137,16 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname != TARGET_MODULE:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _PatchingLoader(spec.loader)
-                return spec
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None and spec.loader is not None:
+                    spec.loader = _PatchingLoader(spec.loader)
+                    return spec
+        except Exception as exc:  # noqa: BLE001 - the normal import machinery takes over
+            _warn_once("find", f"ficache: not patching vLLM ({type(exc).__name__}: {exc})")
         return None
 
 
@@ -326,11 +339,28 @@ def _run(
             f"the warm start could not begin ({type(exc).__name__}: {exc})",
         )
         return original(runner, *args, **kwargs)
+    rank = coordinator.rank_in_group
     try:
-        with stack, _own_file_cache_isolated(module, coordinator.rank_in_group):
-            return original(runner, *args, **kwargs)
+        with _own_file_cache_isolated(module, rank):
+            result = original(runner, *args, **kwargs)
+    except BaseException as exc:
+        # Abandoned, not closed: see "When vLLM's function raises" in the module docstring.
+        with contextlib.suppress(Exception):
+            from flashinfer.autotuner import set_autotune_process_group
+
+            set_autotune_process_group(None)
+        logger.error(
+            "ficache: vLLM's FlashInfer autotuning raised on rank %d (%s); this warm start is "
+            "abandoned, nothing is committed, and the exception propagates as without ficache",
+            rank,
+            type(exc).__name__,
+        )
+        raise
+    try:
+        stack.close()  # the exit protocol: gather, commit, final slices
     finally:
         _log_report(ws.report, plan.layout)
+    return result
 
 
 def _log_report(report: WarmStartReport, layout: str) -> None:

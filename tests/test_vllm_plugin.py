@@ -1,0 +1,349 @@
+"""The vLLM plugin against real vLLM 0.33 (run with ``tox -e vllm``; skipped without vLLM).
+
+Two processes per scenario (``tests/vllm_ranks.py``, under a hard timeout)
+run vLLM's real ``init_distributed_environment`` over gloo and its real
+``GroupCoordinator`` groups, load the plugin through vLLM's own
+``load_general_plugins()`` (the installed ``vllm.general_plugins`` entry
+point), and call vLLM's real ``kernel_warmup.flashinfer_autotune`` as its
+worker does. The model runner is the one stand-in: its dummy run fills the
+real AutoTuner's cache the way FlashInfer tuning would (see
+``tests/vllm_ranks.py``).
+
+Importing vLLM costs 15-25 s per process, so each scenario's processes run
+once (module-scoped fixtures) and every step of it is asserted by the
+tests below.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Only look: importing vLLM here would cost this process 15-25 s; the ranks import it.
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip(
+        "needs vLLM 0.33 installed (run `tox -e vllm`, which installs it)",
+        allow_module_level=True,
+    )
+
+from ficache._ranks import free_port  # noqa: E402
+from ficache.registry import Registry  # noqa: E402
+from ficache.standin import DEFAULT_BUCKETS, DEFAULT_SHAPES  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+RANKS_SCRIPT = Path(__file__).with_name("vllm_ranks.py")
+WORLD = 2
+N = len(DEFAULT_SHAPES) * len(DEFAULT_BUCKETS)  # keys the stand-in tunes: 18
+#: Importing vLLM takes 15-25 s per process on a small CPU box.
+TIMEOUT = float(os.environ.get("FICACHE_VLLM_TEST_TIMEOUT", "300"))
+
+
+def run_scenario(scenario: str, tmp: Path, env: dict[str, str | None]) -> list[dict[str, Any]]:
+    """Start WORLD rank processes; kill them all if they outlast TIMEOUT; return their results."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    full_env = dict(os.environ)
+    full_env.update(
+        {
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
+            "XDG_CACHE_HOME": str(tmp / "user-cache"),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    for name in (
+        "FICACHE_DB",
+        "FICACHE_VLLM",
+        "VLLM_PLUGINS",
+        "VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR",
+    ):
+        full_env.pop(name, None)
+    for key, value in env.items():
+        if value is None:
+            full_env.pop(key, None)
+        else:
+            full_env[key] = value
+    port = free_port()
+    logs = [open(tmp / f"rank{r}.log", "w") for r in range(WORLD)]  # noqa: SIM115
+    procs = []
+    started = time.monotonic()
+    try:
+        for rank in range(WORLD):
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(RANKS_SCRIPT),
+                        scenario,
+                        str(rank),
+                        str(WORLD),
+                        str(port),
+                        str(tmp),
+                    ],
+                    env=full_env,
+                    stdout=logs[rank],
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        deadline = started + TIMEOUT
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                break
+        stuck = [r for r, p in enumerate(procs) if p.poll() is None]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        for log in logs:
+            log.close()
+    elapsed = time.monotonic() - started
+
+    def tail(rank: int) -> str:
+        return (tmp / f"rank{rank}.log").read_text()[-4000:]
+
+    if stuck:
+        pytest.fail(
+            f"{scenario}: rank(s) {stuck} still running after {TIMEOUT:g} s; killed.\n"
+            + "\n".join(f"--- rank {r} ---\n{tail(r)}" for r in stuck)
+        )
+    results = []
+    for rank in range(WORLD):
+        path = tmp / f"rank{rank}.json"
+        if not path.exists():
+            pytest.fail(f"{scenario}: rank {rank} wrote no result\n{tail(rank)}")
+        result = json.loads(path.read_text())
+        if result.get("error") or procs[rank].returncode != 0:
+            pytest.fail(f"{scenario}: rank {rank} failed:\n{result.get('error')}\n{tail(rank)}")
+        result["wall_seconds"] = round(elapsed, 1)
+        results.append(result)
+    return results
+
+
+@pytest.fixture(scope="module")
+def plugin_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
+    tmp = tmp_path_factory.mktemp("vllm-plugin")
+    registry = tmp / "registry.db"
+    return run_scenario("plugin", tmp, {"FICACHE_DB": str(registry)}), tmp
+
+
+@pytest.fixture(scope="module")
+def off_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
+    tmp = tmp_path_factory.mktemp("vllm-off")
+    registry = tmp / "registry.db"
+    return run_scenario("off", tmp, {"FICACHE_DB": str(registry), "FICACHE_VLLM": "0"}), tmp
+
+
+def steps(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [r["steps"][name] for r in results]
+
+
+def wrote_vllm_file(step: dict[str, Any], rank: int) -> bool:
+    """vLLM's own per-rank autotune file exists under VLLM_CACHE_ROOT after the step."""
+    name = f"autotune_configs_dp0_rank{rank}.json"
+    return any(Path(f).name == name for f in step["vllm_cache_files"])
+
+
+def ficache_warnings(step: dict[str, Any], logger: str = "ficache.vllm") -> list[str]:
+    return [
+        r["message"] for r in step["records"] if r["logger"] == logger and r["level"] == "WARNING"
+    ]
+
+
+# --------------------------------------------------------------------------
+# (a) the plugin on
+
+
+def test_plugin_patches_kernel_warmup_imported_before_or_after_loading(
+    plugin_run: tuple[list[dict[str, Any]], Path],
+) -> None:
+    results, _ = plugin_run
+    before, after = results
+    # Rank 0 imported kernel_warmup before load_general_plugins(): patched in place.
+    assert before["kw_imported_before_plugins"] is True
+    # Rank 1 had not: the import hook patched it when it was first imported.
+    assert after["kw_imported_before_plugins"] is False
+    assert after["kw_in_modules_before_import"] is False
+    assert after["finder_installed"] is True
+    for result in results:
+        patch = result["patch"]
+        assert patch["wrapped"] is True
+        assert patch["code_file"] == "vllm_plugin.py"  # the wrapper's code
+        assert patch["original_is_vllms"] is True
+
+
+def test_start1_commits_start2_loads_everything_and_tunes_nothing(
+    plugin_run: tuple[list[dict[str, Any]], Path],
+) -> None:
+    results, tmp = plugin_run
+    for rank, (first, second) in enumerate(
+        zip(steps(results, "start1"), steps(results, "start2"), strict=True)
+    ):
+        assert first["exception"] is None and second["exception"] is None
+        # vLLM ran its dummy run under FlashInfer's tuning mode, all-reducing over
+        # both ranks (its tune group's cpu_group).
+        assert first["dummy_runs"] and all(
+            d["tuning_mode"] and d["group_size"] == WORLD for d in first["dummy_runs"]
+        )
+        assert first["profiled"] == N and first["hits"] == 0
+        r1 = first["report"]
+        assert r1["status"] == "cold"
+        assert (r1["rank"], r1["world_size"], r1["layout"]) == (rank, WORLD, "tp2-pp1-dp1-ep1")
+        assert r1["loaded"] == 0 and r1["tuned"] == N
+        assert r1["committed"] == N and r1["commit_id"] is not None and r1["shared"] == N
+        assert first["entries"] == N
+        # Start 2: a restarted server (the AutoTuner cleared) loads all N from the
+        # registry; the stand-in finds every key and profiles none; nothing committed.
+        assert second["profiled"] == 0 and second["hits"] == N
+        r2 = second["report"]
+        assert r2["status"] == "warm" and r2["reason"] is None
+        assert r2["loaded"] == N and r2["tuned"] == 0
+        assert r2["committed"] == 0 and r2["commit_id"] is None
+        assert second["entries"] == N
+        assert not ficache_warnings(first) and not ficache_warnings(second)
+
+    with Registry.open(str(tmp / "registry.db"), create=False) as reg:
+        commits = reg.log(limit=None)
+    assert len(commits) == 1  # start 2 (and the fallbacks below) committed nothing
+    commit = commits[0]
+    assert commit.kind == "startup" and commit.added == N
+    assert commit.world_size == WORLD and commit.layout == "tp2-pp1-dp1-ep1"
+    provenance = commit.provenance
+    assert provenance["layout"] == "tp2-pp1-dp1-ep1"
+    assert provenance["framework"] == "vllm"
+    assert provenance["vllm_version"] == "0.33.0"
+    assert isinstance(provenance["vllm_config_hash"], str) and provenance["vllm_config_hash"]
+
+
+def test_both_ranks_end_every_start_with_identical_caches(
+    plugin_run: tuple[list[dict[str, Any]], Path],
+) -> None:
+    results, _ = plugin_run
+    # Each rank all-gathered its AutoTuner's save_configs entries (no _metadata or
+    # _generation) after every start and compared them with the other rank's.
+    for name in ("start1", "start2", "runtime_off", "unsupported", "db_dir", "db_garbage"):
+        for step in steps(results, name):
+            assert step["identical_across_ranks"] is True, name
+            assert step["entries"] == N, name
+
+
+def test_vllm_own_file_cache_is_not_used_under_ficache(
+    plugin_run: tuple[list[dict[str, Any]], Path],
+) -> None:
+    # Under the plugin vLLM's per-rank file is pointed into a scratch directory
+    # made for each start: vLLM writes nothing under VLLM_CACHE_ROOT (not even
+    # its cache directory), so it could not load a cache of its own on the next
+    # start either, and every rank starts from exactly what ficache loaded.
+    results, _ = plugin_run
+    for name in ("start1", "start2"):
+        for step in steps(results, name):
+            assert step["vllm_cache_exists"] is False, name
+            assert step["vllm_cache_files"] == [], name
+
+
+def test_runtime_switch_off_hands_the_call_to_vllm(
+    plugin_run: tuple[list[dict[str, Any]], Path],
+) -> None:
+    # FICACHE_VLLM=0 set after the patch: the wrapper calls vLLM's function as is;
+    # vLLM tunes and writes its own per-rank file, ficache starts nothing.
+    results, _ = plugin_run
+    for rank, step in enumerate(steps(results, "runtime_off")):
+        assert step["exception"] is None
+        assert step["report"] is None
+        assert step["profiled"] == N
+        assert wrote_vllm_file(step, rank)
+        assert step["records"] == []
+
+
+# --------------------------------------------------------------------------
+# (c) an unsupported vLLM shape
+
+
+def test_unsupported_vllm_runs_vllms_own_function_with_one_warning(
+    plugin_run: tuple[list[dict[str, Any]], Path],
+) -> None:
+    results, _ = plugin_run
+    for rank, step in enumerate(steps(results, "unsupported")):
+        assert step["exception"] is None
+        assert step["report"] is None  # no warm start: nothing loaded, nothing committed
+        warnings = ficache_warnings(step)
+        assert len(warnings) == 1, step["records"]
+        assert "resolve_rank_flashinfer_autotune_file" in warnings[0]
+        assert "unchanged" in warnings[0]
+        # vLLM's own path: it tuned from empty (its per-rank file was removed first)
+        # and wrote its per-rank file under VLLM_CACHE_ROOT.
+        assert step["profiled"] == N
+        assert wrote_vllm_file(step, rank)
+
+
+# --------------------------------------------------------------------------
+# (d) a registry that cannot be used never stops the start
+
+
+@pytest.mark.parametrize("name", ["db_dir", "db_garbage"])
+def test_unusable_registry_tunes_uncached_on_both_ranks(
+    plugin_run: tuple[list[dict[str, Any]], Path], name: str
+) -> None:
+    results, _ = plugin_run
+    for step in steps(results, name):
+        assert step["exception"] is None
+        report = step["report"]
+        assert report["status"].startswith("uncached: "), report
+        assert report["loaded"] == 0 and report["committed"] == 0
+        assert step["profiled"] == N  # vLLM tuned everything itself
+
+
+# --------------------------------------------------------------------------
+# (b) FICACHE_VLLM=0 from the start
+
+
+def test_switched_off_plugin_leaves_vllm_alone(off_run: tuple[list[dict[str, Any]], Path]) -> None:
+    results, tmp = off_run
+    for rank, result in enumerate(results):
+        assert result["finder_installed"] is False
+        patch = result["patch"]
+        assert patch["wrapped"] is False
+        # vLLM's own function object, the very one imported before the plugins loaded
+        assert patch["unwrapped_is_vllms"] is True and patch["same_object_as_before"] is True
+        step = result["steps"]["start"]
+        assert step["exception"] is None
+        assert step["report"] is None and step["records"] == []
+        assert step["profiled"] == N and step["identical_across_ranks"] is True
+        assert wrote_vllm_file(step, rank)
+    assert not (tmp / "registry.db").exists()
+
+
+# --------------------------------------------------------------------------
+# A rank that fails in the middle of tuning
+
+
+def test_failing_rank_fails_both_ranks_at_once_and_commits_nothing(
+    plugin_run: tuple[list[dict[str, Any]], Path],
+) -> None:
+    # Rank 1's dummy run raised after one shape while rank 0 went on to its next
+    # tuning all-reduce. The wrapper re-raised at once on rank 1 (no exit
+    # protocol on the group vLLM was still using); its process then ended, as a
+    # vLLM worker does, and rank 0's all-reduce failed at once, not after the
+    # group's 60 s timeout.
+    results, tmp = plugin_run
+    rank0, rank1 = steps(results, "rank1_fails")
+    assert rank1["exception"].startswith("RuntimeError: injected failure in the dummy run")
+    assert rank0["exception"] is not None and "injected" not in rank0["exception"]
+    assert rank0["seconds"] < 30 and rank1["seconds"] < 30
+    for step in (rank0, rank1):
+        assert step["report"] is None  # abandoned: no exit protocol
+        errors = [r["message"] for r in step["records"] if r["level"] == "ERROR"]
+        assert any("abandoned, nothing is committed" in m for m in errors), step["records"]
+    with Registry.open(str(tmp / "fails.db"), create=False) as reg:
+        assert reg.log(limit=None) == []

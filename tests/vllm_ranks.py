@@ -1,0 +1,369 @@
+"""One rank of the vLLM plugin tests: ``python tests/vllm_ranks.py SCENARIO RANK WORLD PORT OUT``.
+
+``tests/test_vllm_plugin.py`` starts WORLD of these processes (a hard
+timeout kills them) and asserts on the JSON each writes to
+``OUT/rank{RANK}.json``. Everything is vLLM 0.33's own code: its plugin
+loader (``vllm.plugins.load_general_plugins``), ``init_distributed_environment``
+and ``initialize_model_parallel`` over gloo, its ``GroupCoordinator`` groups,
+its ``VllmConfig`` and ``kernel_warmup.flashinfer_autotune``, called exactly
+as vLLM's worker calls it (``kernel_warmup`` gates that call on SM90, which
+a CPU never is, so the scenarios call it directly).
+
+The one stand-in: ``StandInModelRunner``, in place of vLLM's GPU model
+runner. Its ``_dummy_run`` (what vLLM's ``flashinfer_autotune`` runs under
+FlashInfer's ``autotune`` context) is where FlashInfer's tuning would
+happen on a GPU; here ``ficache.standin.standin_tune`` fills the real
+AutoTuner's cache the same way, all-reducing each timing over
+``get_autotune_process_group()`` (the group vLLM sets for the dummy runs),
+and the runner counts the keys it had to profile and the keys it found.
+
+Scenarios (each process runs every step of its scenario in order):
+
+- ``plugin``: the plugin on. Rank 0 imports ``kernel_warmup`` before
+  ``load_general_plugins()`` (patched in place), rank 1 after (patched by the
+  import hook). Steps: ``start1`` (fresh registry), ``start2`` (the AutoTuner
+  cleared, as in a restarted server), ``runtime_off`` (``FICACHE_VLLM=0`` set
+  after the patch: the wrapper steps aside), ``unsupported`` (an older vLLM
+  simulated), ``db_dir`` and ``db_garbage`` (FICACHE_DB unusable), and last
+  ``rank1_fails`` (fault injection: rank 1's dummy run raises halfway; the
+  process then ends, as a vLLM worker would).
+- ``off``: ``FICACHE_VLLM=0`` from the start. Rank 0 imports ``kernel_warmup``
+  before the plugins load, rank 1 after. One ``start``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+KW = "vllm.model_executor.warmup.kernel_warmup"
+
+
+class _Records(logging.Handler):
+    """Collects the records of the ``ficache`` loggers."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[dict[str, Any]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(
+            {"logger": record.name, "level": record.levelname, "message": record.getMessage()}
+        )
+
+    def take(self) -> list[dict[str, Any]]:
+        out, self.records = self.records, []
+        return out
+
+
+class StandInModelRunner:
+    """STAND-IN for vLLM's ``GPUModelRunner``: what ``flashinfer_autotune`` reads from it.
+
+    ``vllm_config`` and ``scheduler_config`` are vLLM's real config objects;
+    ``get_model()`` is a plain module (vLLM scans it for quantized kernels
+    and MoE layers and finds none). ``_dummy_run`` is the fake at the GPU
+    boundary: instead of a forward pass whose FlashInfer ops tune
+    themselves, it tunes the stand-in op (``ficache.standin``) and then
+    marks the AutoTuner the way FlashInfer's ``choose_one`` does after a
+    profile (the measurement policy of each new winner, ``_dirty``), so
+    vLLM's own "save if dirty" logic sees what tuning would leave.
+    """
+
+    def __init__(self, vllm_config: Any) -> None:
+        import torch
+
+        self.vllm_config = vllm_config
+        self.scheduler_config = vllm_config.scheduler_config
+        self.model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+        self.dummy_runs: list[dict[str, Any]] = []
+        self.fail_after_first_shape = False  # fault injection, named as such
+        self.profiled = 0
+        self.hits = 0
+        self.reduces = 0
+
+    def get_model(self) -> Any:
+        return self.model
+
+    def reset_counts(self) -> None:
+        self.dummy_runs, self.profiled, self.hits, self.reduces = [], 0, 0, 0
+
+    def _dummy_run(self, num_tokens: int, **kwargs: Any) -> None:
+        from flashinfer.autotuner import AutoTuner, get_autotune_process_group
+
+        from ficache.standin import CONFIG, DEFAULT_SHAPES, standin_tune
+
+        tuner = AutoTuner.get()
+        before = set(tuner.profiling_cache)
+        group = get_autotune_process_group()
+        if self.fail_after_first_shape:
+            # Fault injection: tune one shape (its all-reduces included), then fail
+            # while the other rank still tunes the next shapes.
+            standin_tune(DEFAULT_SHAPES[:1])
+            raise RuntimeError("injected failure in the dummy run")
+        result = standin_tune()
+        new = [key for key in tuner.profiling_cache if key not in before]
+        if new:
+            policy = tuner._profiling_policy(CONFIG)
+            for key in new:
+                tuner._profiling_cache_policies[(None, key)] = policy
+            tuner._dirty = True
+            tuner._dirty_seq += 1
+        self.profiled += result.profiled
+        self.hits += result.hits
+        self.reduces += result.reduces
+        self.dummy_runs.append(
+            {
+                "num_tokens": num_tokens,
+                "kwargs": sorted(kwargs),
+                "tuning_mode": bool(tuner.is_tuning_mode),
+                "group_size": None if group is None else group.size(),
+                "profiled": result.profiled,
+                "hits": result.hits,
+            }
+        )
+
+
+def autotuner_state() -> dict[str, Any]:
+    """What the AutoTuner would save (entries only, no ``_metadata``/``_generation``)."""
+    from ficache.tuner import FlashInferTuner
+
+    return {key: list(row) for key, row in sorted(FlashInferTuner().entries().items())}
+
+
+def files_under(root: Path) -> list[str]:
+    if not root.exists():
+        return []
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+class Rank:
+    def __init__(self, scenario: str, rank: int, world: int, port: int, out: Path) -> None:
+        self.scenario, self.rank, self.world, self.port, self.out = (
+            scenario,
+            rank,
+            world,
+            port,
+            out,
+        )
+        self.result: dict[str, Any] = {"rank": rank, "steps": {}, "timings": {}}
+        self.records = _Records()
+        self._t = time.perf_counter()
+
+    def tick(self, name: str) -> None:
+        now = time.perf_counter()
+        self.result["timings"][name] = round(now - self._t, 3)
+        self._t = now
+
+    # -- setup --------------------------------------------------------------
+
+    def load_plugins(self) -> Any:
+        """Import kernel_warmup before (rank 0) or after (other ranks) the plugins load."""
+        for name in ("ficache", "flashinfer", "alembic"):
+            logging.getLogger(name).setLevel(logging.DEBUG if name == "ficache" else logging.ERROR)
+        logging.getLogger("ficache").addHandler(self.records)
+        import vllm.plugins
+
+        before = self.rank == 0
+        self.result["kw_imported_before_plugins"] = before
+        self.result["kw_in_modules_before_import"] = KW in sys.modules
+        original = None
+        if before:
+            import vllm.model_executor.warmup.kernel_warmup as kw_early
+
+            original = kw_early.flashinfer_autotune
+        vllm.plugins.load_general_plugins()
+        self.result["finder_installed"] = any(
+            type(f).__module__ == "ficache.vllm_plugin" for f in sys.meta_path
+        )
+        import vllm.model_executor.warmup.kernel_warmup as kw
+
+        fn = kw.flashinfer_autotune
+        marked = getattr(fn, "__ficache_original__", None)
+        self.result["patch"] = {
+            "wrapped": marked is not None,
+            "code_file": Path(fn.__code__.co_filename).name,
+            "original_is_vllms": marked is not None
+            and marked.__module__ == KW
+            and marked.__code__.co_filename == kw.__file__,
+            "unwrapped_is_vllms": marked is None
+            and fn.__module__ == KW
+            and fn.__code__.co_filename == kw.__file__,
+            "same_object_as_before": original is None or fn is original,
+        }
+        self.tick("import_and_plugins")
+        return kw
+
+    def init_distributed(self) -> Any:
+        from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
+        from vllm.distributed.parallel_state import (
+            init_distributed_environment,
+            initialize_model_parallel,
+        )
+
+        config = VllmConfig(
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.world, cpu_distributed_timeout_seconds=60
+            )
+        )
+        with set_current_vllm_config(config):
+            init_distributed_environment(
+                world_size=self.world,
+                rank=self.rank,
+                distributed_init_method=f"tcp://127.0.0.1:{self.port}",
+                local_rank=self.rank,
+                backend="gloo",
+                timeout=timedelta(seconds=60),
+            )
+            initialize_model_parallel(
+                tensor_model_parallel_size=self.world, pipeline_model_parallel_size=1
+            )
+        self.tick("init_distributed")
+        return config
+
+    # -- one start ------------------------------------------------------------
+
+    def start(
+        self,
+        name: str,
+        kw: Any,
+        runner: StandInModelRunner,
+        config: Any,
+        *,
+        compare: bool = True,
+    ) -> dict[str, Any]:
+        """One server start: a clean AutoTuner, then vLLM's flashinfer_autotune."""
+        import torch.distributed as dist
+        from flashinfer.autotuner import AutoTuner
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed.parallel_state import get_world_group
+
+        import ficache.vllm_plugin as plugin
+
+        AutoTuner.get().clear_cache()  # a restarted server holds nothing yet
+        runner.reset_counts()
+        before = plugin.last_report()
+        self.records.take()
+        step: dict[str, Any] = {"exception": None}
+        started = time.perf_counter()
+        try:
+            with set_current_vllm_config(config):
+                kw.flashinfer_autotune(runner)
+        except Exception as exc:  # noqa: BLE001 - recorded for the test
+            step["exception"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        step["seconds"] = round(time.perf_counter() - started, 3)
+        after = plugin.last_report()
+        step["report"] = after.as_json() if after is not None and after is not before else None
+        step.update(profiled=runner.profiled, hits=runner.hits, reduces=runner.reduces)
+        step["dummy_runs"] = runner.dummy_runs
+        step["records"] = self.records.take()
+        state = autotuner_state()
+        step["entries"] = len(state)
+        if compare:
+            gathered: list[Any] = [None] * self.world
+            dist.all_gather_object(gathered, state, group=get_world_group().cpu_group)
+            step["identical_across_ranks"] = all(g == gathered[0] for g in gathered)
+        vllm_cache = Path(os.environ["VLLM_CACHE_ROOT"])
+        step["vllm_cache_exists"] = vllm_cache.exists()
+        step["vllm_cache_files"] = files_under(vllm_cache)
+        self.result["steps"][name] = step
+        self.tick(name)
+        return step
+
+    # -- scenarios ------------------------------------------------------------
+
+    def run(self) -> None:
+        from vllm.config import set_current_vllm_config
+
+        kw = self.load_plugins()
+        config = self.init_distributed()
+        runner = StandInModelRunner(config)
+        tmp = self.out
+        if self.scenario == "off":
+            self.start("start", kw, runner, config)
+            return
+        if self.scenario != "plugin":
+            raise SystemExit(f"unknown scenario {self.scenario}")
+        if self.rank == 0:  # unusable registries for the last two starts
+            (tmp / "a-directory").mkdir()
+            (tmp / "garbage.db").write_bytes(b"this is not a SQLite database\n" * 100)
+        self.start("start1", kw, runner, config)
+        self.start("start2", kw, runner, config)
+
+        # FICACHE_VLLM=0 after the patch: the wrapper calls vLLM's function as is.
+        os.environ["FICACHE_VLLM"] = "0"
+        try:
+            self.start("runtime_off", kw, runner, config)
+        finally:
+            os.environ.pop("FICACHE_VLLM")
+
+        # An older vLLM, simulated: kernel_warmup no longer exports the helper the
+        # wrapper relies on (what ficache inspects), while vLLM's own function still
+        # finds it (a global lookup falls back to builtins), so it can run unchanged.
+        helper = kw.resolve_rank_flashinfer_autotune_file
+        with set_current_vllm_config(config):
+            helper(runner).unlink()  # written by runtime_off: vLLM starts from empty again
+        delattr(kw, "resolve_rank_flashinfer_autotune_file")
+        builtins.resolve_rank_flashinfer_autotune_file = helper  # type: ignore[attr-defined]
+        try:
+            self.start("unsupported", kw, runner, config)
+        finally:
+            del builtins.resolve_rank_flashinfer_autotune_file  # type: ignore[attr-defined]
+            kw.resolve_rank_flashinfer_autotune_file = helper
+
+        # FICACHE_DB unusable: a directory, then a file that is not SQLite.
+        registry = os.environ["FICACHE_DB"]
+        for name, db in (("db_dir", tmp / "a-directory"), ("db_garbage", tmp / "garbage.db")):
+            os.environ["FICACHE_DB"] = str(db)
+            try:
+                self.start(name, kw, runner, config)
+            finally:
+                os.environ["FICACHE_DB"] = registry
+
+        # Last: rank 1 fails in the middle of tuning (fresh registry) while rank 0
+        # goes on to its next tuning all-reduce. As in vLLM, where nothing catches
+        # it, the failing worker then dies (here: the process ends after this step),
+        # which must fail rank 0 at once. No collective follows this step.
+        runner.fail_after_first_shape = self.rank == 1
+        os.environ["FICACHE_DB"] = str(tmp / "fails.db")
+        self.start("rank1_fails", kw, runner, config, compare=False)
+
+    def teardown(self) -> None:
+        from vllm.distributed.parallel_state import (
+            destroy_distributed_environment,
+            destroy_model_parallel,
+        )
+
+        with contextlib.suppress(Exception):
+            destroy_model_parallel()
+        with contextlib.suppress(Exception):
+            destroy_distributed_environment()
+
+
+def main(argv: list[str]) -> int:
+    scenario, out = argv[0], Path(argv[4])
+    rank, world, port = int(argv[1]), int(argv[2]), int(argv[3])
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
+    me = Rank(scenario, rank, world, port, out)
+    code = 0
+    try:
+        me.run()
+    except BaseException:  # noqa: BLE001 - reported to the test
+        me.result["error"] = traceback.format_exc()
+        code = 1
+    finally:
+        me.teardown()
+    (out / f"rank{rank}.json").write_text(json.dumps(me.result, indent=1, default=str))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
