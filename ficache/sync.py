@@ -350,7 +350,25 @@ def _describe_difference(fields: list[dict[str, str] | None]) -> str:
 
 
 class WarmStart:
-    """The context manager ``warm_start`` returns; ``report`` is filled on exit."""
+    """A warm start of FlashInfer's autotuner, entered by every rank of ``group``.
+
+    ``group`` is a gloo process group (None: the default group, or a single
+    process when torch.distributed is not initialized). Only rank 0 reads
+    ``db`` (a path or SQLAlchemy URL; None: ``FICACHE_DB``, then the default
+    registry). ``layout`` names the rank layout for rank-scoped entries
+    (default ``f"world{N}"``). ``tuner=None`` is FlashInfer's ``AutoTuner``.
+    ``fingerprint`` overrides the collected one. ``synchronize=False`` tunes
+    without a process group (entries are then stored per rank only).
+    ``timeout`` bounds the protocol's waits and the tuning group's
+    collectives (default 1800 s); ``release_grace`` is how long a rank that
+    left its block waits before releasing the tuning group;
+    ``busy_timeout`` bounds each wait for the registry's write lock (the
+    registry retries a busy write a few times). ``slice_cache=False``
+    bypasses the on-disk cache of rendered slices. ``provenance`` (rank 0's)
+    is added to the commit's provenance (framework, model, ...).
+
+    After the ``with`` block, ``.report`` is this rank's ``WarmStartReport``.
+    """
 
     def __init__(
         self,
@@ -900,49 +918,5 @@ class WarmStart:
         )
 
 
-def warm_start(
-    group: Any = None,
-    *,
-    db: str | os.PathLike[str] | None = None,
-    layout: str | None = None,
-    tuner: Tuner | None = None,
-    fingerprint: Fingerprint | None = None,
-    synchronize: bool = True,
-    timeout: float | None = None,
-    release_grace: float = 5.0,
-    busy_timeout: float | None = 5.0,
-    slice_cache: bool = True,
-    provenance: dict[str, Any] | None = None,
-) -> WarmStart:
-    """A warm start of FlashInfer's autotuner, entered by every rank of ``group``.
-
-    ``group`` is a gloo process group (None: the default group, or a single
-    process when torch.distributed is not initialized). Only rank 0 reads
-    ``db`` (a path or SQLAlchemy URL; None: ``FICACHE_DB``, then the default
-    registry). ``layout`` names the rank layout for rank-scoped entries
-    (default ``f"world{N}"``). ``tuner=None`` is FlashInfer's ``AutoTuner``.
-    ``fingerprint`` overrides the collected one. ``synchronize=False`` tunes
-    without a process group (entries are then stored per rank only).
-    ``timeout`` bounds the protocol's waits and the tuning group's
-    collectives (default 1800 s); ``release_grace`` is how long a rank that
-    left its block waits before releasing the tuning group;
-    ``busy_timeout`` bounds each wait for the registry's write lock (the
-    registry retries a busy write a few times). ``slice_cache=False``
-    bypasses the on-disk cache of rendered slices. ``provenance`` (rank 0's)
-    is added to the commit's provenance (framework, model, ...).
-
-    After the ``with`` block, ``.report`` is this rank's ``WarmStartReport``.
-    """
-    return WarmStart(
-        group,
-        db=db,
-        layout=layout,
-        tuner=tuner,
-        fingerprint=fingerprint,
-        synchronize=synchronize,
-        timeout=timeout,
-        release_grace=release_grace,
-        busy_timeout=busy_timeout,
-        slice_cache=slice_cache,
-        provenance=provenance,
-    )
+#: The public name: ``with ficache.warm_start(group, ...) as ws:`` (see ``WarmStart``).
+warm_start = WarmStart
