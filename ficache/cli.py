@@ -119,6 +119,18 @@ class AgeType(click.ParamType):
         return float(m.group(1)) * _AGE_SECONDS[m.group(2)]
 
 
+def _check_scope(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    """Click callback: a scope is 'shared' or '<layout>/rank<N>'."""
+    from ficache.registry import validate_scope
+
+    if value is None:
+        return None
+    try:
+        return validate_scope(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 def _resolve_fingerprint(reg: Any, ref: str) -> Any:
     """A stored fingerprint by id/digest, or ``current`` (collected now)."""
     if ref == "current":
@@ -212,6 +224,7 @@ def fingerprints_cmd(obj: _Context, fmt: str) -> None:
 )
 @click.option(
     "--scope",
+    callback=_check_scope,
     default="shared",
     show_default=True,
     help="Rank scope of the entries: 'shared' or '<layout>/rank<N>'.",
@@ -226,12 +239,7 @@ def import_cmd(
     Every file is read and validated first: one invalid file imports nothing.
     """
     from ficache.flashinfer_format import read_cache_file
-    from ficache.registry import validate_scope
 
-    try:
-        validate_scope(scope)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--scope") from None
     parsed = [(str(f), read_cache_file(f)) for f in files]
     with obj.registry() as reg:
         fp = _resolve_fingerprint(reg, fingerprint_ref) if fingerprint_ref else None
@@ -278,6 +286,7 @@ def import_cmd(
 )
 @click.option(
     "--scope",
+    callback=_check_scope,
     default="shared",
     show_default=True,
     help="Also include the entries of '<layout>/rank<N>' (they win over shared ones).",
@@ -292,12 +301,7 @@ def import_cmd(
 def export_cmd(obj: _Context, fingerprint_ref: str, scope: str, output: Path | None) -> None:
     """Export a FlashInfer cache file that AutoTuner.load_configs accepts."""
     from ficache.flashinfer_format import write_atomic
-    from ficache.registry import validate_scope
 
-    try:
-        validate_scope(scope)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--scope") from None
     with obj.registry(create=False) as reg:
         if fingerprint_ref == "current":
             from ficache.fingerprint import collect
@@ -330,7 +334,11 @@ def export_cmd(obj: _Context, fingerprint_ref: str, scope: str, output: Path | N
     metavar="ID",
     help="Only entries of this stored fingerprint.",
 )
-@click.option("--scope", help="Only entries of this scope ('shared' or '<layout>/rank<N>').")
+@click.option(
+    "--scope",
+    callback=_check_scope,
+    help="Only entries of this scope ('shared' or '<layout>/rank<N>').",
+)
 @click.option("--limit", type=click.IntRange(min=1), help="Show at most this many entries.")
 @FORMAT
 @pass_ctx
@@ -484,7 +492,7 @@ def log_cmd(obj: _Context, limit: int, fmt: str) -> None:
 @click.option(
     "--older-than", type=AgeType(), help="Remove entries last written before this age (30d, 12h)."
 )
-@click.option("--scope", help="Remove only entries of this scope.")
+@click.option("--scope", callback=_check_scope, help="Remove only entries of this scope.")
 @click.option("--dry-run", is_flag=True, help="Show the plan and change nothing.")
 @click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
 @pass_ctx
