@@ -253,6 +253,11 @@ def parse_key(key: str) -> KeyFields:
     fast = _common_key(key)
     if fast is not None:
         return fast
+    return _parse_key_general(key)
+
+
+def _parse_key_general(key: str) -> KeyFields:
+    """``parse_key`` for any key shape (the literal parser over the whole key)."""
     value, spans = _parse_literal(key)
     if not isinstance(value, tuple) or len(value) != 4:
         raise ValueError("a key is a 4-tuple (op, runner, shapes, extras)")

@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from ficache.errors import CacheFileError
 from ficache.flashinfer_format import (
     KeyFields,
+    _common_key,
+    _parse_key_general,
     canonical_json,
     parse_cache_bytes,
     parse_key,
@@ -95,6 +97,17 @@ def test_parse_key_reads_what_flashinfer_writes(parts: tuple) -> None:
     fields = parse_key(key)
 
     assert fields == KeyFields(op, runner, shapes, str(extras))
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(keys)
+@example(("flashinfer::mm", "MmRunner", ((16, 64), (64, 32)), (torch.bfloat16, 3)))
+@example(("op", "R", (), ()))
+def test_the_common_key_fast_path_agrees_with_the_general_parser(parts: tuple) -> None:
+    key = str(parts)
+    fast = _common_key(key)
+    if fast is not None:  # None: the key falls through to the general parser
+        assert fast == _parse_key_general(key)
 
 
 def test_parse_key_of_a_real_profiling_cache_key() -> None:
