@@ -38,14 +38,12 @@ from typing import Any
 import torch
 from flashinfer.autotuner import (
     AutoTuner,
-    DynamicTensorSpec,
     ProfilingCacheKey,
     TunableRunner,
-    TuningConfig,
     get_autotune_process_group,
 )
 
-from ficache.tunable_matmul import floor_bucket, matmul_variant
+from ficache.tunable_matmul import floor_bucket, m_bucketed_config, matmul_variant
 
 #: The custom-op name of the stand-in's entries (never a FlashInfer op).
 STANDIN_OP = "ficache::cpu_standin_matmul"
@@ -60,21 +58,8 @@ def _bucket(m: int) -> int:
     return floor_bucket(m, DEFAULT_BUCKETS)
 
 
-def _all_buckets(_m: int) -> tuple[int, ...]:
-    return DEFAULT_BUCKETS
-
-
 #: The stand-in op's tuning config: M (dim 0 of input 0) is the dynamic dimension.
-CONFIG = TuningConfig(
-    dynamic_tensor_specs=(
-        DynamicTensorSpec(
-            input_idx=(0,),
-            dim_idx=(0,),
-            gen_tuning_buckets=_all_buckets,
-            map_to_tuning_buckets=_bucket,
-        ),
-    )
-)
+CONFIG = m_bucketed_config(DEFAULT_BUCKETS)
 
 
 class CpuStandInMatmulRunner(TunableRunner):

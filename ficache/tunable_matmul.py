@@ -42,21 +42,26 @@ def floor_bucket(m: int, buckets: Sequence[int]) -> int:
     return best
 
 
+def m_bucketed_config(buckets: tuple[int, ...]) -> TuningConfig:
+    """A tuning config whose dynamic dimension is M (dim 0 of input 0), tuned
+    over ``buckets`` and mapped to them with floor semantics."""
+    return TuningConfig(
+        dynamic_tensor_specs=(
+            DynamicTensorSpec(
+                input_idx=(0,),
+                dim_idx=(0,),
+                gen_tuning_buckets=lambda _m: buckets,
+                map_to_tuning_buckets=lambda m: floor_bucket(m, buckets),
+            ),
+        )
+    )
+
+
 def bucket(m: int) -> int:
     return floor_bucket(m, BUCKETS)
 
 
-def _buckets(_m: int) -> tuple[int, ...]:
-    return BUCKETS
-
-
-CONFIG = TuningConfig(
-    dynamic_tensor_specs=(
-        DynamicTensorSpec(
-            input_idx=(0,), dim_idx=(0,), gen_tuning_buckets=_buckets, map_to_tuning_buckets=bucket
-        ),
-    )
-)
+CONFIG = m_bucketed_config(BUCKETS)
 
 
 def matmul_variant(a: torch.Tensor, b: torch.Tensor, tactic: Any) -> torch.Tensor:
