@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from samples import H200_METADATA
 
 from ficache.errors import FingerprintError
 from ficache.fingerprint import (
@@ -19,15 +20,7 @@ from ficache.fingerprint import (
     collect,
 )
 
-H200 = {
-    "flashinfer_version": "0.7.2.post1",
-    "cuda_version": "12.9",
-    "cublas_version": "12.9.1",
-    "cudnn_version": "91002",
-    "cudnn_frontend_version": "1.32.0",
-    "cutlass_dsl_version": "nvidia-cutlass-dsl==4.8.1",
-    "gpu": "NVIDIA H200",
-}
+H200 = H200_METADATA
 
 
 def _classify(saved: dict, current: dict) -> tuple[dict, dict]:

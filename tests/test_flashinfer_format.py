@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from samples import H200_METADATA
 
 from ficache.errors import CacheFileError
 from ficache.flashinfer_format import (
@@ -32,15 +33,7 @@ KEY = str(
 KEY2 = str(
     ("flashinfer::mm_fp4", "CutlassFp4Runner", ((32, 4096), (4096, 2048)), (torch.bfloat16, 1))
 )
-METADATA = {
-    "flashinfer_version": "0.7.2.post1",
-    "cuda_version": "12.9",
-    "cublas_version": "12.9.1",
-    "cudnn_version": "91002",
-    "cudnn_frontend_version": "1.32.0",
-    "cutlass_dsl_version": "nvidia-cutlass-dsl==4.8.1",
-    "gpu": "NVIDIA H200",
-}
+METADATA = H200_METADATA
 
 
 def _file(obj: object) -> bytes:

@@ -16,18 +16,11 @@ from typing import Any
 import pytest
 import torch
 from flashinfer.autotuner import ProfilingCacheKey
+from samples import H200_METADATA
 
 HOT = ("cuda_graph_profile_replays", None, "l2_cache_policy", "hot")
 COLD_GRAPH = ("cuda_graph_profile_replays", 3, "l2_cache_policy", "cold")
-OTHER_GPU = {
-    "flashinfer_version": "0.7.2.post1",
-    "cuda_version": "12.9",
-    "cublas_version": "12.9.1",
-    "cudnn_version": "91002",
-    "cudnn_frontend_version": "1.32.0",
-    "cutlass_dsl_version": "nvidia-cutlass-dsl==4.8.1",
-    "gpu": "NVIDIA H200",
-}
+OTHER_GPU = H200_METADATA
 
 #: (custom_op, runner, shapes, extras, tactic, policy or None) as a tuning run would leave them.
 TUNED: list[tuple[str, str, tuple, tuple, Any, tuple | None]] = [
