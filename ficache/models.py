@@ -9,8 +9,8 @@ Tables:
   ``tactic`` and ``policy`` are canonical JSON text.
 - ``commits``: one row per write, with its provenance and counts.
 - ``entry_changes``: what each commit did to each entry (added, replaced,
-  removed) with the value it replaced, so every commit can be reverted and
-  nothing stored is lost silently.
+  removed) with the value it replaced and the value it wrote, so every
+  commit can be shown and reverted and nothing stored is lost silently.
 
 Invariants:
 - ``(fingerprint_id, scope, key)`` is unique in ``entries``.
@@ -18,7 +18,11 @@ Invariants:
   that commit has an ``entry_changes`` row for it.
 - ``scope`` is ``"shared"`` (valid on every rank) or ``"<layout>/rank<N>"``.
 - Times are UNIX seconds (UTC) as floats: cheap to write in bulk, simple to
-  compare for pruning by age.
+  compare for pruning by age. ``entries.updated_at`` is when this registry
+  last wrote the row; ``entries.tuned_at`` is when the value was tuned, and
+  travels with it through merges and bundles (the ``newest`` merge policy
+  compares it). ``fingerprints.last_served_at`` is when a warm start last
+  served the fingerprint (``prune --unused-for``); NULL means never.
 - The schema is owned by Alembic (``migrations/``); a test checks these
   models and the migrations do not drift.
 """
@@ -50,6 +54,7 @@ class FingerprintRow(Base):
     compute_capability: Mapped[str] = mapped_column(Text, nullable=False)
     torch_version: Mapped[str] = mapped_column(Text, nullable=False)
     created_at: Mapped[float] = mapped_column(Float, nullable=False)
+    last_served_at: Mapped[float | None] = mapped_column(Float)
 
 
 class CommitRow(Base):
@@ -87,6 +92,7 @@ class EntryRow(Base):
     policy: Mapped[str | None] = mapped_column(Text)  # canonical JSON
     commit_id: Mapped[int] = mapped_column(ForeignKey("commits.id"), nullable=False)
     updated_at: Mapped[float] = mapped_column(Float, nullable=False)
+    tuned_at: Mapped[float | None] = mapped_column(Float)  # NULL only before 0002's backfill
 
     __table_args__ = (
         UniqueConstraint("fingerprint_id", "scope", "key", name="uq_entries_fingerprint_scope_key"),
@@ -108,5 +114,10 @@ class EntryChangeRow(Base):
     old_tactic: Mapped[str | None] = mapped_column(Text)
     old_policy: Mapped[str | None] = mapped_column(Text)
     old_commit_id: Mapped[int | None] = mapped_column(Integer)
+    old_tuned_at: Mapped[float | None] = mapped_column(Float)
+    # The value the commit wrote (added, replaced); NULL for removed.
+    new_runner: Mapped[str | None] = mapped_column(Text)
+    new_tactic: Mapped[str | None] = mapped_column(Text)
+    new_policy: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (Index("ix_entry_changes_commit_id", "commit_id"),)

@@ -152,9 +152,7 @@ def test_an_older_read_only_registry_is_refused_not_upgraded(cli, registry_path:
     registry_path.chmod(0o444)
     before = registry_path.read_bytes()
 
-    with pytest.raises(
-        RegistryReadOnlyError, match="is empty, needs '0001_registry', and is read-only"
-    ):
+    with pytest.raises(RegistryReadOnlyError, match=f"is empty, needs '{HEAD}', and is read-only"):
         Registry.open(str(registry_path))
 
     assert registry_path.read_bytes() == before
@@ -273,6 +271,35 @@ def test_a_frozen_registry_upgrades_to_head_and_keeps_its_data(
         prune = reg.log()[0].id
         assert reg.revert(prune).added == 1
         assert {i.fingerprint: i.entries for i in reg.fingerprints()} == {h200: 4, b200: 1}
+
+    # 0002 recovered what each past change wrote (from the next change, or the
+    # entry as it stands) and when each entry was tuned.
+    conn = sqlite3.connect(path)
+    try:
+        changes = [
+            (commit, action, scope, key, json.loads(new) if new is not None else None)
+            for commit, action, scope, key, new in conn.execute(
+                "SELECT commit_id, action, scope, key, new_tactic FROM entry_changes "
+                "WHERE commit_id <= 4 ORDER BY id"
+            )
+        ]
+        untimed = conn.execute("SELECT count(*) FROM entries WHERE tuned_at IS NULL").fetchone()
+    finally:
+        conn.close()
+    k64 = _frozen_key(64, '(torch.float8_e4m3fn, None, "it\'s")')
+    assert sorted(changes, key=repr) == sorted(
+        [
+            (1, "added", "shared", _frozen_key(16), [3, [1, 2]]),
+            (1, "added", "shared", _frozen_key(32), 5),
+            (1, "added", "shared", k64, -1),
+            (1, "added", "shared", _frozen_key(16), 7),  # the B200 entry
+            (2, "added", "tp2/rank1", _frozen_key(16), 9),
+            (3, "replaced", "shared", _frozen_key(32), 6),
+            (4, "removed", "shared", _frozen_key(16), None),
+        ],
+        key=repr,
+    )
+    assert untimed == (0,)
 
 
 _FROZEN_FIELDS = {
