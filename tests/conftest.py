@@ -2,7 +2,19 @@
 FlashInfer cache files and the real FlashInfer ``AutoTuner``.
 
 - ``registry_path``: a registry file path under ``tmp_path`` (not created).
-- ``cli``: ``cli(*args, db=registry_path, input=None)`` runs ``ficache`` through
+- ``backend``: ``"sqlite"`` or ``"postgres"``. A test that requests it (or is
+  marked ``usefixtures("backend")``) runs once per backend, and its
+  ``registry_db`` and ``cli`` follow; the PostgreSQL case is marked
+  ``postgres`` and runs only with ``FICACHE_TEST_POSTGRES=1`` (``tox -e
+  postgres`` sets it and runs ``pytest -m postgres``); without it the
+  PostgreSQL cases are deselected and one summary line says why.
+- ``registry_db``: where the test's registry lives, as ``--db`` takes it:
+  ``str(registry_path)``, or, in a test's PostgreSQL case, the URL of a fresh
+  database of its own (``postgres_url``).
+- ``postgres_server`` (session) and ``postgres_url``: one real PostgreSQL
+  server per session (``tests/pg_server.py``), a new empty database per test,
+  dropped after it.
+- ``cli``: ``cli(*args, db=registry_db, input=None)`` runs ``ficache`` through
   click's ``CliRunner`` with ``--db``; pass ``db=None`` to omit it. Returns
   click's ``Result`` (``exit_code``, ``stdout``, ``stderr``).
 - ``cache_file``: ``cache_file(name, entries, metadata=CURRENT, generation=None)``
@@ -12,8 +24,9 @@ FlashInfer cache files and the real FlashInfer ``AutoTuner``.
   ``_metadata``, as older FlashInfer wrote).
 - ``autotuner``: the real ``AutoTuner.get()`` singleton, cleared before and
   after the test.
-- ``dump_db``: ``dump_db(path)`` is the database's full SQL dump (a list of
-  statements), for "registry unchanged" checks.
+- ``dump_db``: ``dump_db(db)`` is the database's full content, for "registry
+  unchanged" checks: a SQLite file's SQL dump (a list of statements), or for a
+  PostgreSQL URL every table's columns and all its rows, in order.
 
 Every test runs with ``FICACHE_DB`` unset and the user cache dir inside
 ``tmp_path``, so nothing reaches the real default registry.
@@ -27,11 +40,59 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import hypothesis
+import pg_server
 import pytest
 from click.testing import CliRunner, Result
 
 #: ``cache_file(..., metadata=CURRENT)``: this environment's FlashInfer metadata.
 CURRENT = "current"
+
+
+# No per-example deadline: CI runs on a loaded 2-core machine, where a slow
+# example is noise, not a failure (a deadline would make property tests flaky).
+# Tests still set their own max_examples; hangs are the hard timeouts' job.
+hypothesis.settings.register_profile(
+    "ficache", deadline=None, suppress_health_check=[hypothesis.HealthCheck.too_slow]
+)
+hypothesis.settings.load_profile("ficache")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--reverse",
+        action="store_true",
+        help="Run the collected tests in reverse order (tests must not depend on their order).",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--reverse"):
+        items.reverse()
+    _deselect_postgres_cases(config, items)
+
+
+_POSTGRES_DESELECTED = pytest.StashKey[int]()
+
+
+def _deselect_postgres_cases(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without ``FICACHE_TEST_POSTGRES=1`` the PostgreSQL cases do not run; one
+    summary line says so and why (rather than one skip line per case)."""
+    if pg_server.enabled():
+        return
+    postgres = [item for item in items if item.get_closest_marker("postgres")]
+    if postgres:
+        config.hook.pytest_deselected(items=postgres)
+        items[:] = [item for item in items if not item.get_closest_marker("postgres")]
+        config.stash[_POSTGRES_DESELECTED] = len(postgres)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    deselected = config.stash.get(_POSTGRES_DESELECTED, 0)
+    if deselected:
+        terminalreporter.write_line(
+            f"{deselected} PostgreSQL cases deselected: {pg_server.unavailable_reason()}"
+        )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -50,15 +111,50 @@ def registry_path(tmp_path: Path) -> Path:
     return tmp_path / "registry.db"
 
 
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[pg_server.PostgresServer]:
+    reason = pg_server.unavailable_reason()
+    if reason is not None:
+        if pg_server.enabled():
+            pytest.fail(reason)
+        pytest.skip(reason)
+    server = pg_server.PostgresServer.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture
-def cli(registry_path: Path) -> Callable[..., Result]:
+def postgres_url(postgres_server: pg_server.PostgresServer) -> Iterator[str]:
+    with postgres_server.database() as url:
+        yield url
+
+
+BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    if request.param == "postgres":
+        request.getfixturevalue("postgres_server")  # skips with its reason
+    return str(request.param)
+
+
+@pytest.fixture
+def registry_db(request: pytest.FixtureRequest, registry_path: Path) -> str:
+    if "backend" in request.fixturenames and request.getfixturevalue("backend") == "postgres":
+        return str(request.getfixturevalue("postgres_url"))
+    return str(registry_path)
+
+
+@pytest.fixture
+def cli(registry_db: str) -> Callable[..., Result]:
     from ficache.cli import cli as ficache_cli
 
     runner = CliRunner()
 
-    def invoke(
-        *args: str, db: str | Path | None = registry_path, input: str | None = None
-    ) -> Result:
+    def invoke(*args: str, db: str | Path | None = registry_db, input: str | None = None) -> Result:
         argv = (["--db", str(db)] if db is not None else []) + [str(a) for a in args]
         return runner.invoke(
             ficache_cli, argv, input=input, catch_exceptions=True, prog_name="ficache"
@@ -107,12 +203,35 @@ def autotuner() -> Iterator[Any]:
     tuner.clear_cache()
 
 
-def _dump(path: str | Path) -> list[str]:
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+def _dump(db: str | Path) -> list[str]:
+    if str(db).startswith("postgresql"):
+        return _dump_postgres(str(db))
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     try:
         return list(conn.iterdump())
     finally:
         conn.close()
+
+
+def _dump_postgres(url: str) -> list[str]:
+    """Every table's name and columns, then all its rows ordered by every column."""
+    from sqlalchemy import create_engine, inspect, text
+    from sqlalchemy.pool import NullPool
+
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        lines: list[str] = []
+        with engine.connect() as conn:
+            inspector = inspect(conn)
+            for table in sorted(inspector.get_table_names()):
+                columns = inspector.get_columns(table)
+                lines.append(f"{table}: " + ", ".join(f"{c['name']} {c['type']}" for c in columns))
+                order = ", ".join(str(i) for i in range(1, len(columns) + 1))
+                rows = conn.execute(text(f'SELECT * FROM "{table}" ORDER BY {order}'))
+                lines.extend(f"{table} {tuple(row)!r}" for row in rows)
+        return lines
+    finally:
+        engine.dispose()
 
 
 @pytest.fixture

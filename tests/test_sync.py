@@ -9,7 +9,7 @@ filled by the CPU stand-in (``ficache.standin``), 18 entries per start.
 
 from __future__ import annotations
 
-import os
+import re
 from typing import Any
 
 import gloo_scenarios
@@ -22,14 +22,54 @@ pytestmark = pytest.mark.slow
 ALL = gloo_scenarios.ALL  # 18 keys
 HALF = 9
 WORLDS = (2, 4)
-#: Well under the groups' 60 s timeout: a failure path that waited it out would show.
-FAST = 20.0
+#: Hang guard: every rank of a world is killed after this long, far from the
+#: 30-90 s a world normally takes, so a deadlock fails these tests at once
+#: instead of hanging CI. Whether a failure path was *released* rather than
+#: timed out is checked from what the ranks report (``assert_no_timeout``),
+#: never by comparing a duration with a number.
+HARD_TIMEOUT = 900.0
 
 
 def _run(world: int, root: str) -> dict[int, dict[str, dict[str, Any]]]:
     names = list(gloo_scenarios.SCENARIOS)
-    results = run_ranks(gloo_scenarios.run_plan, world, root, names, timeout=420, group_timeout=60)
+    results = run_ranks(
+        gloo_scenarios.run_plan,
+        world,
+        root,
+        names,
+        timeout=HARD_TIMEOUT,
+        group_timeout=gloo_scenarios.GROUP_TIMEOUT,
+    )
     return dict(enumerate(results))
+
+
+def _reasons(value: Any) -> list[str]:
+    """Every ``reason``, ``status``, ``exception`` and ``error`` text in a rank's result."""
+    found = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key in ("reason", "status", "exception", "error") and isinstance(item, str):
+                found.append(item)
+            else:
+                found.extend(_reasons(item))
+    elif isinstance(value, list):
+        for item in value:
+            found.extend(_reasons(item))
+    return found
+
+
+def assert_no_timeout(result: dict[str, Any], where: str) -> None:
+    """No wait of this rank's start ended by running out its timeout.
+
+    gloo ends a wait that ran out with "Operation timed out!" (or "Timed out
+    waiting ...", "Application timeout caused pair closure"); the protocol
+    carries what ended a failed collective into ``reason`` or the block's
+    ``exception``. A peer released as designed fails with "Connection closed
+    by peer" instead.
+    """
+    for text in _reasons(result):
+        lowered = text.lower()
+        assert "timed out" not in lowered and "timeout" not in lowered, (where, text)
 
 
 class _Worlds:
@@ -77,7 +117,7 @@ def assert_uncached(per_rank: list[dict[str, Any]], phase: str, *fragments: str)
         assert rep["committed"] == 0 and rep["commit_id"] is None
         assert r[phase]["standin"]["profiled"] == ALL
         assert r[phase]["exception"] is None
-        assert r[phase]["block_seconds"] < FAST
+        assert_no_timeout(r[phase], phase)
     assert len({r[phase]["report"]["reason"] for r in per_rank}) == 1  # every rank says the same
 
 
@@ -220,7 +260,6 @@ def test_locked_registry_serves_but_commits_nothing(world: tuple[int, Any]) -> N
             rep["reason"].startswith("nothing committed: commit failed")
             and "locked" in rep["reason"]
         )
-        assert r["first"]["block_seconds"] < FAST
     assert len({r["first"]["report"]["reason"] for r in per_rank}) == 1
     assert per_rank[0]["registry"] == {"commits": 1, "scopes": {"shared": 12}}
 
@@ -228,11 +267,12 @@ def test_locked_registry_serves_but_commits_nothing(world: tuple[int, Any]) -> N
 def test_read_only_registry_serves_but_commits_nothing(world: tuple[int, Any]) -> None:
     _n, results = world
     per_rank = scenario(results, "read_only")
-    phases = ["uri"] + (["file"] if os.geteuid() != 0 else [])
-    for phase in phases:
+    # Both phases run as root too: a file without write bits is read-only to ficache.
+    for phase in ("uri", "file"):
         for r in per_rank:
             rep = r[phase]["report"]
             assert (rep["loaded"], rep["tuned"], rep["committed"]) == (12, 6, 0)
+            assert rep["commit_id"] is None
             assert "read-only" in rep["reason"]
     assert per_rank[0]["registry"] == {"commits": 1, "scopes": {"shared": 12}}
 
@@ -270,7 +310,7 @@ def test_exception_after_tuning_on_one_rank(world: tuple[int, Any]) -> None:
             rep["reason"]
             == "nothing committed: rank 1 raised ValueError: boom in the warm-start block"
         )
-        assert r["first"]["block_seconds"] < FAST
+        assert_no_timeout(r["first"], "first")
     assert per_rank[0]["registry"] == {"commits": 0, "scopes": {}}
 
 
@@ -280,9 +320,11 @@ def test_exception_before_tuning_releases_the_peers(world: tuple[int, Any]) -> N
     for rank, r in enumerate(per_rank):
         if rank == 1:
             assert r["first"]["exception"] == "ValueError: boom"
-        else:  # blocked in a tuning all-reduce with rank 1: released at once, not after 60 s
+        else:  # blocked in a tuning all-reduce with rank 1: released, not timed out
             assert r["first"]["exception"].startswith("RuntimeError")
-        assert r["first"]["block_seconds"] < FAST
+            # gloo says "closed" or "reset", depending on which side saw the socket go first
+            assert re.search("Connection (closed|reset) by peer", r["first"]["exception"])
+        assert_no_timeout(r["first"], "first")
         rep = r["first"]["report"]
         assert rep["committed"] == 0
         assert rep["reason"].startswith("nothing committed: rank 1 raised ValueError: boom")
@@ -302,10 +344,12 @@ def test_a_peer_that_misses_where_the_others_hit_fails_fast(world: tuple[int, An
     per_rank = scenario(results, "stuck_peer")
     for rank, r in enumerate(per_rank):
         if rank == 1:
-            assert "Connection closed by peer" in r["first"]["exception"]
+            # gloo says "closed" or "reset", depending on which side saw the socket go first
+            assert re.search("Connection (closed|reset) by peer", r["first"]["exception"])
         else:
             assert r["first"]["exception"] is None
-        assert r["first"]["block_seconds"] < FAST  # release_grace=1 s, not the 60 s group timeout
+        # Released after release_grace=1 s, not by the 60 s group timeout.
+        assert_no_timeout(r["first"], "first")
         rep = r["first"]["report"]
         assert rep["committed"] == 0 and rep["reason"].startswith(
             "nothing committed: rank 1 raised RuntimeError"
@@ -313,9 +357,13 @@ def test_a_peer_that_misses_where_the_others_hit_fails_fast(world: tuple[int, An
     assert per_rank[0]["registry"]["commits"] == 1
 
 
-def test_every_collective_bounded(world: tuple[int, Any]) -> None:
-    """No scenario waited out a group timeout (60 s)."""
+def test_no_collective_waited_out_its_timeout(world: tuple[int, Any]) -> None:
+    """Every wait of every scenario ended by its peers or a release, never by a timeout.
+
+    (A wait that never ended at all is the hard timeout's job: every rank is
+    killed and every test here fails.)
+    """
     _n, results = world
     for name in gloo_scenarios.SCENARIOS:
-        for r in scenario(results, name):
-            assert r["seconds"] < 45, (name, r["seconds"])
+        for rank, r in enumerate(scenario(results, name)):
+            assert_no_timeout(r, f"{name} rank {rank}")

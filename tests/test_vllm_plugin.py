@@ -34,6 +34,8 @@ if importlib.util.find_spec("vllm") is None:
         allow_module_level=True,
     )
 
+from vllm_ranks import PROBE_KEY  # noqa: E402
+
 from ficache._ranks import free_port  # noqa: E402
 from ficache.registry import Registry  # noqa: E402
 from ficache.standin import DEFAULT_BUCKETS, DEFAULT_SHAPES  # noqa: E402
@@ -56,6 +58,8 @@ def run_scenario(scenario: str, tmp: Path, env: dict[str, str | None]) -> list[d
             "VLLM_TARGET_DEVICE": "cpu",
             "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
             "XDG_CACHE_HOME": str(tmp / "user-cache"),
+            # FlashInfer's default v2 store root (the plugin adopts from it): not ~/.cache.
+            "FLASHINFER_AUTOTUNE_CACHE_DIR": str(tmp / "flashinfer-autotune"),
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
         }
@@ -63,6 +67,7 @@ def run_scenario(scenario: str, tmp: Path, env: dict[str, str | None]) -> list[d
     for name in (
         "FICACHE_DB",
         "FICACHE_VLLM",
+        "FICACHE_ADOPT",
         "VLLM_PLUGINS",
         "VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR",
     ):
@@ -288,6 +293,93 @@ def test_unsupported_vllm_runs_vllms_own_function_with_one_warning(
 
 
 # --------------------------------------------------------------------------
+# Adopting what vLLM already tuned (ficache.adopt)
+
+
+def adoption_lines(step: dict[str, Any]) -> list[str]:
+    return [
+        r["message"]
+        for r in step["records"]
+        if r["logger"] == "ficache.vllm" and "adopt" in r["message"]
+    ]
+
+
+def test_empty_registry_adopts_vllms_own_cache_and_profiles_nothing(
+    plugin_run: tuple[list[dict[str, Any]], Path],
+) -> None:
+    # vLLM 0.33 wrote one file per rank (in `unsupported`, tuning without ficache);
+    # each rank added a probe entry whose tactic is its rank. A start on an empty
+    # registry: rank 0 adopted both files before its export, every rank loaded all
+    # of it, the stand-in profiled nothing, and vLLM's files were left as they were.
+    results, tmp = plugin_run
+    vllm_files = [f for f in results[0]["adopt_tree"] if Path(f).name.startswith("autotune_")]
+    assert [Path(f).name for f in vllm_files] == [
+        "autotune_configs_dp0_rank0.json",
+        "autotune_configs_dp0_rank1.json",
+    ]
+    for rank, step in enumerate(steps(results, "adopt")):
+        assert step["exception"] is None
+        report = step["report"]
+        assert report["status"] == "warm" and report["reason"] is None, report
+        assert report["loaded"] == N + 1 and report["tuned"] == 0 and report["committed"] == 0
+        assert step["profiled"] == 0 and step["hits"] == N
+        assert step["probe"] == ["CpuStandInMatmulRunner", str(rank), None]  # its own scope
+        assert step["vllm_cache_files"] == results[0]["adopt_tree"]
+        assert not ficache_warnings(step)
+        expected = [
+            f"ficache: adopted vLLM's FlashInfer autotune caches into the registry: {N + 2} "
+            f"entries ({N} shared, 2 scoped) from 2 file(s) in 1 layout(s) and 0 v2 "
+            f"environment(s), {N + 2} added (commit 1); skipped 0"
+        ]
+        assert adoption_lines(step) == (expected if rank == 0 else [])
+    assert all(r["adopt_tree_unchanged"] is True for r in results)
+
+    with Registry.open(str(tmp / "adopt.db"), create=False) as reg:
+        commits = reg.log(limit=None)
+        scopes = {(e.scope, e.key): e.tactic_json for e in reg.entries()}
+    assert len(commits) == 1  # the adoption; the warm start tuned nothing
+    commit = commits[0]
+    assert commit.kind == "import" and commit.added == N + 2
+    provenance = commit.provenance
+    assert provenance["source"] == "vllm-cache"
+    assert provenance["framework"] == "vllm" and provenance["vllm_version"] == "0.33.0"
+    (layout,) = provenance["layouts"]
+    assert Path(layout["directory"]).relative_to(tmp / "vllm-cache")
+    assert (layout["kind"], layout["layout"], layout["files"]) == (
+        "per rank",
+        "tp2-pp1-dp1-ep1",
+        ["autotune_configs_dp0_rank0.json", "autotune_configs_dp0_rank1.json"],
+    )
+    assert (layout["shared"], layout["scoped"], layout["skipped"]) == (N, 2, 0)
+    assert sum(scope == "shared" for scope, _key in scopes) == N
+    assert {k: v for k, v in scopes.items() if k[0] != "shared"} == {
+        ("tp2-pp1-dp1-ep1/rank0", PROBE_KEY): "0",
+        ("tp2-pp1-dp1-ep1/rank1", PROBE_KEY): "1",
+    }
+
+
+def test_adoption_happens_once_and_ficache_adopt_0_turns_it_off(
+    plugin_run: tuple[list[dict[str, Any]], Path],
+) -> None:
+    results, tmp = plugin_run
+    # The next start finds entries for its fingerprint: no adoption, a warm start.
+    for rank, step in enumerate(steps(results, "adopt_again")):
+        assert adoption_lines(step) == []
+        assert step["report"]["status"] == "warm" and step["report"]["loaded"] == N + 1
+        assert step["profiled"] == 0
+        assert step["probe"] == ["CpuStandInMatmulRunner", str(rank), None]
+    # FICACHE_ADOPT=0 on an empty registry: vLLM's files are ignored and it tunes.
+    for step in steps(results, "adopt_off"):
+        assert adoption_lines(step) == []
+        assert step["report"]["status"] == "cold" and step["report"]["loaded"] == 0
+        assert step["profiled"] == N and step["probe"] is None
+    with Registry.open(str(tmp / "adopt.db"), create=False) as reg:
+        assert len(reg.log(limit=None)) == 1
+    with Registry.open(str(tmp / "adopt-off.db"), create=False) as reg:
+        assert [c.kind for c in reg.log(limit=None)] == ["startup"]
+
+
+# --------------------------------------------------------------------------
 # (d) a registry that cannot be used never stops the start
 
 
@@ -334,13 +426,15 @@ def test_failing_rank_fails_both_ranks_at_once_and_commits_nothing(
     # Rank 1's dummy run raised after one shape while rank 0 went on to its next
     # tuning all-reduce. The wrapper re-raised at once on rank 1 (no exit
     # protocol on the group vLLM was still using); its process then ended, as a
-    # vLLM worker does, and rank 0's all-reduce failed at once, not after the
-    # group's 60 s timeout.
+    # vLLM worker does, and rank 0's all-reduce failed because its peer was
+    # gone, not because it waited out the group's 60 s timeout (gloo says
+    # "timed out" / "timeout" for that).
     results, tmp = plugin_run
     rank0, rank1 = steps(results, "rank1_fails")
     assert rank1["exception"].startswith("RuntimeError: injected failure in the dummy run")
     assert rank0["exception"] is not None and "injected" not in rank0["exception"]
-    assert rank0["seconds"] < 30 and rank1["seconds"] < 30
+    first_line = rank0["exception"].splitlines()[0].lower()
+    assert "timed out" not in first_line and "timeout" not in first_line, first_line
     for step in (rank0, rank1):
         assert step["report"] is None  # abandoned: no exit protocol
         errors = [r["message"] for r in step["records"] if r["level"] == "ERROR"]

@@ -24,9 +24,17 @@ Scenarios (each process runs every step of its scenario in order):
   import hook). Steps: ``start1`` (fresh registry), ``start2`` (the AutoTuner
   cleared, as in a restarted server), ``runtime_off`` (``FICACHE_VLLM=0`` set
   after the patch: the wrapper steps aside), ``unsupported`` (an older vLLM
-  simulated), ``db_dir`` and ``db_garbage`` (FICACHE_DB unusable), and last
+  simulated), then adoption (``ficache.adopt``): each rank rewrites the
+  per-rank file vLLM wrote in ``unsupported`` with one entry of its own (a
+  tactic that differs per rank), through vLLM's
+  ``write_flashinfer_autotune_cache`` at the path vLLM's
+  ``resolve_rank_flashinfer_autotune_file`` names, and ``adopt`` (a fresh
+  registry: rank 0 adopts vLLM's files, every rank loads them),
+  ``adopt_again`` (the same registry: nothing adopted) and ``adopt_off``
+  (``FICACHE_ADOPT=0``, a fresh registry: vLLM tunes) follow; then
+  ``db_dir`` and ``db_garbage`` (FICACHE_DB unusable), and last
   ``rank1_fails`` (fault injection: rank 1's dummy run raises halfway; the
-  process then ends, as a vLLM worker would).
+  process then ends, as a vLLM worker would; adoption off).
 - ``off``: ``FICACHE_VLLM=0`` from the start. Rank 0 imports ``kernel_warmup``
   before the plugins load, rank 1 after. One ``start``.
 """
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -46,6 +55,9 @@ from pathlib import Path
 from typing import Any
 
 KW = "vllm.model_executor.warmup.kernel_warmup"
+#: The entry each rank adds to its vLLM per-rank file before ``adopt``: tactic = its rank.
+PROBE_RUNNER = "CpuStandInMatmulRunner"
+PROBE_KEY = str(("ficache::vllm_adopt_probe", PROBE_RUNNER, ((8, 8),), ()))
 
 
 class _Records(logging.Handler):
@@ -143,6 +155,17 @@ def files_under(root: Path) -> list[str]:
     if not root.exists():
         return []
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def tree_state(root: Path) -> dict[str, list[Any]]:
+    """Every path under ``root``: the sha256 of its bytes ("" for a directory) and its mtime."""
+    return {
+        str(p.relative_to(root)): [
+            hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "",
+            p.stat().st_mtime_ns,
+        ]
+        for p in sorted(root.rglob("*"))
+    }
 
 
 class Rank:
@@ -267,13 +290,17 @@ class Rank:
         step["records"] = self.records.take()
         state = autotuner_state()
         step["entries"] = len(state)
+        # Look at VLLM_CACHE_ROOT (shared by the ranks) before the all-gather
+        # below, which no rank leaves before every rank has looked: otherwise a
+        # faster rank could start the next step, where vLLM's own code may make
+        # the directory, while a slower rank still looks at this one's result.
+        vllm_cache = Path(os.environ["VLLM_CACHE_ROOT"])
+        step["vllm_cache_exists"] = vllm_cache.exists()
+        step["vllm_cache_files"] = files_under(vllm_cache)
         if compare:
             gathered: list[Any] = [None] * self.world
             dist.all_gather_object(gathered, state, group=get_world_group().cpu_group)
             step["identical_across_ranks"] = all(g == gathered[0] for g in gathered)
-        vllm_cache = Path(os.environ["VLLM_CACHE_ROOT"])
-        step["vllm_cache_exists"] = vllm_cache.exists()
-        step["vllm_cache_files"] = files_under(vllm_cache)
         self.result["steps"][name] = step
         self.tick(name)
         return step
@@ -319,6 +346,8 @@ class Rank:
             del builtins.resolve_rank_flashinfer_autotune_file  # type: ignore[attr-defined]
             kw.resolve_rank_flashinfer_autotune_file = helper
 
+        self.adoption(kw, runner, config)
+
         # FICACHE_DB unusable: a directory, then a file that is not SQLite.
         registry = os.environ["FICACHE_DB"]
         for name, db in (("db_dir", tmp / "a-directory"), ("db_garbage", tmp / "garbage.db")):
@@ -334,7 +363,43 @@ class Rank:
         # which must fail rank 0 at once. No collective follows this step.
         runner.fail_after_first_shape = self.rank == 1
         os.environ["FICACHE_DB"] = str(tmp / "fails.db")
+        os.environ["FICACHE_ADOPT"] = "0"  # vLLM's files stay under VLLM_CACHE_ROOT
         self.start("rank1_fails", kw, runner, config, compare=False)
+
+    def adoption(self, kw: Any, runner: StandInModelRunner, config: Any) -> None:
+        """Steps ``adopt``, ``adopt_again`` and ``adopt_off`` over vLLM's own per-rank files."""
+        import torch.distributed as dist
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed.parallel_state import get_world_group
+        from vllm.model_executor.warmup.flashinfer_autotune_cache import (
+            write_flashinfer_autotune_cache,
+        )
+
+        # vLLM's own file of this rank (its `unsupported` start wrote it), plus the probe.
+        with set_current_vllm_config(config):
+            path = kw.resolve_rank_flashinfer_autotune_file(runner)
+        data = json.loads(path.read_text())
+        data[PROBE_KEY] = [PROBE_RUNNER, self.rank]
+        write_flashinfer_autotune_cache(path, json.dumps(data, indent=4).encode())
+        dist.barrier(group=get_world_group().cpu_group)  # both files written before rank 0 reads
+        vllm_cache = Path(os.environ["VLLM_CACHE_ROOT"])
+        self.result["adopt_tree"] = files_under(vllm_cache)
+        before = tree_state(vllm_cache)
+        registry = os.environ["FICACHE_DB"]
+        try:
+            for name, db, adopt in (
+                ("adopt", "adopt.db", "1"),
+                ("adopt_again", "adopt.db", "1"),
+                ("adopt_off", "adopt-off.db", "0"),
+            ):
+                os.environ["FICACHE_DB"] = str(self.out / db)
+                os.environ["FICACHE_ADOPT"] = adopt
+                step = self.start(name, kw, runner, config)
+                step["probe"] = autotuner_state().get(PROBE_KEY)
+        finally:
+            os.environ["FICACHE_DB"] = registry
+            os.environ.pop("FICACHE_ADOPT")
+        self.result["adopt_tree_unchanged"] = tree_state(vllm_cache) == before
 
     def teardown(self) -> None:
         from vllm.distributed.parallel_state import (
