@@ -14,6 +14,14 @@ Invariants:
   PostgreSQL), after reading the revision again inside the lock.
 - A registry whose revision this code does not know is newer than the code:
   it is refused with ``SchemaTooNewError`` and never written.
+- PostgreSQL (``postgresql+psycopg://``, the ``ficache[postgres]`` extra)
+  behaves like SQLite: writers queue on one transaction-scoped advisory
+  lock, and the wait for it is bounded (``SET LOCAL lock_timeout``, like
+  SQLite's busy timeout) and reported as ``RegistryBusyError``; connecting
+  gives up after ``CONNECT_TIMEOUT_S``. A server that cannot be reached or drops the
+  connection is one ``RegistryError`` line, never a driver's multi-line text.
+- Opening without ``create`` never creates a registry: a missing SQLite file
+  and a database without any table are refused.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from ficache.errors import (
 
 ENV_VAR = "FICACHE_DB"
 BUSY_TIMEOUT_MS = 30_000
+CONNECT_TIMEOUT_S = 10
 SQLITE_MAGIC = b"SQLite format 3\x00"
 # Arbitrary constant naming ficache's migration lock on PostgreSQL.
 PG_MIGRATION_LOCK_ID = 0x6669636163686501
@@ -179,9 +188,21 @@ def make_engine(location: Location, *, create: bool = True) -> tuple[Engine, boo
         engine = create_engine(url, poolclass=NullPool)
         _install_sqlite_events(engine, readonly=readonly)
         return engine, readonly
+    url = make_url(location.url)
+    connect_args: dict[str, Any] = {}
+    if url.get_backend_name() == "postgresql" and "connect_timeout" not in url.query:
+        connect_args["connect_timeout"] = CONNECT_TIMEOUT_S  # the URL's own wins
     try:
-        engine = create_engine(location.url, pool_pre_ping=True)
-    except (ArgumentError, ImportError) as exc:
+        engine = create_engine(location.url, pool_pre_ping=True, connect_args=connect_args)
+    except ImportError as exc:
+        hint = (
+            "install the PostgreSQL driver: pip install 'ficache[postgres]' "
+            "(and use a postgresql+psycopg:// URL)"
+            if url.get_backend_name() == "postgresql"
+            else "install its driver"
+        )
+        raise RegistryError(f"cannot use registry URL {location.display}: {exc}; {hint}") from None
+    except ArgumentError as exc:
         raise RegistryError(f"cannot use registry URL {location.display}: {exc}") from None
     if engine.dialect.name == "sqlite":
         _install_sqlite_events(engine, readonly=False)
@@ -239,25 +260,64 @@ def _is_foreign_database(connection: Connection) -> bool:
 
 @contextmanager
 def write_transaction(engine: Engine) -> Iterator[Connection]:
-    """One write transaction holding the registry's write lock."""
+    """One write transaction holding the registry's write lock.
+
+    On PostgreSQL the wait for the lock is bounded by the engine's execution
+    option ``ficache_lock_timeout_ms`` (default ``BUSY_TIMEOUT_MS``), set for
+    this transaction only (``SET LOCAL``: safe behind a connection pooler).
+    """
     with engine.connect() as conn:
         conn = conn.execution_options(ficache_write=True)
         with conn.begin():
             if conn.dialect.name == "postgresql":
+                options = conn.get_execution_options()
+                timeout_ms = int(options.get("ficache_lock_timeout_ms", BUSY_TIMEOUT_MS))
+                conn.execute(text(f"SET LOCAL lock_timeout = {max(timeout_ms, 1)}"))
                 conn.execute(
                     text("SELECT pg_advisory_xact_lock(:id)"), {"id": PG_MIGRATION_LOCK_ID}
                 )
             yield conn
 
 
+#: Driver messages (psycopg, psycopg2) of a server that cannot be reached or went away.
+_CONNECTION_LOST = (
+    "connection failed",
+    "could not connect",
+    "connection refused",
+    "connection timeout",
+    "timeout expired",
+    "server closed the connection",
+    "terminating connection",
+    "connection is closed",
+    "connection is lost",
+    "consuming input failed",
+    "no connection to the server",
+)
+
+
 def translate_operational_error(exc: DatabaseError, location: Location) -> RegistryError:
     message = str(exc.orig) if getattr(exc, "orig", None) is not None else str(exc)
     lowered = message.lower()
+    first_line = " ".join(message.strip().splitlines()[0].split()) if message.strip() else ""
+    if getattr(exc, "connection_invalidated", False) or any(
+        phrase in lowered for phrase in _CONNECTION_LOST
+    ):
+        reason = first_line.removeprefix("connection failed: ")
+        return RegistryError(
+            f"cannot reach registry {location.display} ({reason}); "
+            "check that the server runs and the URL is right"
+        )
     if "readonly" in lowered or "read-only" in lowered:
         return RegistryReadOnlyError(
             f"registry {location.display} is read-only; pass a writable --db"
         )
-    if "locked" in lowered or "busy" in lowered:
+    if (
+        "locked" in lowered
+        or "busy" in lowered
+        or "lock timeout" in lowered
+        or "deadlock detected" in lowered
+        or "could not serialize" in lowered
+    ):
         return RegistryBusyError(
             f"registry {location.display} stayed locked by another writer for "
             f"{BUSY_TIMEOUT_MS // 1000} s; retry when it finishes"
@@ -266,11 +326,11 @@ def translate_operational_error(exc: DatabaseError, location: Location) -> Regis
         return NotARegistryError(
             f"registry {location.display} is corrupt ({message}); restore it or pass another --db"
         )
-    if "disk" in lowered and "full" in lowered:
+    if ("disk" in lowered and "full" in lowered) or "no space left" in lowered:
         return RegistryError(
             f"disk full while writing registry {location.display}; free space and retry"
         )
-    return RegistryError(f"registry {location.display}: {message}")
+    return RegistryError(f"registry {location.display}: {first_line}")
 
 
 def check_revision(connection: Connection, location: Location) -> str | None:
@@ -288,12 +348,22 @@ def check_revision(connection: Connection, location: Location) -> str | None:
     return revision
 
 
-def ensure_schema(engine: Engine, location: Location, *, readonly: bool) -> None:
-    """Create a new registry at head, or upgrade an older one under the lock."""
+def ensure_schema(
+    engine: Engine, location: Location, *, readonly: bool, create: bool = True
+) -> None:
+    """Create a new registry at head, or upgrade an older one under the lock.
+
+    ``create=False`` refuses a database without any table (a new, empty one).
+    """
     head = head_revision()
     try:
         with engine.connect() as conn:
             revision = check_revision(conn, location)
+            if not create and revision is None and not inspect(conn).get_table_names():
+                raise RegistryError(
+                    f"no registry in {location.display}; import a cache file first "
+                    "(ficache import FILE)"
+                )
         if revision == head:
             if not readonly:
                 _enable_wal(engine)

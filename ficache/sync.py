@@ -17,7 +17,10 @@ On enter:
    exactly its slice.
 2. Rank 0 opens the registry and exports one slice per rank for its own
    fingerprint (``ficache.slices``): the shared entries plus that rank's
-   entries scoped to ``layout``.
+   entries scoped to ``layout``. It marks the fingerprints the slices came
+   from as served now (``ficache.usage.mark_served``: one statement, a wait
+   of at most 0.25 s, skipped silently when the registry is read-only or
+   busy; never a reason for a start to fail).
 3. One broadcast carries the slices (a base every rank loads, plus an
    overlay per rank where its scoped entries differ), or the reason there
    are none.
@@ -55,6 +58,10 @@ Decisions:
 - A registry that can be read but not written (read-only, or locked longer
   than ``busy_timeout``) still serves its entries; only the commit is
   skipped, or fails and leaves the registry as it was.
+- Concurrent servers: when two servers of one fingerprint commit the same
+  key (and scope) with different values, the value committed first wins;
+  the later one is not written and is counted in ``report.kept`` (see
+  ``WarmStart._commit``).
 - Shared or scoped: a new entry equal (runner, tactic, policy) on every rank
   of a synchronized start is stored shared; every other new entry (tactics
   that differ, or a key only some ranks produced) is stored once per rank
@@ -101,12 +108,14 @@ import torch
 import torch.distributed as dist
 from sqlalchemy import event
 
+from ficache import schema
 from ficache.errors import FicacheError, RegistryBusyError, RegistryReadOnlyError, TunerError
 from ficache.fingerprint import ALL_FIELDS, Fingerprint, collect
 from ficache.flashinfer_format import canonical_json, parse_key
 from ficache.registry import SHARED_SCOPE, NewEntry, Registry, rank_scope
 from ficache.slices import cached_slices, export_slices
 from ficache.tuner import FlashInferTuner, Row, Tuner
+from ficache.usage import mark_served
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +152,7 @@ class WarmStartReport:
     shared: int = 0  # new keys stored shared
     scoped: int = 0  # new rows stored scoped to one rank of the layout
     disagreements: int = 0  # new keys whose value differed between ranks
+    kept: int = 0  # new values not committed: another server had committed another value first
     synchronized: bool = False  # tuning all-reduced over every rank, from matching caches
     slice_cache: str = "off"  # rank 0's slice cache: "hit", "miss" or "off"
     loaded_by_rank: list[int] = field(default_factory=list)
@@ -324,10 +334,19 @@ def _drop_frame_references(exc: BaseException | None, target: Any) -> None:
 
 
 def _bound_busy_timeout(reg: Registry, seconds: float | None) -> None:
-    """Make the registry's later SQLite connections wait at most ``seconds`` for a lock."""
-    if seconds is None or reg.engine.dialect.name != "sqlite":
+    """Make the registry's later writes wait at most ``seconds`` for its write lock.
+
+    SQLite: ``busy_timeout`` of every later connection. PostgreSQL: the
+    ``lock_timeout`` of every write transaction (``ficache.schema.write_transaction``).
+    """
+    if seconds is None:
         return
     milliseconds = max(int(seconds * 1000), 0)
+    if reg.engine.dialect.name == "postgresql":
+        reg.engine.update_execution_options(ficache_lock_timeout_ms=milliseconds)
+        return
+    if reg.engine.dialect.name != "sqlite":
+        return
 
     @event.listens_for(reg.engine, "connect")
     def _busy(dbapi_connection: Any, _record: Any) -> None:
@@ -590,12 +609,15 @@ class WarmStart:
         fast = cached_slices(self.db, self._fp, layout, world) if self.slice_cache else None
         if fast is not None:
             slices, payload["registry"] = fast
+            # The warm path opened no registry: mark the SQLite file directly.
+            mark_served(schema.resolve(self.db), slices.fingerprint_ids)
         else:
             try:
                 with self._registry() as reg:
                     payload["registry"] = reg.location.display
                     payload["readonly"] = reg.readonly
                     slices = export_slices(reg, self._fp, layout, world, use_cache=self.slice_cache)
+                    mark_served(reg, slices.fingerprint_ids)  # never raises, bounded wait
             except FicacheError as exc:
                 payload["reason"] = str(exc)
                 return payload
@@ -772,7 +794,21 @@ class WarmStart:
         return mine
 
     def _commit(self, gathered: list[dict[str, Row] | None]) -> dict[str, Any]:
-        """Rank 0: classify, commit once, export the final slices. Never raises."""
+        """Rank 0: classify, commit once, export the final slices. Never raises.
+
+        Concurrent servers: the value already committed wins. When another
+        server of the same fingerprint committed a key (same scope) between
+        this start's export and its commit, with a different value, this
+        commit keeps the stored value (``Registry.write(keep_existing=True)``,
+        decided under the registry's write lock): the later value is not
+        written, and is counted in ``report.kept``. The final slices every
+        rank loads come from the registry after the commit, so all ranks of
+        this server, and every later start, use the one stored value, and a
+        fleet restarting together converges instead of flipping tactics.
+        Both values were tuned on the same fingerprint; the first to commit
+        is already served, so keeping it never changes a running server's
+        tactic behind its back.
+        """
         report, world, layout = self.report, self.report.world_size, self.report.layout
         result: dict[str, Any] = {
             "reason": self._no_commit,
@@ -781,6 +817,7 @@ class WarmStart:
             "shared": 0,
             "scoped": 0,
             "disagreements": 0,
+            "kept": 0,
             "warnings": [],
         }
         per_rank: list[dict[str, Row]] = [g if isinstance(g, dict) else {} for g in gathered]
@@ -843,8 +880,15 @@ class WarmStart:
                         layout=layout,
                         provenance=provenance,
                         message=f"warm start on {world} rank(s) ({layout}): {len(keys)} new keys",
+                        keep_existing=True,
                     )
                     result["committed"] = written.added + written.replaced
+                    result["kept"] = written.kept
+                    if written.kept:
+                        result["warnings"].append(
+                            f"{written.kept} tuned values not stored: another server committed "
+                            "other values for those keys first; every rank loads the stored ones"
+                        )
                     result["commit_id"] = written.commit_id
                     try:
                         final = export_slices(
@@ -877,6 +921,7 @@ class WarmStart:
             report.shared = int(outcome.get("shared", 0))
             report.scoped = int(outcome.get("scoped", 0))
             report.disagreements = int(outcome.get("disagreements", 0))
+            report.kept = int(outcome.get("kept", 0))
             for warning in outcome.get("warnings", ()):
                 self._warn(warning)
             self._no_commit = outcome.get("reason") or self._no_commit

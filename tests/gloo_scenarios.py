@@ -9,6 +9,12 @@ the other ranks wait for it inside the protocol, as a real server would.
 
 Fault injection is named as such: ``FailingLoadTuner`` is the real
 ``FlashInferTuner`` whose ``load`` raises on one rank.
+
+PostgreSQL: ``run_plan(..., dbs={scenario: url})`` gives a scenario a
+database URL instead of its SQLite file (``tests/test_postgres.py``). The
+scenarios that read their registry through ``registry(tmp)`` (cold_warm,
+partial, per_rank_keys, disagree, locked) run on either backend; the others
+are about SQLite files.
 """
 
 from __future__ import annotations
@@ -33,6 +39,14 @@ from ficache.tuner import FlashInferTuner
 GROUP_TIMEOUT = 60.0
 SHAPES_A = DEFAULT_SHAPES[:2]  # 12 keys
 ALL = len(DEFAULT_SHAPES) * 6  # 18 keys
+
+#: Scenario name -> the registry URL it uses instead of its SQLite file (``run_plan(dbs=...)``).
+_DBS: dict[str, str] = {}
+
+
+def registry(tmp: Path, file: str = "registry.db") -> Path | str:
+    """This scenario's registry: ``tmp / file``, or the URL ``run_plan`` was given for it."""
+    return _DBS.get(tmp.name, tmp / file)
 
 
 class FailingLoadTuner(FlashInferTuner):
@@ -77,8 +91,40 @@ def start(
     return out
 
 
-def registry_summary(db: Path) -> dict[str, Any] | None:
-    """Commits and entries per scope, read with plain sqlite3 (None if there is no file)."""
+def _sql(db: Path | str, statement: str) -> list[tuple[Any, ...]]:
+    """Run one statement on a registry behind its back (plain driver SQL); its rows."""
+    if isinstance(db, Path):
+        conn = sqlite3.connect(db)
+        try:
+            rows = conn.execute(statement).fetchall()
+            conn.commit()
+            return rows
+        finally:
+            conn.close()
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.pool import NullPool
+
+    engine = create_engine(db, poolclass=NullPool)
+    try:
+        with engine.begin() as conn:
+            result = conn.execute(text(statement))
+            return [tuple(row) for row in result] if result.returns_rows else []
+    finally:
+        engine.dispose()
+
+
+def last_served(db: Path | str) -> list[float | None]:
+    """``last_served_at`` of every stored fingerprint, by id."""
+    return [row[0] for row in _sql(db, "SELECT last_served_at FROM fingerprints ORDER BY id")]
+
+
+def registry_summary(db: Path | str) -> dict[str, Any] | None:
+    """Commits and entries per scope, read with plain SQL (None if there is no file)."""
+    if isinstance(db, str):
+        return {
+            "commits": _sql(db, "SELECT count(*) FROM commits")[0][0],
+            "scopes": dict(_sql(db, "SELECT scope, count(*) FROM entries GROUP BY scope")),
+        }
     if not db.exists():
         return None
     try:
@@ -104,14 +150,12 @@ def _boom() -> None:
 
 
 def cold_warm(rank: int, world: int, tmp: Path) -> dict[str, Any]:
-    db = tmp / "new-dir" / "registry.db"  # a registry that does not exist yet
+    db = registry(tmp, "new-dir/registry.db")  # a registry that does not exist yet
     out = {"cold": start(db), "warm": start(db)}
     if rank == 0:
+        out["last_served"] = last_served(db)  # the warm start served the fingerprint
         # Delete half the entries behind the registry's back.
-        conn = sqlite3.connect(db)
-        conn.execute("DELETE FROM entries WHERE id % 2 = 0")
-        conn.commit()
-        conn.close()
+        _sql(db, "DELETE FROM entries WHERE id % 2 = 0")
     dist.barrier()
     out["half"] = start(db)
     out["registry"] = registry_summary(db)
@@ -119,7 +163,7 @@ def cold_warm(rank: int, world: int, tmp: Path) -> dict[str, Any]:
 
 
 def partial(rank: int, world: int, tmp: Path) -> dict[str, Any]:
-    db = tmp / "registry.db"
+    db = registry(tmp)
     return {
         "first": start(db, tune={"shapes": SHAPES_A}),
         "second": start(db),
@@ -128,7 +172,7 @@ def partial(rank: int, world: int, tmp: Path) -> dict[str, Any]:
 
 
 def per_rank_keys(rank: int, world: int, tmp: Path) -> dict[str, Any]:
-    db = tmp / "registry.db"
+    db = registry(tmp)
     tune = {"rank_tag": f"rank{rank}"}
     return {
         "first": start(db, tune=tune),
@@ -138,7 +182,7 @@ def per_rank_keys(rank: int, world: int, tmp: Path) -> dict[str, Any]:
 
 
 def disagree(rank: int, world: int, tmp: Path) -> dict[str, Any]:
-    db = tmp / "registry.db"
+    db = registry(tmp)
     tune = {"force_tactic": rank % 5}
     return {
         "first": start(db, tune=tune),
@@ -205,16 +249,25 @@ def newer_schema(rank: int, world: int, tmp: Path) -> dict[str, Any]:
 
 
 def locked(rank: int, world: int, tmp: Path) -> dict[str, Any]:
-    db = tmp / "registry.db"
+    db = registry(tmp)
     out = {"setup": start(db, tune={"shapes": SHAPES_A})}
-    holder = None
-    if rank == 0:
-        holder = sqlite3.connect(db, isolation_level=None)
-        holder.execute("BEGIN IMMEDIATE")  # another writer holds the write lock throughout
+    holder: Any = None
+    if rank == 0:  # another writer holds the write lock throughout
+        if isinstance(db, Path):
+            holder = sqlite3.connect(db, isolation_level=None)
+            holder.execute("BEGIN IMMEDIATE")
+        else:
+            import psycopg
+
+            from ficache.schema import PG_MIGRATION_LOCK_ID
+
+            holder = psycopg.connect(db.replace("postgresql+psycopg://", "postgresql://"))
+            holder.execute("SELECT pg_advisory_lock(%s)", [PG_MIGRATION_LOCK_ID])
     dist.barrier()
     out["first"] = start(db, busy_timeout=0.2)
-    if holder is not None:
+    if isinstance(holder, sqlite3.Connection):
         holder.execute("ROLLBACK")
+    if holder is not None:
         holder.close()
     out["registry"] = registry_summary(db)
     return out
@@ -223,15 +276,18 @@ def locked(rank: int, world: int, tmp: Path) -> dict[str, Any]:
 def read_only(rank: int, world: int, tmp: Path) -> dict[str, Any]:
     db = tmp / "registry.db"
     out = {"setup": start(db, tune={"shapes": SHAPES_A})}
-    # The registry opened read-only through SQLite's URI (works as root too).
+    # The registry opened read-only through SQLite's URI.
     out["uri"] = start(f"sqlite:///file:{db}?mode=ro&uri=true")
-    if os.geteuid() != 0:  # a read-only file (root could write it anyway)
-        if rank == 0:
-            db.chmod(0o444)
-        dist.barrier()
-        out["file"] = start(db)
-        if rank == 0:
-            db.chmod(0o644)
+    # A file without write bits. Root may still write such a file, but
+    # ficache treats a file nobody may write (chmod a-w) as read-only for
+    # everyone, root included, so this phase runs in CI (as root) too.
+    if rank == 0:
+        db.chmod(0o444)
+    dist.barrier()
+    out["file"] = start(db)
+    dist.barrier()
+    if rank == 0:
+        db.chmod(0o644)
     out["registry"] = registry_summary(db)
     return out
 
@@ -312,9 +368,16 @@ SCENARIOS: dict[str, Callable[[int, int, Path], dict[str, Any]]] = {
 }
 
 
-def run_plan(rank: int, world: int, root: str, names: list[str]) -> dict[str, dict[str, Any]]:
-    """Run the named scenarios in order on this rank; an error in one is recorded, not raised."""
+def run_plan(
+    rank: int, world: int, root: str, names: list[str], dbs: dict[str, str] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Run the named scenarios in order on this rank; an error in one is recorded, not raised.
+
+    ``dbs`` maps scenario names to the database URL each uses instead of a SQLite file.
+    """
     _quiet_logs()
+    _DBS.clear()
+    _DBS.update(dbs or {})
     os.environ["XDG_CACHE_HOME"] = str(Path(root) / "user-cache")
     results: dict[str, dict[str, Any]] = {}
     for name in names:

@@ -1,9 +1,23 @@
-"""Several processes writing one SQLite registry at once, and a writer killed
-before its commit: nothing is lost, nothing is half-written."""
+"""Many servers at once, on SQLite and on PostgreSQL: 8 processes committing to one
+registry at the same moment, concurrent startup commits of the same keys, and a
+writer killed before its commit. Nothing is lost, nothing is half-written, and
+the history explains every entry.
+
+The rule for concurrent startup commits (``WarmStart._commit``): the value
+committed first wins; a later server's different value for the same key is not
+written and is counted (``WriteResult.kept``, ``WarmStartReport.kept``). The
+8-process test makes the startup path's own call (``Registry.write(kind="startup",
+keep_existing=True)``) from processes that import no torch; the warm-start test
+below shows the startup path makes that call.
+
+Every subprocess wait has a hard deadline: processes still running then are
+killed and the test fails.
+"""
 
 from __future__ import annotations
 
 import json
+import select
 import signal
 import sqlite3
 import subprocess
@@ -11,9 +25,18 @@ import sys
 import time
 from contextlib import closing
 from pathlib import Path
+from typing import Any
 
+import pytest
+from sqlalchemy import text
+
+import ficache
+from ficache import schema
+from ficache.fingerprint import collect
 from ficache.flashinfer_format import read_cache_file
-from ficache.registry import Registry
+from ficache.registry import NewEntry, Registry
+from ficache.standin import standin_tune
+from ficache.tuner import FlashInferTuner
 
 REPO = Path(__file__).resolve().parent.parent
 META = {
@@ -25,7 +48,15 @@ META = {
     "cutlass_dsl_version": "4.8.1",
     "gpu": "NVIDIA H200",
 }
+WRITERS = 8
 ENTRIES_PER_FILE = 400
+#: Hard limit for a group of processes, start to exit; then they are killed.
+DEADLINE_S = 180.0
+#: Every process waits for this long after it is spawned, until every interpreter is ready.
+START_DELAY_S = 4.0
+
+#: Runs a test on SQLite and on PostgreSQL (``registry_db`` follows ``backend``).
+both_backends = pytest.mark.usefixtures("backend")
 
 
 def key(writer: int, m: int) -> str:
@@ -39,6 +70,60 @@ def write_file(path: Path, writer: int, gpu: str = "NVIDIA H200") -> None:
     path.write_text(json.dumps({"_metadata": {**META, "gpu": gpu}, **entries}))
 
 
+def run_all(argvs: list[list[str]], deadline_s: float = DEADLINE_S) -> list[tuple[int, str, str]]:
+    """Run processes at once; ``(returncode, stdout, stderr)`` of each.
+
+    All must exit within ``deadline_s`` together: any still running then is
+    killed (every one of them, and each is reaped) and the test fails.
+    """
+    procs = [
+        subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for argv in argvs
+    ]
+    deadline = time.monotonic() + deadline_s
+    outputs: list[tuple[int, str, str]] = []
+    try:
+        for proc in procs:
+            try:
+                out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"a writer still ran after {deadline_s:g} s; all were killed")
+            outputs.append((proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=30)
+    return outputs
+
+
+def changes(db: str) -> list[Any]:
+    """Every ``entry_changes`` row, in order."""
+    with Registry.open(db) as reg, reg.engine.connect() as conn:
+        return list(
+            conn.execute(
+                text(
+                    "SELECT commit_id, fingerprint_id, scope, key, action, new_tactic "
+                    "FROM entry_changes ORDER BY id"
+                )
+            )
+        )
+
+
+def assert_history_explains_every_entry(db: str) -> None:
+    """Each entry's commit recorded writing exactly its current value."""
+    written = {
+        (c.commit_id, c.fingerprint_id, c.scope, c.key): c.new_tactic
+        for c in changes(db)
+        if c.action in ("added", "replaced")
+    }
+    with Registry.open(db) as reg:
+        for e in reg.entries():
+            assert written[(e.commit_id, e.fingerprint_id, e.scope, e.key)] == e.tactic_json
+
+
+# -- 8 importers --------------------------------------------------------------------
+
 # Waits for a shared start time, so every process writes at the same moment.
 _IMPORT_AT = """
 import sys, time
@@ -51,55 +136,155 @@ main(sys.argv[2:])
 """
 
 
-def test_parallel_importers_all_succeed_and_lose_nothing(
-    tmp_path: Path, registry_path: Path
-) -> None:
-    Registry.open(str(registry_path)).close()
+@both_backends
+def test_parallel_importers_all_succeed_and_lose_nothing(tmp_path: Path, registry_db: str) -> None:
+    Registry.open(registry_db).close()
     files = []
-    for writer in range(5):
+    for writer in range(WRITERS):
         files.append(tmp_path / f"rank{writer}.json")
-        write_file(files[-1], writer, gpu="NVIDIA H200" if writer < 3 else "NVIDIA B200")
-    start = time.time() + 3.0  # after every interpreter has imported ficache
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                _IMPORT_AT,
-                repr(start),
-                "--db",
-                str(registry_path),
-                "import",
-                str(f),
-            ],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for f in files
-    ]
-    outputs = [p.communicate(timeout=180) for p in procs]
+        write_file(files[-1], writer, gpu="NVIDIA H200" if writer < 5 else "NVIDIA B200")
+    start = time.time() + START_DELAY_S
+    outputs = run_all(
+        [
+            [sys.executable, "-c", _IMPORT_AT, repr(start), "--db", registry_db, "import", str(f)]
+            for f in files
+        ]
+    )
 
-    assert [(p.returncode, err) for p, (_out, err) in zip(procs, outputs, strict=True)] == [
-        (0, "")
-    ] * 5
-    for _out, _err in outputs:
-        assert _out.startswith(
+    assert [(code, err) for code, _out, err in outputs] == [(0, "")] * WRITERS
+    for _code, out, _err in outputs:
+        assert out.startswith(
             f"imported {ENTRIES_PER_FILE} entries from 1 file(s): {ENTRIES_PER_FILE} added"
         )
-    with Registry.open(str(registry_path)) as reg:
+    with Registry.open(registry_db) as reg:
         stored = {e.key: json.loads(e.tactic_json) for e in reg.entries()}
         commits = reg.log(None)
         fingerprints = {i.fingerprint.gpu: i.entries for i in reg.fingerprints()}
-    assert stored == {key(w, m): [m % 7, [w, m]] for w in range(5) for m in range(ENTRIES_PER_FILE)}
+    assert stored == {
+        key(w, m): [m % 7, [w, m]] for w in range(WRITERS) for m in range(ENTRIES_PER_FILE)
+    }
     assert sorted(c.message for c in commits) == sorted(str(f) for f in files)
     assert {(c.kind, c.added) for c in commits} == {("import", ENTRIES_PER_FILE)}
+    assert len({c.id for c in commits}) == WRITERS
     assert fingerprints == {
-        "NVIDIA H200": 3 * ENTRIES_PER_FILE,
-        "NVIDIA B200": 2 * ENTRIES_PER_FILE,
+        "NVIDIA H200": 5 * ENTRIES_PER_FILE,
+        "NVIDIA B200": 3 * ENTRIES_PER_FILE,
     }
+    assert len(changes(registry_db)) == WRITERS * ENTRIES_PER_FILE
+    assert_history_explains_every_entry(registry_db)
 
+
+# -- 8 servers committing the same keys at once --------------------------------------------
+
+SHARED_KEYS = 50  # every server tuned these
+OWN_KEYS = 20  # and these only it did
+
+# One server's startup commit, as ``WarmStart._commit`` makes it, at a shared start time.
+_STARTUP_COMMIT_AT = """
+import json, sys, time
+from ficache.fingerprint import Fingerprint
+from ficache.registry import NewEntry, Registry
+db, start, writer = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+fp = Fingerprint.from_flashinfer_metadata(json.loads(sys.argv[4]))
+shared, own = json.loads(sys.argv[5]), json.loads(sys.argv[6])
+entries = [NewEntry(fp, k, "Runner", json.dumps([writer, i])) for i, k in enumerate(shared + own)]
+with Registry.open(db) as reg:
+    while time.time() < start:
+        time.sleep(0.001)
+    result = reg.write(
+        entries, kind="startup", message=f"server {writer}", keep_existing=True
+    )
+print(json.dumps({"commit": result.commit_id, "added": result.added,
+                  "replaced": result.replaced, "kept": result.kept}))
+"""
+
+
+@both_backends
+def test_concurrent_startup_commits_keep_the_value_committed_first(registry_db: str) -> None:
+    Registry.open(registry_db).close()
+    shared = [key(99, m) for m in range(SHARED_KEYS)]
+    own = {w: [key(w, m) for m in range(OWN_KEYS)] for w in range(WRITERS)}
+    start = time.time() + START_DELAY_S
+    outputs = run_all(
+        [
+            [
+                sys.executable,
+                "-c",
+                _STARTUP_COMMIT_AT,
+                registry_db,
+                repr(start),
+                str(w),
+                json.dumps(META),
+                json.dumps(shared),
+                json.dumps(own[w]),
+            ]
+            for w in range(WRITERS)
+        ]
+    )
+
+    assert [(code, err) for code, _out, err in outputs] == [(0, "")] * WRITERS
+    results = [json.loads(out) for _code, out, _err in outputs]
+    # Exactly one server stored the shared keys; every other one kept them.
+    [first] = [w for w, r in enumerate(results) if r["kept"] == 0]
+    assert results[first]["added"] == SHARED_KEYS + OWN_KEYS
+    assert results[first]["commit"] == min(r["commit"] for r in results)
+    for w, r in enumerate(results):
+        assert r["replaced"] == 0
+        if w != first:
+            assert (r["added"], r["kept"]) == (OWN_KEYS, SHARED_KEYS)
+    with Registry.open(registry_db) as reg:
+        stored = {e.key: json.loads(e.tactic_json) for e in reg.entries()}
+        commits = reg.log(None)
+    n = len(shared)
+    assert stored == {
+        **{k: [first, i] for i, k in enumerate(shared)},
+        **{k: [w, n + i] for w in range(WRITERS) for i, k in enumerate(own[w])},
+    }
+    assert sorted(c.id for c in commits) == sorted(r["commit"] for r in results)
+    assert {c.kind for c in commits} == {"startup"}
+    # No value was ever replaced: the history is one "added" per stored entry.
+    history = changes(registry_db)
+    assert {c.action for c in history} == {"added"}
+    assert len(history) == len(stored)
+    assert_history_explains_every_entry(registry_db)
+
+
+@both_backends
+def test_a_start_keeps_the_value_another_server_committed_first(
+    registry_db: str, autotuner: Any
+) -> None:
+    fp = collect()
+    with ficache.warm_start(db=registry_db) as ws:
+        standin_tune()
+        mine = FlashInferTuner().tuned()
+        # Another server of the same fingerprint commits the same keys first,
+        # with other tactics, while this one is still in its block.
+        theirs = {
+            k: (runner, json.dumps((json.loads(tactic) + 1) % 5), policy)
+            for k, (runner, tactic, policy) in mine.items()
+        }
+        with Registry.open(registry_db) as other:
+            other.write(
+                [NewEntry(fp, k, *value) for k, value in theirs.items()],
+                kind="startup",
+                keep_existing=True,
+            )
+
+    report = ws.report
+    assert (report.tuned, report.committed, report.kept, report.commit_id) == (18, 0, 18, None)
+    assert report.reason is None
+    assert report.warnings == [
+        "18 tuned values not stored: another server committed other values for those keys "
+        "first; every rank loads the stored ones"
+    ]
+    with Registry.open(registry_db) as reg:
+        assert len(reg.log()) == 1  # the other server's commit only
+        assert {e.key: e.tactic_json for e in reg.entries()} == {k: v[1] for k, v in theirs.items()}
+    # This server now uses the stored values too, like every later start will.
+    assert FlashInferTuner().entries() == theirs
+
+
+# -- a writer killed before its commit ---------------------------------------------------------
 
 # Imports through the library, but pauses after the last insert, just before
 # COMMIT, and waits to be killed. The pause is the only stand-in: it wraps the
@@ -128,23 +313,19 @@ print("committed?!", flush=True)
 """
 
 
-def _dump(path: Path) -> list[str]:
-    with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
-        return list(conn.iterdump())
-
-
+@both_backends
 def test_a_writer_killed_before_commit_leaves_the_registry_as_it_was(
-    tmp_path: Path, registry_path: Path
+    tmp_path: Path, registry_db: str, dump_db
 ) -> None:
     first, second = tmp_path / "first.json", tmp_path / "second.json"
     write_file(first, 0)
     write_file(second, 1)
-    with Registry.open(str(registry_path)) as reg:
+    with Registry.open(registry_db) as reg:
         reg.import_cache([(str(first), read_cache_file(first))])
-    before = _dump(registry_path)
+    before = dump_db(registry_db)
 
     proc = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_BEFORE_COMMIT, str(registry_path), str(second)],
+        [sys.executable, "-c", _KILLED_BEFORE_COMMIT, registry_db, str(second)],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -152,21 +333,30 @@ def test_a_writer_killed_before_commit_leaves_the_registry_as_it_was(
     )
     try:
         assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], DEADLINE_S)
+        assert ready, f"the writer printed nothing within {DEADLINE_S:g} s; killed"
         line = proc.stdout.readline()
         assert line == "inserted, not committed\n", proc.stderr.read() if proc.stderr else ""
         # the uncommitted write holds the lock; readers still see the old state
-        assert _dump(registry_path) == before
+        assert dump_db(registry_db) == before
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.kill()
         proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGKILL
 
-    assert _dump(registry_path) == before
-    with closing(sqlite3.connect(registry_path)) as conn:
-        assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
-    with Registry.open(str(registry_path)) as reg:
+    assert dump_db(registry_db) == before
+    path = schema.resolve(registry_db).path
+    if path is not None:
+        with closing(sqlite3.connect(path)) as conn:
+            assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    with Registry.open(registry_db) as reg:
         assert len(reg.log()) == 1
         result = reg.import_cache([(str(second), read_cache_file(second))])
-        assert (result.commit_id, result.added) == (2, ENTRIES_PER_FILE)
+        # (PostgreSQL's sequences do not roll back: the killed commit's id stays unused.)
+        assert result.added == ENTRIES_PER_FILE and [c.id for c in reg.log()] == [
+            result.commit_id,
+            1,
+        ]
         assert len(list(reg.entries())) == 2 * ENTRIES_PER_FILE
+    assert_history_explains_every_entry(registry_db)

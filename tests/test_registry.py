@@ -1,13 +1,16 @@
-"""The registry library: commits, history, revert, prune plans, exports."""
+"""The registry library: commits, history, revert, prune plans, exports.
+
+Every test that uses the ``reg`` fixture runs on SQLite and on PostgreSQL
+(``backend``; the PostgreSQL cases run in ``tox -e postgres``)."""
 
 from __future__ import annotations
 
 import json
-import sqlite3
-from pathlib import Path
 
 import pytest
+from sqlalchemy import text
 
+from ficache import schema
 from ficache.errors import ConflictError, FicacheError, FingerprintError, NotFoundError
 from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import parse_cache_bytes
@@ -52,18 +55,18 @@ def fid(reg: Registry, fp: Fingerprint) -> int:
     return found
 
 
-def count(path: Path, table: str) -> int:
-    with sqlite3.connect(path) as conn:
-        return conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+def count(reg: Registry, table: str) -> int:
+    with reg.engine.connect() as conn:
+        return conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one()
 
 
 @pytest.fixture
-def reg(registry_path: Path):
-    with Registry.open(str(registry_path)) as registry:
+def reg(backend: str, registry_db: str):
+    with Registry.open(registry_db) as registry:
         yield registry
 
 
-def test_a_write_is_one_commit_with_provenance(reg: Registry, registry_path: Path) -> None:
+def test_a_write_is_one_commit_with_provenance(reg: Registry) -> None:
     result = reg.write(
         [entry(H200, 16, 1), entry(H200, 32, [2, [3, 4]])],
         kind="startup",
@@ -92,31 +95,37 @@ def test_a_write_is_one_commit_with_provenance(reg: Registry, registry_path: Pat
     ]
     assert json.loads(entries[0].shapes) == [[16, 4096], [4096, 2048]]
     assert entries[0].extras == "('torch.bfloat16',)"
-    assert count(registry_path, "entry_changes") == 2
+    assert count(reg, "entry_changes") == 2
 
 
-def test_writing_nothing_new_creates_no_commit(reg: Registry, registry_path: Path, dump_db) -> None:
+def test_writing_nothing_new_creates_no_commit(reg: Registry, registry_db: str, dump_db) -> None:
     reg.write([entry(H200, 16, 1)], kind="import")
-    before = dump_db(registry_path)
+    before = dump_db(registry_db)
 
     assert reg.write([entry(H200, 16, 1)], kind="import").commit_id is None
     assert reg.write([entry(H200, 16, 1)], kind="import").unchanged == 1
     assert reg.write([], kind="import").commit_id is None
 
-    assert dump_db(registry_path) == before
+    assert dump_db(registry_db) == before
     assert len(reg.log()) == 1
 
 
-def test_replacing_keeps_the_old_value_in_history(reg: Registry, registry_path: Path) -> None:
+def test_replacing_keeps_the_old_value_in_history(reg: Registry) -> None:
     reg.write([entry(H200, 16, 1), entry(H200, 32, 2)], kind="import")
 
     result = reg.write([entry(H200, 16, 9), entry(H200, 32, 2), entry(H200, 64, 3)], kind="import")
 
     assert (result.commit_id, result.added, result.replaced, result.unchanged) == (2, 1, 1, 1)
-    with sqlite3.connect(registry_path) as conn:
-        rows = conn.execute(
-            "SELECT action, key, old_tactic, old_commit_id FROM entry_changes WHERE commit_id = 2 ORDER BY id"
-        ).fetchall()
+    with reg.engine.connect() as conn:
+        rows = [
+            tuple(row)
+            for row in conn.execute(
+                text(
+                    "SELECT action, key, old_tactic, old_commit_id FROM entry_changes "
+                    "WHERE commit_id = 2 ORDER BY id"
+                )
+            )
+        ]
     assert sorted(rows) == sorted([("added", key(64), None, None), ("replaced", key(16), "1", 1)])
     assert reg.log()[0].replaced == 1
 
@@ -134,16 +143,16 @@ def test_the_same_key_under_different_fingerprints_and_scopes_is_separate(reg: R
     ]
 
 
-def test_a_bad_key_or_scope_writes_nothing(reg: Registry, registry_path: Path, dump_db) -> None:
+def test_a_bad_key_or_scope_writes_nothing(reg: Registry, registry_db: str, dump_db) -> None:
     reg.write([entry(H200, 16, 1)], kind="import")
-    before = dump_db(registry_path)
+    before = dump_db(registry_db)
 
     with pytest.raises(FicacheError, match="not a FlashInfer key"):
         reg.write([entry(H200, 32, 1), NewEntry(H200, "__import__('os')", "R", "1")], kind="import")
     with pytest.raises(ValueError, match="scope must be"):
         reg.write([entry(H200, 32, 1, scope="rank1")], kind="import")
 
-    assert dump_db(registry_path) == before
+    assert dump_db(registry_db) == before
 
 
 def test_revert_restores_replaced_and_removes_added(reg: Registry) -> None:
@@ -168,18 +177,18 @@ def test_revert_restores_replaced_and_removes_added(reg: Registry) -> None:
 
 
 def test_revert_refuses_when_later_commits_changed_its_entries(
-    reg: Registry, registry_path: Path, dump_db
+    reg: Registry, registry_db: str, dump_db
 ) -> None:
     reg.write([entry(H200, 16, 1)], kind="import")
     reg.write([entry(H200, 16, 2)], kind="import")
-    before = dump_db(registry_path)
+    before = dump_db(registry_db)
 
     with pytest.raises(ConflictError, match="1 of 1 entries of commit 1 changed in later commits"):
         reg.revert(1)
     with pytest.raises(NotFoundError, match="no commit 99"):
         reg.revert(99)
 
-    assert dump_db(registry_path) == before
+    assert dump_db(registry_db) == before
 
 
 def test_prune_plans_compare_with_eq_and_execute_as_one_commit(reg: Registry) -> None:
@@ -245,17 +254,17 @@ def test_an_empty_plan_writes_nothing(reg: Registry) -> None:
 
 
 def test_a_stale_plan_is_refused_and_removes_nothing(
-    reg: Registry, registry_path: Path, dump_db
+    reg: Registry, registry_db: str, dump_db
 ) -> None:
     reg.write([entry(H200, 16, 1), entry(H200, 32, 2)], kind="import")
     plan = reg.plan_prune(fingerprint_ids=[1])
     reg.write([entry(H200, 16, 7)], kind="import")
-    before = dump_db(registry_path)
+    before = dump_db(registry_db)
 
     with pytest.raises(ConflictError, match="1 of 2 planned entries changed since the plan"):
         plan.execute(reg)
 
-    assert dump_db(registry_path) == before
+    assert dump_db(registry_db) == before
 
 
 def test_prune_needs_a_criterion_and_a_known_fingerprint(reg: Registry) -> None:
@@ -345,7 +354,18 @@ def test_export_is_exactly_what_was_imported(reg: Registry) -> None:
     assert json.loads(exported) == json.loads(text)
 
 
-def test_import_without_metadata_needs_a_fingerprint(reg: Registry, registry_path: Path) -> None:
+def test_driver_placeholders_in_keys_are_data(reg: Registry) -> None:
+    """The bulk insert hands rows to the driver as parameters: a key holding
+    ``%s``, ``%(x)s``, ``?`` or ``:name`` is stored and exported verbatim."""
+    odd = str(("op", "Runner", ((1,),), ("100%s", "%(key)s", "?", ":name", "%%", "'; --")))
+    reg.write([NewEntry(H200, odd, "Runner", "[1]"), entry(H200, 16, 2)], kind="import")
+    reg.write([NewEntry(H200, odd, "Runner", "[3]")], kind="import")  # the replace path
+
+    assert {e.key: e.tactic_json for e in reg.entries()} == {odd: "[3]", key(16): "2"}
+    assert json.loads(reg.export_text(1)[0])[odd] == ["Runner", [3]]
+
+
+def test_import_without_metadata_needs_a_fingerprint(reg: Registry) -> None:
     cache = parse_cache_bytes(json.dumps({key(16): ["CutlassRunner", 1]}).encode())
 
     with pytest.raises(FingerprintError, match="a.json has no _metadata"):
@@ -392,7 +412,7 @@ def test_stats(reg: Registry) -> None:
         stats.commits,
     ) == (1, 3, 2, 1, 1)
     assert stats.ops == (("flashinfer::mm_fp4", 2), ("flashinfer::other", 1))
-    assert stats.revision == "0001_registry"
+    assert stats.revision == schema.head_revision()
     assert stats.size_bytes and stats.size_bytes > 0
 
 

@@ -2,7 +2,8 @@
 
 The multi-rank protocol is in test_sync.py; these cover what does not need
 peers: reports, commits and their provenance, the slice cache, failures that
-become "tune uncached", exception propagation, and the light import.
+become "tune uncached", exception propagation, and the light import. Tests
+marked ``@both_backends`` also run with a PostgreSQL registry.
 """
 
 from __future__ import annotations
@@ -16,9 +17,13 @@ from typing import Any
 import pytest
 
 import ficache
+from ficache import schema
 from ficache.registry import Registry
 from ficache.standin import standin_tune
 from ficache.tuner import FlashInferTuner
+
+#: Runs a test on SQLite and on PostgreSQL (``registry_db`` follows ``backend``).
+both_backends = pytest.mark.usefixtures("backend")
 
 
 def start(db: Path | str, **kwargs: Any) -> tuple[Any, Any]:
@@ -27,8 +32,9 @@ def start(db: Path | str, **kwargs: Any) -> tuple[Any, Any]:
     return ws.report, result
 
 
-def test_cold_then_warm_in_one_process(tmp_path: Path, autotuner: Any) -> None:
-    db = tmp_path / "registry.db"
+@both_backends
+def test_cold_then_warm_in_one_process(registry_db: str, autotuner: Any) -> None:
+    db = registry_db
     cold, tuned = start(db, provenance={"framework": "test", "model": "m"})
     assert (cold.status, cold.loaded, cold.tuned, cold.committed, cold.commit_id) == (
         "cold",
@@ -44,7 +50,7 @@ def test_cold_then_warm_in_one_process(tmp_path: Path, autotuner: Any) -> None:
         18,
         0,
     )
-    assert cold.synchronized and cold.reason is None and cold.registry == str(db)
+    assert cold.synchronized and cold.reason is None and cold.registry == schema.resolve(db).display
     assert tuned.profiled == 18
     assert set(cold.seconds) >= {
         "prepare",
@@ -67,7 +73,7 @@ def test_cold_then_warm_in_one_process(tmp_path: Path, autotuner: Any) -> None:
         None,
     )
     assert warm.slice_cache == "hit" and again.profiled == 0
-    with Registry.open(str(db)) as reg:
+    with Registry.open(db) as reg:
         (commit,) = reg.log()
         assert commit.kind == "startup" and commit.world_size == 1 and commit.layout == "world1"
         assert commit.added == 18
@@ -76,8 +82,9 @@ def test_cold_then_warm_in_one_process(tmp_path: Path, autotuner: Any) -> None:
         assert commit.provenance["framework"] == "test" and commit.provenance["model"] == "m"
 
 
-def test_layout_names_the_scope_of_a_single_rank(tmp_path: Path, autotuner: Any) -> None:
-    db = tmp_path / "registry.db"
+@both_backends
+def test_layout_names_the_scope_of_a_single_rank(registry_db: str, autotuner: Any) -> None:
+    db = registry_db
     report, _ = start(db, layout="tp1", synchronize=False)
     assert report.layout == "tp1" and report.scoped == 18 and report.shared == 0
     with Registry.open(str(db)) as reg:
@@ -88,10 +95,11 @@ def test_layout_names_the_scope_of_a_single_rank(tmp_path: Path, autotuner: Any)
     assert other.loaded == 0
 
 
+@both_backends
 def test_an_exception_in_the_block_propagates_and_commits_nothing(
-    tmp_path: Path, autotuner: Any
+    registry_db: str, autotuner: Any
 ) -> None:
-    db = tmp_path / "registry.db"
+    db = registry_db
     with pytest.raises(KeyError, match="boom"), ficache.warm_start(db=db) as ws:
         standin_tune()
         raise KeyError("boom")
@@ -129,12 +137,13 @@ def test_registry_faults_become_tune_uncached(tmp_path: Path, autotuner: Any, fa
         assert db.read_bytes() == before
 
 
-def test_load_failure_tunes_from_empty(tmp_path: Path, autotuner: Any) -> None:
+@both_backends
+def test_load_failure_tunes_from_empty(registry_db: str, autotuner: Any) -> None:
     class FailingLoadTuner(FlashInferTuner):  # fault injection
         def load(self, text: str) -> int:
             raise ficache.FicacheError("injected")
 
-    db = tmp_path / "registry.db"
+    db = registry_db
     start(db)
     report, tuned = start(db, tuner=FailingLoadTuner())
     assert report.status.startswith("uncached: rank 0 could not load its slice")

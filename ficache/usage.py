@@ -1,0 +1,149 @@
+"""When each fingerprint was last served: the mark a warm start leaves, and what it means.
+
+A warm start *serves* a fingerprint when rank 0 exports the slices its ranks
+load from that fingerprint's entries (every stored fingerprint that serves
+the running environment, ``Registry.serving``). Rank 0 then records it with
+``mark_served``: ``fingerprints.last_served_at = now`` for those
+fingerprints, in one statement. ``ficache prune --unused-for AGE`` removes
+the entries of fingerprints no start has served for ``AGE``
+(``Registry.plan_prune(unused_for_seconds=...)``), and ``ficache
+fingerprints`` / ``ficache stats`` show the marks.
+
+Invariants:
+- At most one UPDATE per start, never one per entry, outside the registry's
+  write lock, and it is not a commit: it changes no entry, adds no history,
+  and leaves the state the slice cache is keyed by unchanged. A mark younger
+  than ``SERVED_MARK_RESOLUTION_S`` (an hour) is not written again, so
+  servers restarting often write nothing (on SQLite a lock-free read finds
+  that out first).
+- The mark never fails or stalls a start: it waits at most ``timeout``
+  (``SERVED_MARK_TIMEOUT_S``) for a lock, is never retried, and any problem
+  (a read-only registry, a writer holding the lock, a lost connection) only
+  skips it, with a debug log line.
+- A fingerprint never served (``last_served_at`` NULL) counts as last used
+  when it was created, so one imported or tuned today is
+  not "unused for 30 days" today (``coalesce(last_served_at, created_at)``
+  in ``Registry.plan_prune``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import stat
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from sqlalchemy import Engine, or_, text, update
+
+from ficache import schema
+from ficache.registry import F, Registry
+
+logger = logging.getLogger(__name__)
+
+#: The longest a start waits for the lock the mark needs; past it the mark is skipped.
+SERVED_MARK_TIMEOUT_S = 0.25
+#: A mark younger than this is not written again: servers restarting within the
+#: hour write nothing, and ages of days (``--unused-for 30d``) lose no precision.
+SERVED_MARK_RESOLUTION_S = 3600.0
+
+
+def mark_served(
+    target: Registry | schema.Location,
+    fingerprint_ids: Sequence[int],
+    *,
+    now: float | None = None,
+    timeout: float = SERVED_MARK_TIMEOUT_S,
+    resolution: float = SERVED_MARK_RESOLUTION_S,
+) -> bool:
+    """Mark ``fingerprint_ids`` served at ``now``; True when each holds a mark at most
+    ``resolution`` old afterwards (written now, or already fresh).
+
+    Only marks older than ``resolution`` (or absent) are written, in one
+    UPDATE. ``target`` is an open registry, or the location of a SQLite
+    registry file (the warm path reads its slices without opening the
+    registry). Never raises: a registry that cannot take the mark within
+    ``timeout`` is left as it was.
+    """
+    ids = sorted({int(i) for i in fingerprint_ids})
+    if not ids:
+        return False
+    when = time.time() if now is None else now
+    stale_before = when - resolution
+    location = target.location if isinstance(target, Registry) else target
+    reason: str | None
+    try:
+        if isinstance(target, Registry) and target.readonly:
+            reason = "the registry is read-only"
+        elif location.path is not None:
+            reason = _mark_sqlite_file(location.path, ids, when, stale_before, timeout)
+        elif isinstance(target, Registry):
+            reason = _mark_through_engine(target.engine, ids, when, stale_before, timeout)
+        else:
+            reason = "no open registry"
+    except Exception as exc:  # noqa: BLE001 - the mark never fails a start
+        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+    if reason is not None:
+        logger.debug("ficache: last served time of %s not recorded: %s", location.display, reason)
+        return False
+    return True
+
+
+def _stale_sql(ids: list[int]) -> str:
+    """``WHERE`` of the fingerprints among ``ids`` whose mark needs writing (qmark style)."""
+    return f"id IN ({','.join('?' * len(ids))}) AND (last_served_at IS NULL OR last_served_at < ?)"
+
+
+def _mark_sqlite_file(
+    path: Path, ids: list[int], when: float, stale_before: float, timeout: float
+) -> str | None:
+    # A file nobody may write (chmod a-w) is read-only for ficache, root included.
+    if not path.stat().st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):
+        return "the registry is read-only"
+    if not os.access(path, os.W_OK) or not os.access(path.parent, os.W_OK):
+        return "the registry is read-only"
+    # Read first, without a lock (WAL): a fresh mark costs no write and no wait.
+    reader = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, timeout=timeout)
+    try:
+        stale = reader.execute(
+            f"SELECT count(*) FROM fingerprints WHERE {_stale_sql(ids)}", [*ids, stale_before]
+        ).fetchone()[0]
+    finally:
+        reader.close()
+    if not stale:
+        return None
+    conn = sqlite3.connect(path, timeout=timeout, isolation_level=None)
+    try:
+        conn.execute("PRAGMA synchronous = NORMAL")  # WAL: no fsync for this small write
+        conn.execute(
+            f"UPDATE fingerprints SET last_served_at = ? WHERE {_stale_sql(ids)}",
+            [when, *ids, stale_before],
+        )
+    except sqlite3.Error as exc:
+        return str(exc)
+    finally:
+        conn.close()
+    return None
+
+
+def _mark_through_engine(
+    engine: Engine, ids: list[int], when: float, stale_before: float, timeout: float
+) -> str | None:
+    milliseconds = max(int(timeout * 1000), 1)
+    with engine.connect() as conn, conn.begin():
+        if conn.dialect.name == "postgresql":
+            conn.execute(text(f"SET LOCAL lock_timeout = {milliseconds}"))
+            conn.execute(text(f"SET LOCAL statement_timeout = {4 * milliseconds}"))
+        elif conn.dialect.name == "sqlite":
+            conn.exec_driver_sql(f"PRAGMA busy_timeout = {milliseconds}")
+        conn.execute(
+            update(F)
+            .where(
+                F.c.id.in_(ids),
+                or_(F.c.last_served_at.is_(None), F.c.last_served_at < stale_before),
+            )
+            .values(last_served_at=when)
+        )
+    return None

@@ -1,0 +1,452 @@
+"""PostgreSQL as the registry, against a real server (``tox -e postgres``).
+
+The registry, CLI, prune-by-use, concurrency and warm-start suites run their
+backend-independent tests on PostgreSQL too (the ``backend`` fixture). This
+file holds what is PostgreSQL's own: migrations up to head, down to base and
+up again, a frozen 0001 registry copied into PostgreSQL and upgraded, the
+concurrent-upgrade lock, refusals (newer schema, foreign database, empty
+database on read), one clear line for a server that cannot be reached, and
+warm starts on real gloo ranks whose rank 0 uses PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sqlite3
+import subprocess
+import sys
+import time
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import gloo_scenarios
+import pg_server
+import pytest
+from sqlalchemy import create_engine, inspect, text
+from sqlalchemy.pool import NullPool
+
+import ficache
+from ficache import schema
+from ficache._ranks import run_ranks
+from ficache.errors import NotARegistryError, SchemaTooNewError
+from ficache.models import Base
+from ficache.registry import Registry
+from ficache.standin import standin_tune
+
+pytestmark = pytest.mark.postgres
+if not pg_server.enabled():  # one skip line for the module, with its reason
+    pytest.skip(str(pg_server.unavailable_reason()), allow_module_level=True)
+
+HEAD = schema.head_revision()
+TABLES = {"alembic_version", "fingerprints", "commits", "entries", "entry_changes"}
+REPO = Path(__file__).resolve().parent.parent
+FROZEN_0001 = Path(__file__).parent / "data" / "registry-0001_registry.db"
+K16 = "('mm', 'Runner', ((16, 64),), (torch.bfloat16,))"
+META = {"gpu": "NVIDIA H200"}
+
+
+def sql(url: str, statement: str, **params: Any) -> list[tuple[Any, ...]]:
+    """One statement behind the registry's back, in its own transaction; its rows."""
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.begin() as conn:
+            result = conn.execute(text(statement), params)
+            return [tuple(row) for row in result] if result.returns_rows else []
+    finally:
+        engine.dispose()
+
+
+def tables(url: str) -> set[str]:
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            return set(inspect(conn).get_table_names())
+    finally:
+        engine.dispose()
+
+
+def display(url: str) -> str:
+    return schema.resolve(url).display
+
+
+def one_error_line(result: Any, message: str) -> None:
+    assert (result.exit_code, result.stdout, result.stderr) == (1, "", f"error: {message}\n")
+
+
+# -- migrations -------------------------------------------------------------------
+
+
+def test_migrations_up_to_head_down_to_base_and_up_again(
+    cli, postgres_url: str, cache_file
+) -> None:
+    data = cache_file("a.json", {K16: ["Runner", 1]}, metadata=META)
+
+    first = cli("db", "upgrade", "0001_registry", db=postgres_url)
+    head = cli("db", "upgrade", db=postgres_url)
+
+    assert (first.exit_code, first.stdout) == (
+        0,
+        f"registry {display(postgres_url)} is at 0001_registry\n",
+    )
+    assert (head.exit_code, head.stdout) == (0, f"registry {display(postgres_url)} is at {HEAD}\n")
+    assert tables(postgres_url) == TABLES
+    assert cli("import", data, db=postgres_url).exit_code == 0
+
+    down = cli("db", "downgrade", "base", "--yes", db=postgres_url)
+
+    assert (down.exit_code, down.stdout.splitlines()[-1]) == (
+        0,
+        f"registry {display(postgres_url)} is at base",
+    )
+    assert tables(postgres_url) == {"alembic_version"}
+    assert sql(postgres_url, "SELECT * FROM alembic_version") == []
+    assert cli("db", "current", db=postgres_url).stdout == f"(none) (head {HEAD}: empty)\n"
+
+    up = cli("db", "upgrade", db=postgres_url)
+
+    assert (up.exit_code, up.stdout) == (0, f"registry {display(postgres_url)} is at {HEAD}\n")
+    assert cli("db", "current", db=postgres_url).stdout == f"{HEAD} (head {HEAD}: up to date)\n"
+    assert cli("list", "--format", "json", db=postgres_url).stdout == "[\n]\n"
+    again = cli("import", data, db=postgres_url)
+    assert again.stdout.startswith("imported 1 entries from 1 file(s): 1 added")
+
+
+def test_models_and_migrations_do_not_drift(postgres_url: str) -> None:
+    from alembic.autogenerate import compare_metadata
+    from alembic.runtime.migration import MigrationContext
+
+    Registry.open(postgres_url).close()
+    engine = create_engine(postgres_url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            context = MigrationContext.configure(
+                conn, opts={"compare_type": True, "compare_server_default": True}
+            )
+            assert compare_metadata(context, Base.metadata) == []
+    finally:
+        engine.dispose()
+
+
+def _all_rows(url: str) -> dict[str, list[tuple[Any, ...]]]:
+    """Every row of every ficache table, columns by name, rows in order."""
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            out = {}
+            for table in sorted(TABLES):
+                names = sorted(c["name"] for c in inspect(conn).get_columns(table))
+                columns = ", ".join(f'"{n}"' for n in names)
+                out[table] = [
+                    tuple(row)
+                    for row in conn.execute(
+                        text(f'SELECT {columns} FROM "{table}" ORDER BY {columns}')
+                    )
+                ]
+            return out
+    finally:
+        engine.dispose()
+
+
+def test_a_frozen_0001_registry_copied_into_postgresql_upgrades_like_on_sqlite(
+    cli, postgres_url: str, tmp_path: Path
+) -> None:
+    assert cli("db", "upgrade", "0001_registry", db=postgres_url).exit_code == 0
+    copy = tmp_path / FROZEN_0001.name
+    shutil.copyfile(FROZEN_0001, copy)
+    engine = create_engine(postgres_url, poolclass=NullPool)
+    try:
+        with closing(sqlite3.connect(copy)) as source, engine.begin() as conn:
+            for table in ("fingerprints", "commits", "entries", "entry_changes"):
+                cursor = source.execute(f'SELECT * FROM "{table}" ORDER BY id')
+                names = [d[0] for d in cursor.description]
+                rows = [dict(zip(names, row, strict=True)) for row in cursor]
+                columns = ", ".join(f'"{n}"' for n in names)
+                values = ", ".join(f":{n}" for n in names)
+                if rows:
+                    conn.execute(text(f'INSERT INTO "{table}" ({columns}) VALUES ({values})'), rows)
+                # Ids were given: move the table's sequence past them.
+                conn.execute(
+                    text(
+                        f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), "
+                        f'(SELECT max(id) FROM "{table}"))'
+                    )
+                )
+    finally:
+        engine.dispose()
+
+    with Registry.open(postgres_url) as reg, Registry.open(str(copy)) as sqlite_reg:
+        assert reg.stats().revision == sqlite_reg.stats().revision == HEAD
+    sqlite_rows = _all_rows(f"sqlite:///{copy}")
+    assert _all_rows(postgres_url) == sqlite_rows
+    assert len(sqlite_rows["entry_changes"]) > 0
+
+    with Registry.open(postgres_url) as reg:  # old data stays writable; ids go on
+        prune = reg.log()[0].id
+        assert reg.revert(prune).commit_id == prune + 1
+
+
+_OPEN_AT = """
+import logging, sys, time
+logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+from ficache.registry import Registry
+start = float(sys.argv[2])
+while time.time() < start:
+    time.sleep(0.001)
+with Registry.open(sys.argv[1]) as reg:
+    print(reg.stats().revision)
+"""
+
+
+def test_several_processes_opening_a_new_database_at_once_upgrade_it_once(
+    postgres_url: str,
+) -> None:
+    start = time.time() + 4.0  # after every interpreter has imported ficache
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _OPEN_AT, postgres_url, repr(start)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(6)
+    ]
+    try:
+        results = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:  # the hard limit: none outlives the test
+            if p.poll() is None:
+                p.kill()
+                p.communicate(timeout=30)
+
+    assert [(p.returncode, out) for p, (out, _err) in zip(procs, results, strict=True)] == [
+        (0, f"{HEAD}\n")
+    ] * 6
+    # Alembic logs each revision it runs: exactly one process ran them, under the lock.
+    upgraders = [err for _out, err in results if "Running upgrade" in err]
+    assert len(upgraders) == 1
+    assert upgraders[0].count("Running upgrade") == len(schema.history())
+    assert tables(postgres_url) == TABLES
+    assert sql(postgres_url, "SELECT version_num FROM alembic_version") == [(HEAD,)]
+
+
+# -- refusals and faults: one line, exit 1, nothing changed ---------------------------------
+
+
+def test_read_commands_do_not_create_a_registry_in_an_empty_database(
+    cli, postgres_url: str
+) -> None:
+    for args in (("list",), ("stats",), ("log",), ("fingerprints",)):
+        one_error_line(
+            cli(*args, db=postgres_url),
+            f"no registry in {display(postgres_url)}; import a cache file first "
+            "(ficache import FILE)",
+        )
+    assert cli("db", "current", db=postgres_url).stdout == f"(none) (head {HEAD}: empty)\n"
+    assert tables(postgres_url) == set()
+
+
+def test_a_newer_schema_is_refused_and_not_touched(
+    cli, postgres_url: str, cache_file, dump_db
+) -> None:
+    Registry.open(postgres_url).close()
+    sql(postgres_url, "UPDATE alembic_version SET version_num = '0099_from_the_future'")
+    before = dump_db(postgres_url)
+    data = cache_file("a.json", {K16: ["Runner", 1]}, metadata=META)
+
+    for args in (
+        ("import", data),
+        ("list",),
+        ("db", "upgrade"),
+        ("db", "downgrade", "base", "--yes"),
+    ):
+        one_error_line(
+            cli(*args, db=postgres_url),
+            f"registry {display(postgres_url)} has schema revision '0099_from_the_future', newer "
+            f"than this ficache knows (head '{HEAD}'); upgrade ficache (pip install -U ficache)",
+        )
+    with pytest.raises(SchemaTooNewError):
+        Registry.open(postgres_url)
+    assert dump_db(postgres_url) == before
+
+
+def test_a_foreign_database_is_refused_and_not_touched(postgres_url: str, dump_db) -> None:
+    sql(postgres_url, "CREATE TABLE photos (id SERIAL PRIMARY KEY, name TEXT)")
+    sql(postgres_url, "INSERT INTO photos (name) VALUES ('cat.jpg')")
+    before = dump_db(postgres_url)
+
+    with pytest.raises(NotARegistryError, match="is a database but not a ficache registry"):
+        Registry.open(postgres_url)
+
+    assert dump_db(postgres_url) == before
+
+
+def test_a_server_that_cannot_be_reached_is_one_line(cli, cache_file) -> None:
+    url = f"postgresql+psycopg://postgres@127.0.0.1:{pg_server.free_port()}/registry"
+    data = cache_file("a.json", {K16: ["Runner", 1]}, metadata=META)
+
+    for args in (("list",), ("import", data), ("db", "upgrade")):
+        result = cli(*args, db=url)
+        assert (result.exit_code, result.stdout) == (1, "")
+        assert result.stderr.startswith(f"error: cannot reach registry {display(url)} (")
+        assert result.stderr.endswith("); check that the server runs and the URL is right\n")
+        assert "Connection refused" in result.stderr
+        assert result.stderr.count("\n") == 1
+
+
+def test_a_database_that_does_not_exist_is_one_line(cli, postgres_server) -> None:
+    url = postgres_server.url("no_such_database")
+
+    result = cli("list", db=url)
+
+    one_error_line(
+        result,
+        f'cannot reach registry {display(url)} (connection to server at "127.0.0.1", port '
+        f'{postgres_server.port} failed: FATAL: database "no_such_database" does not exist); '
+        "check that the server runs and the URL is right",
+    )
+
+
+def test_a_missing_driver_says_what_to_install(cli, postgres_server) -> None:
+    if importlib.util.find_spec("psycopg2") is not None:
+        pytest.skip("psycopg2 is installed here")
+    url = postgres_server.url("registry").replace("+psycopg://", "+psycopg2://")
+
+    one_error_line(
+        cli("list", db=url),
+        f"cannot use registry URL {display(url)}: No module named 'psycopg2'; install the "
+        "PostgreSQL driver: pip install 'ficache[postgres]' (and use a postgresql+psycopg:// URL)",
+    )
+
+
+def test_a_dropped_connection_is_replaced(postgres_url: str, postgres_server) -> None:
+    with Registry.open(postgres_url) as reg:
+        assert reg.stats().commits == 0
+        assert postgres_server.terminate_connections(postgres_url.rsplit("/", 1)[1]) >= 1
+        # The pool's connection died with its server process; the next use reconnects.
+        assert reg.stats().commits == 0
+
+
+def test_a_warm_start_whose_registry_cannot_be_reached_tunes_uncached(autotuner: Any) -> None:
+    url = f"postgresql+psycopg://postgres@127.0.0.1:{pg_server.free_port()}/registry"
+
+    with ficache.warm_start(db=url) as ws:
+        tuned = standin_tune()
+
+    report = ws.report
+    assert (report.loaded, report.tuned, report.committed, tuned.profiled) == (0, 18, 0, 18)
+    assert report.status == f"uncached: {report.reason}"
+    assert report.reason.startswith(f"cannot reach registry {display(url)} (")
+    assert "\n" not in report.reason
+
+
+# -- warm starts on real gloo ranks, rank 0 on PostgreSQL -------------------------------------
+
+#: The scenarios of tests/gloo_scenarios.py that run on PostgreSQL (world 2): the
+#: main paths and a held write lock; the SQLite-file faults stay in test_sync.py.
+PG_SCENARIOS = ["cold_warm", "partial", "per_rank_keys", "disagree", "locked"]
+ALL = gloo_scenarios.ALL
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def pg_ranks(
+    postgres_server: pg_server.PostgresServer, tmp_path_factory: pytest.TempPathFactory
+) -> Any:
+    names = [postgres_server.create_database() for _ in PG_SCENARIOS]
+    dbs = {
+        scenario: postgres_server.url(name)
+        for scenario, name in zip(PG_SCENARIOS, names, strict=True)
+    }
+    try:
+        root = str(tmp_path_factory.mktemp("pg-ranks"))
+        results = run_ranks(
+            gloo_scenarios.run_plan, WORLD, root, PG_SCENARIOS, dbs, timeout=420, group_timeout=60
+        )
+        yield dict(enumerate(results))
+    finally:
+        for name in names:
+            postgres_server.drop_database(name)
+
+
+def scenario(results: dict[int, dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    out = [results[rank][name] for rank in sorted(results)]
+    for rank, r in enumerate(out):
+        assert "error" not in r, f"scenario {name} failed on rank {rank}:\n{r['error']}"
+    return out
+
+
+def test_gloo_cold_then_warm_then_half_on_postgresql(pg_ranks: Any) -> None:
+    per_rank = scenario(pg_ranks, "cold_warm")
+    for r in per_rank:
+        cold, warm, half = (r[phase]["report"] for phase in ("cold", "warm", "half"))
+        assert (cold["status"], cold["tuned"], cold["committed"], cold["commit_id"]) == (
+            "cold",
+            ALL,
+            ALL,
+            1,
+        )
+        assert cold["registry"].startswith("postgresql+psycopg://")
+        assert (warm["status"], warm["loaded"], warm["tuned"], warm["committed"]) == (
+            "warm",
+            ALL,
+            0,
+            0,
+        )
+        assert warm["slice_cache"] == "hit" and r["warm"]["standin"]["profiled"] == 0
+        assert (half["status"], half["loaded"], half["tuned"], half["committed"]) == (
+            "partial",
+            ALL // 2,
+            ALL // 2,
+            ALL // 2,
+        )
+        assert r["warm"]["entries"] == per_rank[0]["cold"]["entries"]
+    # The warm start served the fingerprint the cold one stored.
+    [served] = per_rank[0]["last_served"]
+    assert served is not None
+    assert per_rank[0]["registry"] == {"commits": 2, "scopes": {"shared": ALL}}
+
+
+def test_gloo_partial_per_rank_and_disagreeing_starts_on_postgresql(pg_ranks: Any) -> None:
+    partial = scenario(pg_ranks, "partial")
+    for r in partial:
+        second = r["second"]["report"]
+        assert (second["status"], second["loaded"], second["tuned"], second["committed"]) == (
+            "partial",
+            12,
+            6,
+            6,
+        )
+    assert partial[0]["registry"] == {"commits": 2, "scopes": {"shared": ALL}}
+
+    per_rank = scenario(pg_ranks, "per_rank_keys")
+    assert per_rank[0]["registry"]["scopes"] == {f"world{WORLD}/rank{r}": ALL for r in range(WORLD)}
+    for rank, r in enumerate(per_rank):
+        assert (r["second"]["report"]["status"], r["second"]["report"]["loaded"]) == ("warm", ALL)
+        assert all(f"'rank{rank}'" in key for key in r["second"]["entries"])
+
+    disagree = scenario(pg_ranks, "disagree")
+    for rank, r in enumerate(disagree):
+        assert r["first"]["report"]["disagreements"] == ALL
+        assert r["first"]["report"]["shared"] == 0
+        assert {row[1] for row in r["second"]["entries"].values()} == {str(rank % 5)}
+
+
+def test_gloo_a_held_write_lock_serves_but_commits_nothing_on_postgresql(pg_ranks: Any) -> None:
+    per_rank = scenario(pg_ranks, "locked")
+    for r in per_rank:
+        rep = r["first"]["report"]
+        assert (rep["status"], rep["loaded"], rep["tuned"], rep["committed"]) == (
+            "partial",
+            12,
+            6,
+            0,
+        )
+        assert (
+            rep["reason"].startswith("nothing committed: commit failed")
+            and "locked" in (rep["reason"])
+        )
+    assert len({r["first"]["report"]["reason"] for r in per_rank}) == 1
+    assert per_rank[0]["registry"] == {"commits": 1, "scopes": {"shared": 12}}
