@@ -1,0 +1,624 @@
+"""Bundles: one self-describing file of tuned results, to ship inside images.
+
+Layout (format version 1)::
+
+    ficache-bundle 1 <payload bytes> sha256=<hex of the payload>\\n
+    <payload>
+
+The payload is ASCII JSON with exactly four members, one entry per line::
+
+    {"entries":[
+    {"fingerprint":<digest>,"key":..,"policy":..,"runner":..,"scope":..,"tactic":..,"tuned_at":..},
+    ...
+    ],
+    "fingerprints":{<digest>:{<Fingerprint fields>}},
+    "provenance":{"entries":N,"fingerprints":{<digest>:{..}},"records":N},
+    "records":{<digest>:{<scope>:{<namespace>:{<record key>:<JSON value>}}}}}
+
+``key`` is FlashInfer's ``file_key`` verbatim; ``tactic`` and ``policy`` are
+the registry's canonical JSON text (``policy`` may be null); ``tuned_at`` is
+when the value was tuned (UNIX seconds). ``records`` holds FlashInfer's
+namespaced records; it is empty until the registry stores records.
+
+Invariants:
+- The same content gives the same bytes. A bundle is a pure function of
+  its entries (fingerprint, scope, key, runner, tactic, policy, tuned_at)
+  and records: members, fingerprints and entries are sorted (by code point,
+  in Python, never by a database collation), JSON is rendered one way, and
+  nothing of the exporting registry or moment enters: no export time, host,
+  commit id or row id. Two registries holding the same entries, whatever
+  their histories, export identical bytes, and a bundle imported into an
+  empty registry exports again byte for byte.
+- Provenance is derived from the content alone: per fingerprint, the
+  entries by scope and by op, the records, and the span of ``tuned_at``.
+  Where a bundle came from is recorded where it lands: importing it writes
+  its digest into the import commit's provenance.
+- A reader trusts nothing before the checksum. It checks the magic, then
+  the format version (a newer one is refused with "upgrade ficache"; the
+  ``ficache-bundle <version>`` prefix is the one part every version keeps),
+  then the size the header claims against a hard limit and the file, then
+  the sha256 of the payload, and only then parses JSON. Content is then
+  validated in full (keys by ``flashinfer_format.parse_key``, never
+  evaluated; tactics and policies as JSON of lists, numbers, strings;
+  scopes; fingerprint digests; provenance against the content), and the
+  payload must be exactly what this module renders for that content, so
+  every content has one encoding and the digest names the content.
+  Every failure is one ``BundleError`` line; nothing partial escapes.
+- Not compressed, on purpose: image layers are compressed already, so
+  compressing inside them saves nothing on the wire; plain ASCII stays
+  readable (``tail -n +2 FILE | jq``), diffs one entry per line, and leaves
+  no decompression bomb to defend against.
+- Writing renders, re-reads its own bytes (a bundle ficache cannot read is
+  never published), then publishes atomically: temp file in the target's
+  directory, ``os.replace``, temp removed on any failure.
+- Bump ``FORMAT_VERSION`` for any change a version-1 reader would refuse or
+  misread; readers refuse versions newer than their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ficache.errors import BundleError, FingerprintError, NotFoundError
+from ficache.fingerprint import ALL_FIELDS, Fingerprint
+from ficache.flashinfer_format import canonical_json, parse_key
+from ficache.registry import NewEntry, Registry, WriteResult, validate_scope
+
+FORMAT_VERSION = 1
+MAGIC = b"ficache-bundle "
+#: Longest header any version may write (magic, version, size, checksum).
+MAX_HEADER_BYTES = 256
+#: Largest payload ficache reads (a real bundle is kilobytes to megabytes).
+MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
+#: Longest tactic or policy text, and their deepest nesting (as FlashInfer writes them).
+MAX_TACTIC_CHARS = 64 * 1024
+MAX_TACTIC_DEPTH = 8
+
+#: ``{fingerprint digest: {scope: {namespace: {record key: JSON value}}}}``.
+Records = dict[str, dict[str, dict[str, dict[str, Any]]]]
+
+_VERSION = re.compile(rb"ficache-bundle ([0-9]{1,9})(?=[ \n])")
+_HEADER_V1 = re.compile(rb"ficache-bundle 1 (0|[1-9][0-9]{0,19}) sha256=([0-9a-f]{64})\n")
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+_MEMBERS = ("entries", "fingerprints", "provenance", "records")
+_ENTRY_FIELDS = ("fingerprint", "key", "policy", "runner", "scope", "tactic", "tuned_at")
+_AGAIN = "copy it again or export it again with `ficache export --bundle`"
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """A verified bundle: what it holds, sorted, with the file's digest."""
+
+    format_version: int
+    digest: str  # sha256 hex of the whole file
+    fingerprints: tuple[Fingerprint, ...]  # sorted by digest
+    entries: tuple[NewEntry, ...]  # sorted by (fingerprint digest, scope, key); tuned_at set
+    records: Records
+    provenance: dict[str, Any]
+
+    @property
+    def record_namespaces(self) -> int:
+        """How many (fingerprint, scope, namespace) record groups the bundle holds."""
+        return sum(len(by_ns) for scopes in self.records.values() for by_ns in scopes.values())
+
+
+@dataclass(frozen=True)
+class BundleSummary:
+    """What ``write_bundle`` wrote."""
+
+    path: Path
+    digest: str  # sha256 hex of the file
+    size_bytes: int
+    format_version: int
+    fingerprints: int
+    entries: int
+    records: int
+
+
+# --------------------------------------------------------------------------
+# Rendering.
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    )
+
+
+def _provenance(
+    entries: Sequence[NewEntry], ops: Sequence[str], records: Records
+) -> dict[str, Any]:
+    per_fp: dict[str, dict[str, Any]] = {}
+
+    def summary(digest: str) -> dict[str, Any]:
+        return per_fp.setdefault(
+            digest, {"entries": 0, "ops": {}, "records": 0, "scopes": {}, "tuned_at": None}
+        )
+
+    for entry, op in zip(entries, ops, strict=True):
+        s = summary(entry.fingerprint.digest)
+        s["entries"] += 1
+        s["ops"][op] = s["ops"].get(op, 0) + 1
+        s["scopes"][entry.scope] = s["scopes"].get(entry.scope, 0) + 1
+        tuned = entry.tuned_at
+        span = s["tuned_at"]
+        if span is None:
+            s["tuned_at"] = {"first": tuned, "last": tuned}
+        else:
+            span["first"], span["last"] = min(span["first"], tuned), max(span["last"], tuned)
+    total_records = 0
+    for digest, scopes in records.items():
+        n = sum(len(recs) for by_ns in scopes.values() for recs in by_ns.values())
+        summary(digest)["records"] += n
+        total_records += n
+    return {"entries": len(entries), "fingerprints": per_fp, "records": total_records}
+
+
+def _render(
+    fingerprints: Mapping[str, Fingerprint],
+    entries: Sequence[NewEntry],
+    ops: Sequence[str],
+    records: Records,
+) -> bytes:
+    """The whole file for sorted ``entries`` (header and payload)."""
+    lines = ['{"entries":[\n']
+    last = len(entries) - 1
+    for i, e in enumerate(entries):
+        item = {
+            "fingerprint": e.fingerprint.digest,
+            "key": e.key,
+            "policy": e.policy_json,
+            "runner": e.runner,
+            "scope": e.scope,
+            "tactic": e.tactic_json,
+            "tuned_at": e.tuned_at,
+        }
+        lines.append(_dumps(item) + (",\n" if i < last else "\n"))
+    fps = {digest: fp.as_dict() for digest, fp in fingerprints.items()}
+    lines.append(f'],\n"fingerprints":{_dumps(fps)},\n')
+    lines.append(f'"provenance":{_dumps(_provenance(entries, ops, records))},\n')
+    lines.append(f'"records":{_dumps(records)}}}\n')
+    payload = "".join(lines).encode("ascii")
+    checksum = hashlib.sha256(payload).hexdigest()
+    return b"%s%d %d sha256=%s\n%s" % (
+        MAGIC,
+        FORMAT_VERSION,
+        len(payload),
+        checksum.encode(),
+        payload,
+    )
+
+
+def render_bundle(
+    entries: Iterable[NewEntry],
+    records: Mapping[str, Mapping[str, Mapping[str, Mapping[str, Any]]]] | None = None,
+    fingerprints: Iterable[Fingerprint] = (),
+) -> bytes:
+    """The bundle of ``entries`` and ``records``, as bytes.
+
+    The bundle holds exactly the fingerprints its entries and records use;
+    ``fingerprints`` names those that only records use. Tactics and policies
+    are rendered as canonical JSON. Raises ``ValueError`` for an entry
+    without ``tuned_at``, a key that is not a FlashInfer key, or records
+    of an unknown fingerprint. A later duplicate (fingerprint, scope, key)
+    wins, as in ``Registry.write``.
+    """
+    by_digest: dict[str, Fingerprint] = {fp.digest: fp for fp in fingerprints}
+    unique: dict[tuple[str, str, str], NewEntry] = {}
+    for e in entries:
+        if e.tuned_at is None:
+            raise ValueError(f"entry {e.key[:80]!r} has no tuned_at")
+        digest = e.fingerprint.digest
+        by_digest.setdefault(digest, e.fingerprint)
+        unique[(digest, e.scope, e.key)] = NewEntry(
+            e.fingerprint,
+            e.key,
+            e.runner,
+            canonical_json(json.loads(e.tactic_json)),
+            canonical_json(json.loads(e.policy_json)) if e.policy_json is not None else None,
+            e.scope,
+            e.fields,
+            float(e.tuned_at),
+        )
+    ordered = [unique[k] for k in sorted(unique)]
+    ops = [(e.fields or parse_key(e.key)).op for e in ordered]
+    recs: Records = {
+        digest: {
+            scope: {ns: dict(values) for ns, values in by_ns.items()}
+            for scope, by_ns in scopes.items()
+        }
+        for digest, scopes in (records or {}).items()
+    }
+    unknown = sorted(set(recs) - set(by_digest))
+    if unknown:
+        raise ValueError(f"records of fingerprint {unknown[0]} with no Fingerprint given")
+    used = {k[0] for k in unique} | set(recs)
+    return _render({d: by_digest[d] for d in sorted(used)}, ordered, ops, recs)
+
+
+# --------------------------------------------------------------------------
+# Reading.
+
+
+class _Invalid(ValueError):
+    """Content that passed the checksum but is not a valid bundle (one line)."""
+
+
+def is_bundle(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` looks like a bundle, from its first bytes only.
+
+    True for a file that starts with the magic, and for a file so short it
+    could only be a bundle cut inside its magic (so reading it says
+    "truncated"). A FlashInfer cache file (JSON) is never a bundle.
+    """
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(len(MAGIC))
+    except OSError:
+        return False
+    if len(head) < len(MAGIC):
+        return bool(head) and MAGIC.startswith(head)
+    return head == MAGIC
+
+
+def _frame(data: bytes, source: str) -> tuple[int, bytes]:
+    """Check magic, version, size and checksum; return (version, payload)."""
+    if not data:
+        raise BundleError(f"{source}: empty file, not a ficache bundle; {_AGAIN}")
+    if not data.startswith(MAGIC):
+        if MAGIC.startswith(data):
+            raise BundleError(f"{source}: truncated bundle (it ends inside its header); {_AGAIN}")
+        if data[:4096].lstrip()[:1] == b"{":
+            raise BundleError(
+                f"{source}: a FlashInfer cache file, not a ficache bundle; "
+                "import it with `ficache import`"
+            )
+        raise BundleError(
+            f"{source}: not a ficache bundle (no 'ficache-bundle' header); "
+            "give a file written by `ficache export --bundle`"
+        )
+    end = data.find(b"\n", 0, MAX_HEADER_BYTES)
+    version = _VERSION.match(data)
+    if version is None:
+        if end < 0 and len(data) < MAX_HEADER_BYTES:
+            raise BundleError(f"{source}: truncated bundle (it ends inside its header); {_AGAIN}")
+        raise BundleError(f"{source}: damaged bundle header; {_AGAIN}")
+    number = int(version.group(1))
+    if number > FORMAT_VERSION:
+        raise BundleError(
+            f"{source}: bundle format version {number} is newer than this ficache reads "
+            f"(up to {FORMAT_VERSION}); upgrade ficache"
+        )
+    if number != FORMAT_VERSION:
+        raise BundleError(f"{source}: unknown bundle format version {number}; {_AGAIN}")
+    if end < 0:
+        if len(data) < MAX_HEADER_BYTES:
+            raise BundleError(f"{source}: truncated bundle (it ends inside its header); {_AGAIN}")
+        raise BundleError(f"{source}: damaged bundle header; {_AGAIN}")
+    header = _HEADER_V1.fullmatch(data, 0, end + 1)
+    if header is None:
+        raise BundleError(f"{source}: damaged bundle header; {_AGAIN}")
+    claimed = int(header.group(1))
+    if claimed > MAX_PAYLOAD_BYTES:
+        raise BundleError(
+            f"{source}: bundle claims a {claimed}-byte payload, over the "
+            f"{MAX_PAYLOAD_BYTES}-byte limit; not a bundle ficache reads"
+        )
+    payload = data[end + 1 :]
+    if len(payload) < claimed:
+        raise BundleError(
+            f"{source}: truncated bundle ({len(payload)} of {claimed} payload bytes); {_AGAIN}"
+        )
+    if len(payload) > claimed:
+        raise BundleError(
+            f"{source}: damaged bundle ({len(payload) - claimed} bytes after its payload); {_AGAIN}"
+        )
+    if hashlib.sha256(payload).hexdigest() != header.group(2).decode():
+        raise BundleError(f"{source}: damaged bundle (checksum mismatch); {_AGAIN}")
+    return number, payload
+
+
+def _object(value: Any, what: str, members: Sequence[str] | None = None) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _Invalid(f"{what} must be a JSON object")
+    if members is not None and sorted(value) != sorted(members):
+        extra = sorted(set(value) - set(members))
+        missing = sorted(set(members) - set(value))
+        raise _Invalid(
+            f"{what} has unknown member {extra[0]!r:.80}"
+            if extra
+            else f"{what} lacks member {missing[0]!r}"
+        )
+    return value
+
+
+def _check_json_value(value: Any, what: str, depth: int = 0) -> None:
+    """A tactic or policy: lists of numbers, strings, booleans and nulls."""
+    if depth > MAX_TACTIC_DEPTH:
+        raise _Invalid(f"{what} nested too deeply")
+    if isinstance(value, list):
+        for v in value:
+            _check_json_value(v, what, depth + 1)
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise _Invalid(f"{what} holds a non-finite number")
+    elif not (value is None or isinstance(value, (bool, int, str))):
+        raise _Invalid(f"{what} holds a JSON {type(value).__name__}; expected numbers and lists")
+
+
+def _json_text(text: Any, what: str, *, list_only: bool) -> str:
+    """Validate tactic or policy text: canonical JSON, data only."""
+    if not isinstance(text, str):
+        raise _Invalid(f"{what} must be a string of JSON")
+    if len(text) > MAX_TACTIC_CHARS:
+        raise _Invalid(f"{what} longer than {MAX_TACTIC_CHARS} characters")
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        raise _Invalid(f"{what} {text[:80]!r} is not JSON") from None
+    if list_only and not isinstance(value, list):
+        raise _Invalid(f"{what} must be a JSON list")
+    _check_json_value(value, what)
+    if canonical_json(value) != text:
+        raise _Invalid(f"{what} {text[:80]!r} is not canonical JSON")
+    return text
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _fingerprints(value: Any) -> dict[str, Fingerprint]:
+    found: dict[str, Fingerprint] = {}
+    for digest, fields in _object(value, "fingerprints").items():
+        if not _DIGEST.fullmatch(digest):
+            raise _Invalid(f"fingerprint digest {digest[:80]!r} is not a sha256 hex digest")
+        _object(fields, f"fingerprint {digest[:12]}", ALL_FIELDS)
+        try:
+            fp = Fingerprint(**fields)
+        except FingerprintError as exc:
+            raise _Invalid(f"fingerprint {digest[:12]}: {exc}") from None
+        if fp.digest != digest:
+            raise _Invalid(f"fingerprint {digest[:12]} does not match its fields")
+        found[digest] = fp
+    return found
+
+
+def _scope(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise _Invalid(f"{what} scope must be a string")
+    try:
+        return validate_scope(value)
+    except ValueError as exc:
+        raise _Invalid(f"{what}: {exc}") from None
+
+
+def _entries(value: Any, fps: Mapping[str, Fingerprint]) -> tuple[list[NewEntry], list[str]]:
+    if not isinstance(value, list):
+        raise _Invalid("entries must be a JSON list")
+    entries: list[NewEntry] = []
+    ops: list[str] = []
+    previous: tuple[str, str, str] | None = None
+    for index, item in enumerate(value):
+        what = f"entry {index}"
+        e = _object(item, what, _ENTRY_FIELDS)
+        fp = fps.get(e["fingerprint"]) if isinstance(e["fingerprint"], str) else None
+        if fp is None:
+            raise _Invalid(
+                f"{what} names fingerprint {str(e['fingerprint'])[:80]!r}, not in the bundle"
+            )
+        scope = _scope(e["scope"], what)
+        key, runner = e["key"], e["runner"]
+        if not isinstance(key, str) or not isinstance(runner, str):
+            raise _Invalid(f"{what} key and runner must be strings")
+        try:
+            fields = parse_key(key)
+        except ValueError as exc:
+            raise _Invalid(f"{what} key {key[:80]!r} is not a FlashInfer key: {exc}") from None
+        if fields.runner != runner:
+            raise _Invalid(f"{what} runner {runner[:80]!r} differs from its key's")
+        tactic = _json_text(e["tactic"], f"{what} tactic", list_only=False)
+        policy = e["policy"]
+        if policy is not None:
+            policy = _json_text(policy, f"{what} policy", list_only=True)
+        tuned_at = e["tuned_at"]
+        if not isinstance(tuned_at, float) or not math.isfinite(tuned_at) or tuned_at < 0:
+            raise _Invalid(f"{what} tuned_at must be a finite, non-negative float (seconds)")
+        order = (e["fingerprint"], scope, key)
+        if previous is not None and order <= previous:
+            raise _Invalid(f"{what} is out of order or a duplicate")
+        previous = order
+        entries.append(NewEntry(fp, key, runner, tactic, policy, scope, fields, tuned_at))
+        ops.append(fields.op)
+    return entries, ops
+
+
+def _records(value: Any, fps: Mapping[str, Fingerprint]) -> Records:
+    records: Records = {}
+    for digest, scopes in _object(value, "records").items():
+        if digest not in fps:
+            raise _Invalid(f"records name fingerprint {digest[:80]!r}, not in the bundle")
+        for scope, by_ns in _object(scopes, f"records of {digest[:12]}").items():
+            _scope(scope, f"records of {digest[:12]}")
+            for ns, recs in _object(by_ns, f"records of {digest[:12]} {scope}").items():
+                if not ns or not _object(recs, f"records namespace {ns[:80]!r}"):
+                    raise _Invalid(f"records of {digest[:12]} {scope} hold an empty namespace")
+            if not by_ns:
+                raise _Invalid(f"records of {digest[:12]} hold an empty scope")
+        if not scopes:
+            raise _Invalid(f"records of {digest[:12]} are empty")
+        records[digest] = scopes
+    return records
+
+
+def parse_bundle_bytes(data: bytes, *, source: str = "<bytes>") -> Bundle:
+    """Verify and parse one bundle's bytes; raises ``BundleError`` (one line)."""
+    version, payload = _frame(data, source)
+    try:
+        try:
+            top = json.loads(payload.decode("ascii"), parse_constant=_reject_constant)
+        except UnicodeDecodeError:
+            raise _Invalid("payload is not ASCII") from None
+        except (ValueError, RecursionError) as exc:
+            detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise _Invalid(f"payload is not JSON: {detail}") from None
+        _object(top, "the payload", _MEMBERS)
+        fps = _fingerprints(top["fingerprints"])
+        entries, ops = _entries(top["entries"], fps)
+        records = _records(top["records"], fps)
+        unused = sorted(set(fps) - {e.fingerprint.digest for e in entries} - set(records))
+        if unused:
+            raise _Invalid(f"fingerprint {unused[0][:12]} holds nothing")
+        provenance = _provenance(entries, ops, records)
+        if top["provenance"] != provenance:
+            raise _Invalid("provenance does not describe the content")
+        try:
+            canonical = _render(fps, entries, ops, records)
+        except (ValueError, RecursionError):  # a record holding 1e999, say
+            raise _Invalid("records hold a value JSON cannot carry") from None
+        if canonical != data:
+            raise _Invalid("not in canonical form")
+    except _Invalid as exc:
+        raise BundleError(f"{source}: invalid bundle ({exc}); {_AGAIN}") from None
+    return Bundle(
+        version,
+        hashlib.sha256(data).hexdigest(),
+        tuple(fps[d] for d in sorted(fps)),
+        tuple(entries),
+        records,
+        provenance,
+    )
+
+
+def read_bundle(path: str | os.PathLike[str]) -> Bundle:
+    """Read and verify the bundle at ``path``; raises ``BundleError`` (one line)."""
+    p = Path(path)
+    try:
+        if p.stat().st_size > MAX_HEADER_BYTES + MAX_PAYLOAD_BYTES:
+            raise BundleError(
+                f"{p}: larger than {MAX_HEADER_BYTES + MAX_PAYLOAD_BYTES} bytes; "
+                "not a bundle ficache reads"
+            )
+        data = p.read_bytes()
+    except IsADirectoryError:
+        raise BundleError(f"{p}: is a directory, expected a ficache bundle") from None
+    except FileNotFoundError:
+        raise BundleError(f"{p}: no such file") from None
+    except PermissionError:
+        raise BundleError(f"{p}: permission denied") from None
+    except OSError as exc:
+        raise BundleError(f"{p}: cannot read ({exc.strerror})") from None
+    return parse_bundle_bytes(data, source=str(p))
+
+
+# --------------------------------------------------------------------------
+# Registry in and out.
+
+
+def _write_bytes_atomic(target: Path, data: bytes) -> None:
+    directory = target.parent if str(target.parent) else Path(".")
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_bundle(
+    registry: Registry, path: str | os.PathLike[str], fingerprint_ids: Sequence[int] | None
+) -> BundleSummary:
+    """Write the entries of ``fingerprint_ids`` (None: all) as one bundle at ``path``.
+
+    Fingerprints without entries are left out (a bundle carries what it
+    holds). Raises ``NotFoundError`` for an unknown id or when nothing
+    would be bundled, ``BundleError`` when the registry holds an entry a
+    bundle cannot carry or ``path`` cannot be written.
+    """
+    infos = registry.fingerprints(ids=fingerprint_ids)
+    if fingerprint_ids is not None:
+        missing = sorted(set(fingerprint_ids) - {i.id for i in infos})
+        if missing:
+            raise NotFoundError(
+                f"no fingerprint {missing[0]} in the registry; see `ficache fingerprints`"
+            )
+    by_id = {i.id: i.fingerprint for i in infos}
+    rows = registry.entry_values(sorted(by_id))
+    if not rows:
+        raise NotFoundError(
+            "no entries to bundle in the selected fingerprints; see `ficache fingerprints`"
+        )
+    # Records are not stored yet; once they are, they are read here too.
+    entries = [
+        NewEntry(by_id[fid], key, runner, tactic, policy, scope, None, tuned_at)
+        for fid, scope, key, runner, tactic, policy, tuned_at in rows
+    ]
+    target = Path(path)
+    try:
+        data = render_bundle(entries)
+        bundle = parse_bundle_bytes(data, source=str(target))
+    except (ValueError, BundleError) as exc:
+        raise BundleError(f"the registry holds an entry a bundle cannot carry: {exc}") from None
+    try:
+        _write_bytes_atomic(target, data)
+    except OSError as exc:
+        raise BundleError(f"cannot write {target}: {exc.strerror}") from None
+    return BundleSummary(
+        target,
+        bundle.digest,
+        len(data),
+        bundle.format_version,
+        len(bundle.fingerprints),
+        len(bundle.entries),
+        int(bundle.provenance["records"]),
+    )
+
+
+def import_bundles(registry: Registry, bundles: Sequence[tuple[str, Bundle]]) -> WriteResult:
+    """Store the entries of verified ``(source, bundle)`` pairs as one import commit.
+
+    Entries keep their scope and ``tuned_at``; the commit's provenance names
+    every bundle by digest. Importing the same bundles again changes
+    nothing and makes no commit. Records are not stored yet (see
+    ``Bundle.record_namespaces``).
+    """
+    return registry.write(
+        [e for _source, b in bundles for e in b.entries],
+        kind="import",
+        message=", ".join(source for source, _ in bundles)[:2000],
+        provenance={
+            "bundles": [
+                {"digest": b.digest, "format_version": b.format_version, "entries": len(b.entries)}
+                for _source, b in bundles
+            ]
+        },
+    )
+
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Bundle",
+    "BundleSummary",
+    "import_bundles",
+    "is_bundle",
+    "parse_bundle_bytes",
+    "read_bundle",
+    "render_bundle",
+    "write_bundle",
+]
