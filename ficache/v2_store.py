@@ -1,0 +1,710 @@
+"""FlashInfer's managed autotune store (``flashinfer.autotune_v2``), both ways.
+
+The layout, as ``flashinfer/autotune_cache.py`` (``ManagedAutotuneCache``)
+reads and writes it::
+
+    <root>/v2/<env_hash>/manifest.json
+    <root>/v2/<env_hash>/entries/<sha256(key)[:24]>.json
+
+- ``manifest.json`` is ``flashinfer.autotuner._collect_metadata()`` plus the
+  measurement policy's ``MeasurementPolicy.manifest_fields()`` (``measure_*``
+  keys, empty for the default policy) plus ``"cache_schema": "v2"``.
+  ``env_hash`` is the first 16 hex digits of the sha256 of the manifest's
+  canonical JSON (sorted keys, no spaces). FlashInfer never reads the
+  manifest: it computes ``env_hash`` from the running environment and the
+  policy it attaches with, so a store serves only when the hash matches.
+- An entry file holds ``key`` (the ``file_key`` string), ``runner``,
+  ``tactic``, optional ``profiling_policy`` (the per-entry measurement
+  provenance, the third element of a ``save_configs`` value) and optional
+  ``key_fields`` (the key in a structural JSON form: ``{"__tuple__": [..]}``
+  for tuples, ``{"__dtype__": name}`` for torch dtypes). ``lookup`` finds an
+  entry by the hash of its key and requires the embedded key to match;
+  ``preload`` (what ``autotune_v2`` hydrates from) also requires
+  ``key_fields``, that ``str(key_fields) == key`` and that the file name is
+  the hash of the key. Both write ``json.dump(obj, indent=2, sort_keys=True)``.
+- Entries whose key is ``('__protocol__', namespace, key)`` are protocol
+  records (arbitrary JSON), not tactics.
+- Root: ``FLASHINFER_AUTOTUNE_CACHE_DIR``, else FlashInfer's cache dir
+  ``/autotune``; ``autotune_v2(cache_root=...)`` overrides both.
+
+Measurement policy (where ficache keeps it):
+- The per-entry ``profiling_policy`` is the entry's ``policy`` column, the
+  same value a ``save_configs`` file carries as its third element, so v1 and
+  v2 exports agree.
+- The manifest's ``measure_*`` fields are part of FlashInfer's environment
+  identity but not of a ficache ``Fingerprint``. An import records them per
+  environment in the import commit's provenance (``source:
+  "flashinfer-v2-store"``, ``environments: [{env_hash, fingerprint (digest),
+  measurement, ...}]``). An export uses, in order: the policy given
+  (``measurement=``), else the newest policy an import recorded for the
+  exported fingerprints, else the default (no ``measure_*`` fields). So an
+  imported environment exports to the same ``env_hash``.
+- The registry keeps one value per (fingerprint, scope, key): environments
+  that differ only in their measurement policy would overwrite each other,
+  so an import holding two of them is refused before anything is written.
+
+Invariants:
+- Reading never evaluates anything: keys are parsed by
+  ``flashinfer_format`` (``parse_key``), tactics and policies must be JSON
+  numbers, strings and lists. A malformed entry (unreadable, invalid JSON,
+  missing fields, a file name that is not the hash of its key, a runner
+  that differs from the key's, a hostile key) is skipped and counted, as
+  FlashInfer treats it as a miss; a malformed manifest (missing, invalid,
+  not hashing to its directory's name, fields ficache cannot reproduce)
+  skips its whole environment, counted. A path that is neither a store
+  root nor an environment directory raises ``V2StoreError``.
+- All environments of one import are one commit.
+- Exports are deterministic: every file is a pure function of the stored
+  entries and the manifest, written with FlashInfer's own JSON layout, so
+  exporting twice gives byte-identical files (and files that FlashInfer's
+  own ``publish`` would write byte for byte). Each file is published
+  atomically (temp file in its directory, ``os.replace``); a file whose
+  bytes are already right is left alone.
+- An export writes only its environment's manifest and the entry files of
+  the keys it exports; it never deletes or rewrites anything else. It
+  writes only into a store root, an empty directory or a new one, and
+  refuses an environment directory whose manifest differs from its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ficache.errors import FingerprintError, NotFoundError, V2StoreError
+from ficache.fingerprint import FLASHINFER_FIELDS, Fingerprint
+from ficache.flashinfer_format import (
+    _TOKEN,
+    FileEntry,
+    _check_entry,
+    _unquote,
+    write_atomic,
+)
+from ficache.models import SHARED_SCOPE
+from ficache.registry import NewEntry, Registry, WriteResult, validate_scope
+
+SCHEMA = "v2"
+SCHEMA_KEY = "cache_schema"
+MANIFEST = "manifest.json"
+ENTRIES = "entries"
+MEASURE_PREFIX = "measure_"
+PROTOCOL_KEY = "__protocol__"
+#: ``source`` of the provenance an import commit records.
+PROVENANCE_SOURCE = "flashinfer-v2-store"
+#: Largest entry or manifest file read (a real one is a few hundred bytes).
+MAX_FILE_BYTES = 1024 * 1024
+#: Skipped items kept (with reasons) per environment and in provenance.
+MAX_REASONS = 20
+
+#: ``MeasurementPolicy`` attributes an export may set, as ``FIELD=VALUE``.
+POLICY_ATTRIBUTES = ("execution_mode", "cold_l2", "timer", "graph_timing")
+
+
+# --------------------------------------------------------------------------
+# Identity: manifests and hashes, as FlashInfer computes them.
+
+
+def canonical_manifest_json(manifest: Mapping[str, str]) -> str:
+    """FlashInfer's canonical JSON of a manifest (what ``env_hash`` hashes)."""
+    return json.dumps(dict(manifest), sort_keys=True, separators=(",", ":"))
+
+
+def manifest_for(metadata: Mapping[str, str], measurement: Mapping[str, str]) -> dict[str, str]:
+    """The manifest of an environment: metadata, measurement fields, schema."""
+    manifest = {**metadata, **measurement}
+    manifest[SCHEMA_KEY] = SCHEMA
+    return manifest
+
+
+def env_hash(manifest: Mapping[str, str]) -> str:
+    return hashlib.sha256(canonical_manifest_json(manifest).encode()).hexdigest()[:16]
+
+
+def entry_file_name(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:24] + ".json"
+
+
+def _flashinfer_json(value: Any) -> str:
+    """The bytes FlashInfer's ``_atomic_write_json`` writes for ``value``."""
+    return json.dumps(value, indent=2, sort_keys=True)
+
+
+def measurement_label(measurement: Mapping[str, str]) -> str:
+    """``execution_mode=cuda_graph,cold_l2=True`` or ``default``."""
+    if not measurement:
+        return "default"
+    return ",".join(f"{k.removeprefix(MEASURE_PREFIX)}={v}" for k, v in sorted(measurement.items()))
+
+
+def parse_measurement_policy(spec: str) -> dict[str, str]:
+    """The manifest fields of the policy ``spec`` names (``default`` or ``F=V,...``).
+
+    ``F`` is a ``flashinfer.MeasurementPolicy`` attribute (``execution_mode``,
+    ``cold_l2``, ``timer``, ``graph_timing``); FlashInfer's own class checks
+    the values and computes the fields, so the result is what
+    ``autotune_v2(measurement_policy=...)`` hashes.
+    """
+    text = spec.strip()
+    if text in ("", "default"):
+        return {}
+    kwargs: dict[str, Any] = {}
+    for part in text.split(","):
+        name, sep, value = (s.strip() for s in part.partition("="))
+        if not sep or name not in POLICY_ATTRIBUTES or not value:
+            raise V2StoreError(
+                f"measurement policy {spec!r}: expected `default` or FIELD=VALUE[,...] "
+                f"with FIELD one of {', '.join(POLICY_ATTRIBUTES)}"
+            )
+        if name == "cold_l2":
+            if value.lower() not in ("true", "false"):
+                raise V2StoreError(f"measurement policy {spec!r}: cold_l2 is true or false")
+            kwargs[name] = value.lower() == "true"
+        else:
+            kwargs["_timer" if name == "timer" else name] = value
+    try:
+        from flashinfer.autotune_cache import MeasurementPolicy
+    except ImportError as exc:
+        raise V2StoreError(
+            f"this FlashInfer has no MeasurementPolicy ({exc}); drop --measurement-policy"
+        ) from None
+    try:
+        policy = MeasurementPolicy(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise V2StoreError(f"measurement policy {spec!r}: {exc}") from None
+    return {str(k): str(v) for k, v in policy.manifest_fields().items()}
+
+
+# --------------------------------------------------------------------------
+# key_fields: the structural form of a key, built without eval.
+
+
+class _TorchDtype:
+    """``torch.<name>`` in a key; its repr is the text torch prints."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"torch.{self.name}"
+
+
+_NAMES: dict[str, Any] = {
+    "None": None,
+    "True": True,
+    "False": False,
+    "inf": float("inf"),
+    "-inf": float("-inf"),
+    "nan": float("nan"),
+}
+
+
+def _key_value(key: str) -> Any:
+    """The Python value whose ``str()`` ``key`` claims to be, or ``None``.
+
+    Lenient on purpose: the caller checks ``str(value) == key``, which only
+    an exact reading passes. Lists stay lists and tuples tuples (FlashInfer
+    encodes them differently).
+    """
+    items: list[list[Any]] = [[]]
+    openers: list[str] = []
+    for m in _TOKEN.finditer(key):
+        kind, token = m.lastgroup, m.group()
+        if kind in ("ws", "comma"):
+            continue
+        value: Any
+        if kind == "open":
+            items.append([])
+            openers.append(token)
+            continue
+        if kind == "close":
+            if not openers:
+                return None
+            children = items.pop()
+            value = tuple(children) if openers.pop() == "(" else children
+        elif kind == "str":
+            value = _unquote(token)
+        elif kind == "num":
+            value = float(token) if any(c in token for c in ".eE") else int(token)
+        elif kind == "name" and token in _NAMES:
+            value = _NAMES[token]
+        elif kind == "name" and token.count(".") == 1 and token.startswith("torch."):
+            value = _TorchDtype(token.removeprefix("torch."))
+        else:
+            return None
+        items[-1].append(value)
+    if openers or len(items[0]) != 1:
+        return None
+    return items[0][0]
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, _TorchDtype):
+        return {"__dtype__": value.name}
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v) for v in value]}
+    if isinstance(value, list):
+        return [_encode(v) for v in value]
+    return value  # None, bool, int, float, str
+
+
+def encode_key_fields(key: str) -> Any | None:
+    """FlashInfer's ``key_fields`` for ``key``, or ``None`` when it has none.
+
+    ``None`` (like FlashInfer's own encoder) for a key holding anything but
+    strings, numbers, ``None``, booleans, torch dtypes, tuples and lists:
+    such an entry is served by ``lookup`` and not preloaded.
+    """
+    value = _key_value(key)
+    if not isinstance(value, tuple) or str(value) != key:
+        return None
+    return _encode(value)
+
+
+def _is_protocol_key(key: str) -> bool:
+    if not key.startswith(f"('{PROTOCOL_KEY}'"):
+        return False
+    value = _key_value(key)
+    return isinstance(value, tuple) and len(value) == 3 and value[0] == PROTOCOL_KEY
+
+
+# --------------------------------------------------------------------------
+# Reading a store.
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A file or directory left out, and why."""
+
+    path: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class StoreEnvironment:
+    """One ``<root>/v2/<env_hash>`` directory as read."""
+
+    path: Path
+    env_hash: str
+    fingerprint: Fingerprint
+    measurement: tuple[tuple[str, str], ...]  # the manifest's measure_* fields, sorted
+    entries: tuple[FileEntry, ...]
+    records: int  # protocol records (not tactics; not imported)
+    skipped: int  # malformed entries
+    first_skipped: tuple[Skipped, ...]  # the first MAX_REASONS of them
+
+    @property
+    def measurement_fields(self) -> dict[str, str]:
+        return dict(self.measurement)
+
+
+@dataclass(frozen=True)
+class StoreContents:
+    """Every environment of a store root, or one environment directory."""
+
+    source: Path
+    environments: tuple[StoreEnvironment, ...]
+    skipped_environments: tuple[Skipped, ...]
+
+    @property
+    def entries(self) -> int:
+        return sum(len(e.entries) for e in self.environments)
+
+    @property
+    def skipped_entries(self) -> int:
+        return sum(e.skipped for e in self.environments)
+
+    @property
+    def records(self) -> int:
+        return sum(e.records for e in self.environments)
+
+
+def is_environment_dir(path: Path) -> bool:
+    return path.is_dir() and (path / MANIFEST).exists()
+
+
+def is_store_root(path: Path) -> bool:
+    return path.is_dir() and (path / SCHEMA).is_dir()
+
+
+def read_store(path: str | os.PathLike[str]) -> StoreContents:
+    """Read a store root (every environment) or one environment directory.
+
+    Raises ``V2StoreError`` when ``path`` is neither. Malformed entries and
+    environments are skipped and counted, never raised.
+    """
+    source = Path(path)
+    if is_store_root(source):
+        try:
+            env_dirs = sorted(p for p in (source / SCHEMA).iterdir() if p.is_dir())
+        except OSError as exc:
+            raise V2StoreError(f"{source / SCHEMA}: cannot list ({exc.strerror})") from None
+    elif is_environment_dir(source):
+        env_dirs = [source]
+    else:
+        raise V2StoreError(
+            f"{source}: not a FlashInfer v2 store (no {SCHEMA}/ directory) nor one of its "
+            f"environment directories (no {MANIFEST}); give the store root"
+        )
+    environments: list[StoreEnvironment] = []
+    skipped: list[Skipped] = []
+    for env_dir in env_dirs:
+        try:
+            environments.append(_read_environment(env_dir))
+        except ValueError as exc:
+            skipped.append(Skipped(str(env_dir), str(exc)))
+    return StoreContents(source, tuple(environments), tuple(skipped))
+
+
+def _read_json(path: Path) -> Any:
+    """A small JSON file's value; ``ValueError`` saying why it cannot be read."""
+    try:
+        if not path.is_file():
+            raise ValueError("not a regular file")
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"invalid JSON ({exc})") from None
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read ({exc.strerror})") from None
+
+
+def _read_manifest(env_dir: Path) -> tuple[Fingerprint, tuple[tuple[str, str], ...], str]:
+    path = env_dir / MANIFEST
+    if not path.exists():
+        raise ValueError(f"no {MANIFEST}")
+    try:
+        manifest = _read_json(path)
+    except ValueError as exc:
+        raise ValueError(f"{MANIFEST}: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{MANIFEST} is not a JSON object")
+    if manifest.get(SCHEMA_KEY) != SCHEMA:
+        raise ValueError(f"{MANIFEST}: {SCHEMA_KEY} is {manifest.get(SCHEMA_KEY)!r}, not 'v2'")
+    if not all(isinstance(v, str) for v in manifest.values()):
+        raise ValueError(f"{MANIFEST}: every value must be a string")
+    missing = [f for f in FLASHINFER_FIELDS if f not in manifest]
+    if missing:
+        raise ValueError(f"{MANIFEST} lacks {', '.join(missing)}")
+    unknown = sorted(
+        k
+        for k in manifest
+        if k not in FLASHINFER_FIELDS and k != SCHEMA_KEY and not k.startswith(MEASURE_PREFIX)
+    )
+    if unknown:
+        raise ValueError(
+            f"{MANIFEST} has field(s) ficache does not know ({', '.join(unknown)}); "
+            "a newer FlashInfer wrote it"
+        )
+    digest = env_hash(manifest)
+    if digest != env_dir.name:
+        raise ValueError(
+            f"{MANIFEST} hashes to {digest}, not to its directory's name, "
+            "so FlashInfer never serves it"
+        )
+    try:
+        fingerprint = Fingerprint.from_flashinfer_metadata(
+            {f: manifest[f] for f in FLASHINFER_FIELDS}
+        )
+    except FingerprintError as exc:
+        raise ValueError(f"{MANIFEST}: {exc}") from None
+    measurement = tuple(sorted((k, v) for k, v in manifest.items() if k.startswith(MEASURE_PREFIX)))
+    return fingerprint, measurement, digest
+
+
+def _read_entry(path: Path) -> FileEntry | None:
+    """One entry file: a ``FileEntry``, ``None`` for a protocol record, else ``ValueError``."""
+    data = _read_json(path)
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    key, runner = data.get("key"), data.get("runner")
+    if not isinstance(key, str) or not isinstance(runner, str) or "tactic" not in data:
+        raise ValueError("needs a string key, a string runner and a tactic")
+    if path.name != entry_file_name(key):
+        raise ValueError("file name is not the hash of its key")
+    if _is_protocol_key(key):
+        return None
+    value = [runner, data["tactic"]]
+    policy = data.get("profiling_policy")
+    if policy is not None:
+        value.append(policy)
+    return _check_entry(key, value)
+
+
+def _read_environment(env_dir: Path) -> StoreEnvironment:
+    fingerprint, measurement, digest = _read_manifest(env_dir)
+    entries_dir = env_dir / ENTRIES
+    entries: list[FileEntry] = []
+    skipped: list[Skipped] = []
+    records = n_skipped = 0
+    if entries_dir.exists():
+        if not entries_dir.is_dir():
+            raise ValueError(f"{ENTRIES} is not a directory")
+        try:
+            paths = sorted(entries_dir.glob("*.json"))
+        except OSError as exc:
+            raise ValueError(f"{ENTRIES}: cannot list ({exc.strerror})") from None
+        for path in paths:
+            try:
+                entry = _read_entry(path)
+            except (ValueError, RecursionError) as exc:
+                n_skipped += 1
+                if len(skipped) < MAX_REASONS:
+                    skipped.append(Skipped(str(path), str(exc)))
+                continue
+            if entry is None:
+                records += 1
+            else:
+                entries.append(entry)
+    return StoreEnvironment(
+        env_dir,
+        digest,
+        fingerprint,
+        measurement,
+        tuple(entries),
+        records,
+        n_skipped,
+        tuple(skipped),
+    )
+
+
+# --------------------------------------------------------------------------
+# Import.
+
+
+def _check_one_policy_per_fingerprint(stores: Sequence[StoreContents]) -> None:
+    seen: dict[Fingerprint, StoreEnvironment] = {}
+    for store in stores:
+        for env in store.environments:
+            first = seen.setdefault(env.fingerprint, env)
+            if first.measurement != env.measurement:
+                raise V2StoreError(
+                    f"environments {first.env_hash} ({measurement_label(first.measurement_fields)}) "
+                    f"and {env.env_hash} ({measurement_label(env.measurement_fields)}) share one "
+                    "fingerprint under two measurement policies, which the registry cannot keep "
+                    "apart; import their environment directories one at a time"
+                )
+
+
+def import_stores(
+    registry: Registry, stores: Sequence[StoreContents], *, scope: str = SHARED_SCOPE
+) -> WriteResult:
+    """Import every environment of ``stores`` as one commit.
+
+    The commit's provenance records each environment's hash, fingerprint
+    digest and measurement policy (what a later export reads back).
+    """
+    validate_scope(scope)
+    _check_one_policy_per_fingerprint(stores)
+    new: list[NewEntry] = []
+    environments: list[dict[str, Any]] = []
+    skipped_environments: list[dict[str, str]] = []
+    for store in stores:
+        for env in store.environments:
+            new.extend(
+                NewEntry(
+                    env.fingerprint, e.key, e.runner, e.tactic_json, e.policy_json, scope, e.fields
+                )
+                for e in env.entries
+            )
+            environments.append(
+                {
+                    "path": str(env.path),
+                    "env_hash": env.env_hash,
+                    "fingerprint": env.fingerprint.digest,
+                    "measurement": env.measurement_fields,
+                    "entries": len(env.entries),
+                    "skipped_entries": env.skipped,
+                    "records": env.records,
+                }
+            )
+        skipped_environments.extend(
+            {"path": s.path, "reason": s.reason} for s in store.skipped_environments
+        )
+    provenance: dict[str, Any] = {"source": PROVENANCE_SOURCE, "environments": environments}
+    if skipped_environments:
+        provenance["skipped_environments"] = skipped_environments[:MAX_REASONS]
+    message = ", ".join(str(s.source) for s in stores)
+    return registry.write(new, kind="import", message=message[:2000], provenance=provenance)
+
+
+def recorded_measurements(registry: Registry) -> dict[str, dict[str, str]]:
+    """``fingerprint digest -> measurement fields`` of the newest v2 import of each."""
+    found: dict[str, dict[str, str]] = {}
+    for commit in registry.log(None):  # newest first
+        if commit.kind != "import" or commit.provenance.get("source") != PROVENANCE_SOURCE:
+            continue
+        for env in commit.provenance.get("environments", ()):
+            digest, measurement = env.get("fingerprint"), env.get("measurement")
+            if isinstance(digest, str) and isinstance(measurement, dict):
+                found.setdefault(digest, {str(k): str(v) for k, v in measurement.items()})
+    return found
+
+
+# --------------------------------------------------------------------------
+# Export.
+
+
+@dataclass(frozen=True)
+class StoreExport:
+    """The files one environment of a store should hold; ``write`` publishes them."""
+
+    manifest: tuple[tuple[str, str], ...]
+    env_hash: str
+    files: tuple[tuple[str, str], ...]  # (entry file name, text), sorted by name
+    not_preloadable: int  # entries without key_fields (served by lookup only)
+
+    @property
+    def measurement(self) -> dict[str, str]:
+        return {k: v for k, v in self.manifest if k.startswith(MEASURE_PREFIX)}
+
+    @property
+    def manifest_text(self) -> str:
+        return _flashinfer_json(dict(self.manifest))
+
+    def write(self, root: str | os.PathLike[str]) -> ExportResult:
+        return _write_store(Path(root), self)
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    env_dir: Path
+    written: int
+    unchanged: int
+
+
+def _entry_text(
+    key: str, runner: str, tactic_json: str, policy_json: str | None
+) -> tuple[str, bool]:
+    entry: dict[str, Any] = {"key": key, "runner": runner, "tactic": json.loads(tactic_json)}
+    if policy_json is not None:
+        entry["profiling_policy"] = json.loads(policy_json)
+    key_fields = encode_key_fields(key)
+    if key_fields is not None:
+        entry["key_fields"] = key_fields
+    return _flashinfer_json(entry), key_fields is not None
+
+
+def plan_export(
+    registry: Registry,
+    fingerprint: int | str,
+    *,
+    scope: str = SHARED_SCOPE,
+    measurement: Mapping[str, str] | None = None,
+) -> StoreExport:
+    """What ``export --v2-store`` writes for a stored fingerprint or ``"current"``.
+
+    For ``"current"`` the entries come from every stored fingerprint that
+    serves this environment and the manifest is FlashInfer's own
+    ``_collect_metadata()``, so the store lands where ``autotune_v2`` looks.
+    """
+    scopes = [SHARED_SCOPE] if validate_scope(scope) == SHARED_SCOPE else [SHARED_SCOPE, scope]
+    if fingerprint == "current":
+        from flashinfer.autotuner import _collect_metadata
+
+        from ficache.fingerprint import collect
+
+        infos = registry.serving(collect())
+        if not infos:
+            raise NotFoundError(
+                "no stored fingerprint serves the current environment; "
+                "see `ficache fingerprints` and `ficache fingerprint`"
+            )
+        metadata = {str(k): str(v) for k, v in _collect_metadata().items()}
+    else:
+        infos = [registry.fingerprint(fingerprint)]
+        metadata = infos[0].fingerprint.flashinfer_metadata()
+    if measurement is None:
+        recorded = recorded_measurements(registry)
+        policies = {
+            canonical_manifest_json(recorded[i.fingerprint.digest]): recorded[i.fingerprint.digest]
+            for i in infos
+            if i.entries and i.fingerprint.digest in recorded
+        }
+        if len(policies) > 1:
+            labels = sorted(measurement_label(p) for p in policies.values())
+            raise V2StoreError(
+                f"the exported entries were imported under {len(policies)} measurement policies "
+                f"({'; '.join(labels)}); choose one with --measurement-policy"
+            )
+        measurement = next(iter(policies.values()), {})
+    manifest = manifest_for(metadata, measurement)
+    rows = registry.slice_rows([i.id for i in infos], scopes)
+    files = []
+    not_preloadable = 0
+    for key, runner, tactic_json, policy_json in rows.values():
+        text, preloadable = _entry_text(key, runner, tactic_json, policy_json)
+        not_preloadable += not preloadable
+        files.append((entry_file_name(key), text))
+    files.sort()
+    return StoreExport(
+        tuple(sorted(manifest.items())), env_hash(manifest), tuple(files), not_preloadable
+    )
+
+
+def _check_writable_root(root: Path) -> None:
+    if root.exists() and not root.is_dir():
+        raise V2StoreError(f"{root} is not a directory; give a FlashInfer v2 store root")
+    if is_environment_dir(root):
+        raise V2StoreError(
+            f"{root} is an environment directory; give the store root (the directory "
+            f"holding {SCHEMA}/)"
+        )
+    if root.exists() and not is_store_root(root) and any(root.iterdir()):
+        raise V2StoreError(
+            f"{root} is not a FlashInfer v2 store (no {SCHEMA}/ directory) and not empty; "
+            "give a store root, an empty directory or a new path"
+        )
+
+
+def _write_store(root: Path, export: StoreExport) -> ExportResult:
+    env_dir = root / SCHEMA / export.env_hash
+    manifest_path = env_dir / MANIFEST
+    entries_dir = env_dir / ENTRIES
+    try:
+        _check_writable_root(root)
+        if manifest_path.exists():
+            try:
+                existing = _read_json(manifest_path)
+            except ValueError as exc:
+                raise V2StoreError(f"{manifest_path}: {exc}; not touching it") from None
+            if existing != dict(export.manifest):
+                raise V2StoreError(
+                    f"{manifest_path} differs from the manifest this export writes; not touching it"
+                )
+        entries_dir.mkdir(parents=True, exist_ok=True)
+        if not manifest_path.exists():
+            write_atomic(manifest_path, export.manifest_text)
+        written = unchanged = 0
+        for name, text in export.files:
+            path = entries_dir / name
+            data = text.encode()
+            try:
+                same = path.is_file() and path.read_bytes() == data
+            except OSError:
+                same = False
+            if same:
+                unchanged += 1
+                continue
+            write_atomic(path, text)
+            written += 1
+    except OSError as exc:
+        raise V2StoreError(
+            f"cannot write {exc.filename or env_dir}: {exc.strerror}; files written so far "
+            "are complete, run the export again"
+        ) from None
+    return ExportResult(env_dir, written, unchanged)

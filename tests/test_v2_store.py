@@ -1,0 +1,678 @@
+"""FlashInfer's managed v2 store (``autotune_v2``) both ways, checked with
+FlashInfer's own ``ManagedAutotuneCache`` and ``autotune_v2``.
+
+FlashInfer cannot profile on a CPU, so ``publish_like_tuning`` is a stand-in
+for tuning under ``autotune_v2``: it publishes each winner through
+FlashInfer's own store class with the arguments ``AutoTuner`` passes when it
+caches a profiled winner (``file_key``, runner, ``_tactic_to_json(tactic)``,
+``key_fields``, ``profiling_policy``). Everything else is the real store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from flashinfer.autotune_cache import (
+    ManagedAutotuneCache,
+    ManagedCacheEntry,
+    MeasurementPolicy,
+    _encode_key_fields,
+    autotune_v2,
+)
+from flashinfer.autotuner import ProfilingCacheKey, _collect_metadata, _tactic_to_json
+from samples import H200_METADATA
+
+from ficache.fingerprint import Fingerprint
+from ficache.v2_store import encode_key_fields, read_store
+
+HOT = ("cuda_graph_profile_replays", None, "l2_cache_policy", "hot")
+COLD = ("cuda_graph_profile_replays", 3, "l2_cache_policy", "cold")
+GRAPHS = MeasurementPolicy(execution_mode="cuda_graph")
+
+#: (custom_op, runner, shapes, extras, tactic, profiling_policy or None).
+TUNED: list[tuple[str, str, tuple, tuple, Any, tuple | None]] = [
+    (
+        "flashinfer::mm_fp4",
+        "CutlassFp4GemmRunner",
+        ((16, 4096), (4096, 2048)),
+        (torch.bfloat16, 1),
+        7,
+        HOT,
+    ),
+    (
+        "flashinfer::mm_fp4",
+        "CutlassFp4GemmRunner",
+        ((32, 4096), (4096, 2048)),
+        (torch.bfloat16, 1),
+        -1,
+        HOT,
+    ),
+    (
+        "flashinfer::trtllm_fp8_block_scale_moe",
+        "TrtllmGenMoERunner",
+        ((8, 7168), (256,)),
+        (torch.float8_e4m3fn, 256, 8, None, 2.5, "renormalize"),
+        (128, (1, 2), (3, (4, 5))),
+        COLD,
+    ),
+    (
+        "flashinfer::cute_dsl_moe",
+        "CuteDslMoERunner",
+        ((64, 2048),),
+        (torch.float8_e5m2, True, float("-inf")),
+        ((128, 64), 2, (0, 1)),
+        None,
+    ),
+    ("flashinfer::attn", "BatchDecodeRunner", ((1, 32, 128), (4,)), ('it\'s "q"', 1e-05), [], None),
+]
+
+
+def cache_keys(tuned=TUNED) -> list[ProfilingCacheKey]:
+    return [
+        ProfilingCacheKey(op, runner, 1000 + i, shapes, extras)
+        for i, (op, runner, shapes, extras, *_rest) in enumerate(tuned)
+    ]
+
+
+def publish_like_tuning(
+    root: Path,
+    *,
+    policy: MeasurementPolicy | None = None,
+    metadata: dict[str, str] | None = None,
+    tuned=TUNED,
+) -> ManagedAutotuneCache:
+    """Stand-in for tuning under ``autotune_v2`` (no GPU here): FlashInfer's own store publishes."""
+    manifest = dict(metadata if metadata is not None else _collect_metadata())
+    if policy is not None:
+        manifest.update(policy.manifest_fields())
+    store = ManagedAutotuneCache(manifest=manifest, root=root)
+    for key, (_op, runner, _shapes, _extras, tactic, profiling) in zip(
+        cache_keys(tuned), tuned, strict=True
+    ):
+        store.publish(
+            key.file_key,
+            runner,
+            _tactic_to_json(tactic),
+            key_fields=key.key_fields,
+            profiling_policy=profiling,
+        )
+    return store
+
+
+def store_of(
+    root: Path, policy: MeasurementPolicy | None = None, metadata: dict[str, str] | None = None
+) -> ManagedAutotuneCache:
+    """A fresh FlashInfer store object over ``root``, as ``autotune_v2`` builds one."""
+    manifest = dict(metadata if metadata is not None else _collect_metadata())
+    if policy is not None:
+        manifest.update(policy.manifest_fields())
+    return ManagedAutotuneCache(manifest=manifest, root=root)
+
+
+def files_of(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def digest(metadata: dict[str, str]) -> str:
+    return Fingerprint.from_flashinfer_metadata(metadata).digest
+
+
+# -- import ----------------------------------------------------------------------
+
+
+def test_import_reads_every_environment_with_its_fingerprint_and_policy(
+    cli, tmp_path: Path
+) -> None:
+    root = tmp_path / "autotune"
+    here = publish_like_tuning(root, policy=GRAPHS)
+    h200 = publish_like_tuning(root, metadata=H200_METADATA, tuned=TUNED[:2])
+    # A protocol record (FlashInfer's own publish path for them): not a tactic.
+    fields = ("__protocol__", "trtllm_moe_da", "bucket8")
+    here.publish(str(fields), "trtllm_moe_da", {"tiles": [1, 2]}, key_fields=fields)
+    rows = sorted(
+        [
+            (here.env_hash, digest(_collect_metadata()), "execution_mode=cuda_graph", 5),
+            (h200.env_hash, digest(H200_METADATA), "default", 2),
+        ]
+    )
+
+    result = cli("import", root)
+
+    assert result.exit_code == 0
+    assert result.stdout == (
+        "environment       fingerprint   measurement                entries  skipped\n"
+        + "".join(f"{h}  {d[:12]}  {m:<25}  {n:<7}  0\n" for h, d, m, n in rows)
+        + "imported 7 entries from 2 environment(s): 7 added, 0 replaced, 0 unchanged (commit 1)\n"
+    )
+    assert result.stderr == (
+        "warning: 1 protocol record(s) were not imported (ficache stores tactics only)\n"
+    )
+    fingerprints = {
+        f["digest"]: f for f in json.loads(cli("fingerprints", "--format", "json").stdout)
+    }
+    assert set(fingerprints) == {digest(_collect_metadata()), digest(H200_METADATA)}
+    stored_h200 = fingerprints[digest(H200_METADATA)]
+    assert {k: stored_h200[k] for k in H200_METADATA} == H200_METADATA
+    assert (stored_h200["compute_capability"], stored_h200["torch_version"]) == ("*", "*")
+    entries = json.loads(cli("list", "--format", "json").stdout)
+    by_key = {(e["fingerprint"], e["key"]): e for e in entries}
+    here_id = fingerprints[digest(_collect_metadata())]["id"]
+    for key, (*_fields, tactic, profiling) in zip(cache_keys(), TUNED, strict=True):
+        entry = by_key[(here_id, key.file_key)]
+        assert entry["tactic"] == _tactic_to_json(tactic)
+        assert entry["policy"] == (list(profiling) if profiling is not None else None)
+    [commit] = json.loads(cli("log", "--format", "json").stdout)
+    environments = {e["env_hash"]: e for e in commit["provenance"]["environments"]}
+    assert commit["provenance"]["source"] == "flashinfer-v2-store"
+    assert environments[here.env_hash]["measurement"] == {"measure_execution_mode": "cuda_graph"}
+    assert environments[here.env_hash]["records"] == 1
+    assert environments[h200.env_hash]["measurement"] == {}
+
+
+def test_one_environment_directory_imports_alone(cli, tmp_path: Path) -> None:
+    root = tmp_path / "autotune"
+    publish_like_tuning(root, metadata=H200_METADATA)
+    store = publish_like_tuning(root, policy=GRAPHS, tuned=TUNED[:1])
+
+    result = cli("import", store.env_dir, "--format", "json")
+
+    assert (result.exit_code, result.stderr) == (0, "")
+    report = json.loads(result.stdout)
+    assert [e["env_hash"] for e in report["environments"]] == [store.env_hash]
+    assert (report["entries"], report["added"], report["commit"]) == (1, 1, 1)
+
+
+def test_importing_the_same_store_twice_makes_no_second_commit(cli, tmp_path: Path) -> None:
+    root = tmp_path / "autotune"
+    publish_like_tuning(root)
+    assert cli("import", root).exit_code == 0
+
+    again = cli("import", root)
+
+    assert again.exit_code == 0
+    assert again.stdout.endswith(
+        "imported 5 entries from 1 environment(s): 0 added, 0 replaced, 5 unchanged "
+        "(nothing new, no commit)\n"
+    )
+
+
+# -- export: FlashInfer serves it --------------------------------------------------
+
+
+def test_an_export_is_served_by_flashinfers_own_store(cli, autotuner, tmp_path: Path) -> None:
+    original = publish_like_tuning(tmp_path / "tuned", policy=GRAPHS)
+    assert cli("import", tmp_path / "tuned").exit_code == 0
+    out = tmp_path / "served"
+
+    result = cli("export", "--v2-store", out, "--fingerprint", "current")
+
+    served = store_of(out, GRAPHS)
+    assert (result.exit_code, result.stderr) == (0, "")
+    assert result.stdout == (
+        f"exported 5 entries to {served.env_dir} (measurement policy execution_mode=cuda_graph): "
+        "5 written, 0 unchanged\n"
+    )
+    for key in cache_keys():
+        assert served.lookup(key.file_key) == original.lookup(key.file_key) is not None
+    entries, total, skipped = store_of(out, GRAPHS).preload()
+    assert (total, skipped) == (5, 0)
+    assert sorted(map(str, (f for f, _ in entries))) == sorted(k.file_key for k in cache_keys())
+    # Byte for byte what FlashInfer's own publish wrote.
+    assert files_of(out) == files_of(tmp_path / "tuned")
+    # autotune_v2 itself, attached with the same policy, hydrates every entry.
+    with autotune_v2(
+        mode="replay", cache_root=out, measurement_policy=GRAPHS, cache_scope="context"
+    ):
+        store = autotuner._active_managed_store
+        hydrated = {k[2] for k in autotuner._managed_decoded if k[:2] == (str(out), store.env_hash)}
+    assert store.env_dir == served.env_dir
+    assert hydrated == {k.key_fields for k in cache_keys()}
+
+
+def test_an_export_by_id_lands_in_the_imported_environment(cli, tmp_path: Path) -> None:
+    eager = MeasurementPolicy(execution_mode="eager", cold_l2=True)
+    original = publish_like_tuning(tmp_path / "tuned", policy=eager, metadata=H200_METADATA)
+    assert cli("import", tmp_path / "tuned").exit_code == 0
+    out = tmp_path / "out"
+
+    result = cli("export", "--v2-store", out, "--fingerprint", "1")
+
+    assert result.exit_code == 0
+    assert (out / "v2" / original.env_hash).is_dir()
+    assert files_of(out) == files_of(tmp_path / "tuned")
+    assert "(measurement policy cold_l2=True,execution_mode=eager)" in result.stdout
+
+
+def test_exporting_twice_gives_identical_files_and_touches_nothing_else(
+    cli, tmp_path: Path
+) -> None:
+    publish_like_tuning(tmp_path / "tuned")
+    assert cli("import", tmp_path / "tuned").exit_code == 0
+    out = tmp_path / "out"
+    other = publish_like_tuning(out, metadata=H200_METADATA, tuned=TUNED[:1])  # another environment
+    mine = store_of(out)
+    foreign = mine.entries_dir / ("0" * 24 + ".json")
+    foreign.parent.mkdir(parents=True)
+    foreign.write_text("not ours")
+    (out / "README").write_text("left alone")
+
+    first = cli("export", "--v2-store", out, "--fingerprint", "current")
+    after_first = files_of(out)
+    second = cli("export", "--v2-store", out, "--fingerprint", "current")
+
+    assert first.stdout.endswith(": 5 written, 0 unchanged\n")
+    assert second.stdout.endswith(": 0 written, 5 unchanged\n")
+    assert files_of(out) == after_first
+    assert foreign.read_text() == "not ours"
+    assert (out / "README").read_text() == "left alone"
+    assert len(list(other.entries_dir.iterdir())) == 1
+    assert not [p for p in out.rglob("*.tmp")]
+
+
+def test_an_export_of_entries_from_a_cache_file(cli, cache_file, tmp_path: Path) -> None:
+    """Entries tuned through the v1 path (load/save_configs) are published too."""
+    keys = cache_keys()
+    legacy = cache_file(
+        "legacy.json",
+        {
+            k.file_key: [runner, _tactic_to_json(tactic)]
+            for k, (_o, runner, _s, _e, tactic, _p) in zip(keys, TUNED, strict=True)
+        },
+    )
+    assert cli("import", legacy).exit_code == 0
+
+    result = cli("export", "--v2-store", tmp_path / "out", "--fingerprint", "current")
+
+    assert "(measurement policy default): 5 written, 0 unchanged\n" in result.stdout
+    served = store_of(tmp_path / "out")
+    assert all(served.lookup(k.file_key) is not None for k in keys)
+    assert store_of(tmp_path / "out").preload()[1:] == (5, 0)
+
+
+def test_a_key_flashinfer_cannot_encode_is_served_by_lookup_only(
+    cli, cache_file, tmp_path: Path
+) -> None:
+    opaque = "('flashinfer::op', 'Runner', ((16, 64),), (SomeEnum.FAST, 2))"
+    assert cli("import", cache_file("odd.json", {opaque: ["Runner", 3]})).exit_code == 0
+
+    result = cli("export", "--v2-store", tmp_path / "out", "--fingerprint", "current")
+
+    assert result.stdout.endswith(
+        "1 written, 0 unchanged; 1 not preloadable, served by lookup only\n"
+    )
+    served = store_of(tmp_path / "out")
+    assert served.lookup(opaque) == ManagedCacheEntry("Runner", 3, None)
+    assert served.preload()[1:] == (1, 1)
+
+
+def test_the_measurement_policy_option_picks_flashinfers_directory(cli, tmp_path: Path) -> None:
+    publish_like_tuning(tmp_path / "tuned")
+    assert cli("import", tmp_path / "tuned").exit_code == 0
+    out = tmp_path / "out"
+    wanted = MeasurementPolicy(execution_mode="eager", cold_l2=True)
+
+    result = cli(
+        "export",
+        "--v2-store",
+        out,
+        "--fingerprint",
+        "current",
+        "--measurement-policy",
+        "execution_mode=eager, cold_l2=true",
+    )
+
+    assert result.exit_code == 0
+    served = store_of(out, wanted)
+    assert [p.name for p in (out / "v2").iterdir()] == [served.env_hash]
+    assert all(served.lookup(k.file_key) is not None for k in cache_keys())
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            "speed=fast",
+            "measurement policy 'speed=fast': expected `default` or FIELD=VALUE[,...] "
+            "with FIELD one of execution_mode, cold_l2, timer, graph_timing",
+        ),
+        ("cold_l2=maybe", "measurement policy 'cold_l2=maybe': cold_l2 is true or false"),
+        (
+            "execution_mode=turbo",
+            "measurement policy 'execution_mode=turbo': "
+            "MeasurementPolicy.execution_mode must be 'cuda_graph', 'eager', or 'auto', got 'turbo'",
+        ),
+    ],
+)
+def test_a_bad_measurement_policy_is_one_line(cli, tmp_path: Path, spec: str, message: str) -> None:
+    publish_like_tuning(tmp_path / "tuned")
+    assert cli("import", tmp_path / "tuned").exit_code == 0
+
+    result = cli(
+        "export", "--v2-store", tmp_path / "out", "--fingerprint", "1", "--measurement-policy", spec
+    )
+
+    assert (result.exit_code, result.stdout, result.stderr) == (1, "", f"error: {message}\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_entries_imported_under_two_policies_need_a_choice(cli, tmp_path: Path) -> None:
+    publish_like_tuning(tmp_path / "tuned", policy=GRAPHS, tuned=TUNED[:2])
+    anywhere = {**_collect_metadata(), "gpu": "*"}  # a second fingerprint that serves here too
+    publish_like_tuning(tmp_path / "tuned", metadata=anywhere, tuned=TUNED[2:])
+    assert cli("import", tmp_path / "tuned").exit_code == 0
+
+    refused = cli("export", "--v2-store", tmp_path / "out", "--fingerprint", "current")
+    chosen = cli(
+        "export",
+        "--v2-store",
+        tmp_path / "out",
+        "--fingerprint",
+        "current",
+        "--measurement-policy",
+        "default",
+    )
+
+    assert (refused.exit_code, refused.stdout) == (1, "")
+    assert refused.stderr == (
+        "error: the exported entries were imported under 2 measurement policies "
+        "(default; execution_mode=cuda_graph); choose one with --measurement-policy\n"
+    )
+    assert chosen.exit_code == 0
+    assert store_of(tmp_path / "out").preload()[1:] == (5, 0)
+
+
+# -- bad input --------------------------------------------------------------------
+
+
+def _entry(key: str, **fields: Any) -> tuple[str, str]:
+    return hashlib.sha256(key.encode()).hexdigest()[:24] + ".json", json.dumps(
+        {"key": key, **fields}
+    )
+
+
+GOOD_KEY = cache_keys()[0].file_key
+MALFORMED: dict[str, Callable[[], tuple[str, str | bytes]]] = {
+    "invalid JSON": lambda: (_entry(GOOD_KEY)[0], '{"key": "trunc'),
+    "not an object": lambda: (_entry(GOOD_KEY)[0], "[1, 2]"),
+    "no tactic": lambda: _entry(GOOD_KEY, runner="CutlassFp4GemmRunner"),
+    "renamed": lambda: (
+        "0" * 24 + ".json",
+        _entry(GOOD_KEY, runner="CutlassFp4GemmRunner", tactic=1)[1],
+    ),
+    "runner differs": lambda: _entry(GOOD_KEY, runner="OtherRunner", tactic=1),
+    "hostile key": lambda: _entry("__import__('os').system('touch pwned')", runner="R", tactic=1),
+    "long key": lambda: _entry(f"('op', 'R', ((1,),), ('{'x' * 20000}',))", runner="R", tactic=1),
+    "tactic object": lambda: _entry(GOOD_KEY, runner="CutlassFp4GemmRunner", tactic={"a": 1}),
+    "tactic NaN": lambda: (
+        _entry(GOOD_KEY)[0],
+        f'{{"key": {json.dumps(GOOD_KEY)}, "runner": "CutlassFp4GemmRunner", "tactic": NaN}}',
+    ),
+    "policy not a list": lambda: _entry(
+        GOOD_KEY, runner="CutlassFp4GemmRunner", tactic=1, profiling_policy="hot"
+    ),
+    "not UTF-8": lambda: (_entry(GOOD_KEY)[0], b'{"key": "\xff\xfe"}'),
+}
+REASONS = {
+    "invalid JSON": "invalid JSON (Unterminated string starting at: line 1 column 9 (char 8))",
+    "not an object": "not a JSON object",
+    "no tactic": "needs a string key, a string runner and a tactic",
+    "renamed": "file name is not the hash of its key",
+    "runner differs": "runner 'OtherRunner' differs from the key's 'CutlassFp4GemmRunner'",
+    "hostile key": "trailing text after the key tuple at offset 10",
+    "long key": "key longer than 16384 characters",
+    "tactic object": "tactic holds a dict; expected numbers and lists",
+    "tactic NaN": "tactic holds a non-finite number",
+    "policy not a list": "policy must be a list",
+    "not UTF-8": "not UTF-8 text",
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_a_malformed_entry_is_skipped_and_counted(cli, tmp_path: Path, case: str) -> None:
+    root = tmp_path / "autotune"
+    store = publish_like_tuning(root, tuned=TUNED[1:])
+    name, content = MALFORMED[case]()
+    path = store.entries_dir / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    (store.entries_dir / "notes.txt").write_text("not an entry")  # not *.json: not looked at
+
+    result = cli("import", root)
+
+    assert result.exit_code == 0
+    assert result.stdout.endswith(
+        "imported 4 entries from 1 environment(s): 4 added, 0 replaced, 0 unchanged (commit 1)\n"
+    )
+    assert result.stderr == (
+        "warning: skipped 1 malformed entry (FlashInfer treats them as misses); "
+        f"first: {path}: {REASONS[case]}\n"
+    )
+    assert [e["key"] for e in json.loads(cli("list", "--format", "json").stdout)] == sorted(
+        k.file_key for k in cache_keys()[1:]
+    )
+
+
+def test_malformed_entries_are_counted_together(tmp_path: Path) -> None:
+    store = publish_like_tuning(tmp_path, tuned=TUNED[1:])
+    for case in ("renamed", "hostile key", "long key", "not UTF-8"):
+        name, content = MALFORMED[case]()
+        (store.entries_dir / name).write_bytes(
+            content if isinstance(content, bytes) else content.encode()
+        )
+    (store.entries_dir / "dir.json").mkdir()
+
+    [env] = read_store(tmp_path).environments
+
+    assert (len(env.entries), env.skipped, env.records) == (4, 5, 0)
+    assert sorted(s.reason for s in env.first_skipped) == sorted(
+        [REASONS[c] for c in ("renamed", "hostile key", "long key", "not UTF-8")]
+        + ["not a regular file"]
+    )
+
+
+def _rewrite_manifest(env_dir: Path, change: Callable[[dict], Any]) -> None:
+    manifest = json.loads((env_dir / "manifest.json").read_text())
+    result = change(manifest)
+    (env_dir / "manifest.json").write_text(
+        result if isinstance(result, str) else json.dumps(manifest)
+    )
+
+
+BAD_MANIFESTS: dict[str, tuple[Callable[[dict], Any], str]] = {
+    "missing": (None, "no manifest.json"),
+    "invalid JSON": (
+        lambda m: "{",
+        "manifest.json: invalid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))",
+    ),
+    "other schema": (
+        lambda m: m.update(cache_schema="v3"),
+        "manifest.json: cache_schema is 'v3', not 'v2'",
+    ),
+    "not hashing to its name": (lambda m: m.update(gpu="NVIDIA B200"), None),
+    "unknown field": (
+        lambda m: m.update(driver_version="575"),
+        "manifest.json has field(s) ficache does not know (driver_version); a newer FlashInfer wrote it",
+    ),
+    "a number": (lambda m: m.update(gpu=7), "manifest.json: every value must be a string"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_MANIFESTS))
+def test_a_malformed_manifest_skips_its_environment(cli, tmp_path: Path, case: str) -> None:
+    root = tmp_path / "autotune"
+    publish_like_tuning(root, tuned=TUNED[:1])
+    bad = publish_like_tuning(root, metadata=H200_METADATA)
+    change, reason = BAD_MANIFESTS[case]
+    if change is None:
+        (bad.env_dir / "manifest.json").unlink()
+    else:
+        _rewrite_manifest(bad.env_dir, change)
+    if reason is None:
+        new = json.loads((bad.env_dir / "manifest.json").read_text())
+        new_hash = hashlib.sha256(
+            json.dumps(new, sort_keys=True, separators=(",", ":")).encode()
+        ).hexdigest()[:16]
+        reason = f"manifest.json hashes to {new_hash}, not to its directory's name, so FlashInfer never serves it"
+
+    result = cli("import", root)
+
+    assert result.exit_code == 0
+    assert result.stdout.endswith(
+        "imported 1 entries from 1 environment(s): 1 added, 0 replaced, 0 unchanged (commit 1)\n"
+    )
+    assert result.stderr == (
+        f"warning: skipped 1 environment(s) with a malformed manifest; first: {bad.env_dir}: {reason}\n"
+    )
+
+
+@pytest.fixture
+def populated(cli, tmp_path: Path, registry_path: Path) -> Path:
+    publish_like_tuning(tmp_path / "tuned", metadata=H200_METADATA)
+    assert cli("import", tmp_path / "tuned").exit_code == 0
+    return registry_path
+
+
+def test_a_directory_that_is_not_a_store_is_refused(
+    cli, populated: Path, dump_db, tmp_path: Path
+) -> None:
+    before = dump_db(populated)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "notes.txt").write_text("hello")
+
+    for directory in (empty, stray):
+        result = cli("import", directory)
+        assert (result.exit_code, result.stdout) == (1, "")
+        assert result.stderr == (
+            f"error: {directory}: not a FlashInfer v2 store (no v2/ directory) nor one of its "
+            "environment directories (no manifest.json); give the store root\n"
+        )
+    assert dump_db(populated) == before
+
+
+def test_export_refuses_what_is_not_a_store(cli, populated: Path, dump_db, tmp_path: Path) -> None:
+    before = dump_db(populated)
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "notes.txt").write_text("hello")
+    a_file = tmp_path / "file.json"
+    a_file.write_text("{}")
+    env_dir = next((tmp_path / "tuned" / "v2").iterdir())
+    env_before = files_of(env_dir)
+    cases = {
+        stray: f"{stray} is not a FlashInfer v2 store (no v2/ directory) and not empty; "
+        "give a store root, an empty directory or a new path",
+        a_file: f"{a_file} is not a directory; give a FlashInfer v2 store root",
+        env_dir: f"{env_dir} is an environment directory; give the store root "
+        "(the directory holding v2/)",
+    }
+
+    for target, message in cases.items():
+        result = cli("export", "--v2-store", target, "--fingerprint", "1")
+        assert (result.exit_code, result.stdout, result.stderr) == (1, "", f"error: {message}\n")
+
+    assert files_of(stray) == {"notes.txt": b"hello"}
+    assert a_file.read_text() == "{}"
+    assert files_of(env_dir) == env_before
+    assert dump_db(populated) == before
+
+
+def test_export_refuses_an_environment_with_a_different_manifest(
+    cli, populated: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    target = next((tmp_path / "tuned" / "v2").iterdir()).name
+    (out / "v2" / target).mkdir(parents=True)
+    manifest = out / "v2" / target / "manifest.json"
+    manifest.write_text('{"gpu": "forged"}')
+
+    result = cli("export", "--v2-store", out, "--fingerprint", "1")
+
+    assert (result.exit_code, result.stdout) == (1, "")
+    assert result.stderr == (
+        f"error: {manifest} differs from the manifest this export writes; not touching it\n"
+    )
+    assert files_of(out) == {f"v2/{target}/manifest.json": b'{"gpu": "forged"}'}
+
+
+def test_two_policies_of_one_fingerprint_are_refused(
+    cli, populated: Path, dump_db, tmp_path: Path
+) -> None:
+    before = dump_db(populated)
+    root = tmp_path / "both"
+    cuda = publish_like_tuning(root, policy=GRAPHS, tuned=TUNED[:1])
+    plain = publish_like_tuning(root, tuned=TUNED[:1])
+    first, second = sorted(
+        [(cuda.env_hash, "execution_mode=cuda_graph"), (plain.env_hash, "default")]
+    )
+
+    refused = cli("import", root)
+    after_refusal = dump_db(populated)
+    alone = cli("import", cuda.env_dir)
+
+    assert (refused.exit_code, refused.stdout) == (1, "")
+    assert refused.stderr == (
+        f"error: environments {first[0]} ({first[1]}) and {second[0]} ({second[1]}) share one "
+        "fingerprint under two measurement policies, which the registry cannot keep apart; "
+        "import their environment directories one at a time\n"
+    )
+    assert after_refusal == before
+    assert alone.exit_code == 0
+
+
+def test_files_and_stores_import_in_separate_commands(cli, cache_file, tmp_path: Path) -> None:
+    publish_like_tuning(tmp_path / "tuned", tuned=TUNED[:1])
+    legacy = cache_file("legacy.json", {})
+
+    mixed = cli("import", tmp_path / "tuned", legacy)
+    with_fingerprint = cli("import", tmp_path / "tuned", "--fingerprint", "current")
+
+    assert mixed.exit_code == 2
+    assert "import v2 store directories and files in separate commands" in mixed.stderr
+    assert with_fingerprint.exit_code == 2
+    assert (
+        "a v2 store's manifest names its environments; drop --fingerprint"
+        in with_fingerprint.stderr
+    )
+
+
+# -- key_fields ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extras",
+    [
+        (torch.bfloat16, 1),
+        (torch.float8_e4m3fn, 256, 8, None, 2.5, "renormalize"),
+        (torch.float8_e5m2, True, False, float("-inf"), float("inf")),
+        ('it\'s "q"', 1e-05, "\\n\x00é"),
+        ((1, (2,)), [3, [4, (5,)]], ()),
+        (),
+    ],
+)
+def test_key_fields_are_flashinfers_own_encoding(extras: tuple) -> None:
+    key = ProfilingCacheKey("flashinfer::op", "Runner", 7, ((16, 4096), (8,), ()), extras)
+
+    assert encode_key_fields(key.file_key) == _encode_key_fields(key.key_fields) is not None
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "('op', 'R', ((1,),), (SomeEnum.FAST,))",  # FlashInfer has no encoding for it either
+        "('op', 'R', ((1,),), (torch.float16,)) trailing",
+        "('op', 'R', ((1,), (2.50,)))",  # not what str() writes
+        "('op', 'R', ((1,),), ({'a': 1},))",
+    ],
+)
+def test_keys_without_an_exact_encoding_get_none(key: str) -> None:
+    assert encode_key_fields(key) is None
