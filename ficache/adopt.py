@@ -1,0 +1,742 @@
+"""Adopting what vLLM already tuned: its FlashInfer autotune files and its v2 store.
+
+Installing ficache must never cost a server a re-tune it had already paid
+for. ``plan_adoption`` finds vLLM's own autotune caches and turns them into
+registry entries; ``AdoptionPlan.execute`` stores them as one commit of kind
+``import``. ``ficache import --from-vllm [ROOT]`` and the vLLM plugin (once,
+on a start whose registry holds nothing for its fingerprint:
+``adopt_into_empty_registry``) both use it.
+
+Layouts vLLM writes (every version from 0.27 to 0.33). A vLLM *autotune
+root* is ``$VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR`` when set, else
+``$VLLM_CACHE_ROOT/flashinfer_autotune_cache/<FlashInfer version>/<arch>``
+(the last two parts are the names of FlashInfer's JIT workspace directory,
+``~/.cache/flashinfer/<version>/<arch>``). Under it, one *deployment
+directory* per vLLM configuration, named by the config hash: the sha256 of
+``str(aot_compile_hash_factors(vllm_config))`` in the first releases, of
+``vllm_config.compute_hash(include_version=False)`` later. The hash ignores
+the data-parallel rank, so every rank of one deployment writes into one
+directory. In it:
+
+- single file (vLLM 0.27-0.31): ``autotune_configs.json``, FlashInfer's
+  ``save_configs`` output of rank 0 (rank 0 tuned, or saved after
+  synchronized tuning), broadcast to and loaded by every rank at the next
+  start (vLLM PR #42537 added it; #42857 made rank 0 tune and broadcast).
+- per rank (vLLM 0.32-0.33): ``autotune_configs_dp{D}_rank{R}.json``, each
+  rank's own ``save_configs`` output, ``D`` the data-parallel rank and ``R``
+  the rank in vLLM's world group (the change of vLLM PR #57635, "each rank
+  saves and loads its own file"; ``flashinfer_autotune_filename`` in 0.33). vLLM
+  ignores the single file from then on, so a directory may hold both.
+- v2 store (vLLM 0.33, where its gates allow: one node, no pipeline
+  parallelism, no elastic EP, one rank): FlashInfer's managed store
+  (``ficache.v2_store``), rooted at ``$VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR``
+  (so ``<that dir>/v2/<env hash>/...`` beside the deployment directories)
+  or at FlashInfer's default root (``$FLASHINFER_AUTOTUNE_CACHE_DIR``, else
+  ``$FLASHINFER_WORKSPACE_BASE`` or ``~``, then ``.cache/flashinfer/autotune``).
+
+Recognising them. A root given to ``plan_adoption`` may be a vLLM cache
+root (``flashinfer_autotune_cache`` under it is searched two levels deep
+for autotune roots), an autotune root, or a deployment directory; every
+one is also tried as the others, so any of the three works. A deployment
+directory is a directory directly under an autotune root (or the root
+itself) holding a file named as above; ranks and data-parallel ranks come
+from the file names, nothing else. A v2 store is an autotune root (or a
+``v2_roots`` entry) holding ``v2/``. Nothing else under a root is read:
+the search is a fixed depth, never a walk, and follows no name it does not
+recognise.
+
+Shared or scoped. The files of one kind in one deployment directory are
+one *layout group*:
+
+- A single file is what every rank loaded: its entries are stored shared.
+  (FlashInfer 0.7 keeps rank indices out of MoE keys so that ranks share
+  entries; files from FlashInfer releases whose keys held rank indices are
+  stored under their own fingerprint, which never serves a newer one.)
+- Per-rank files: an entry whose (runner, tactic, policy) and fingerprint
+  are equal in every rank's file is stored shared; every other entry (a
+  tactic that differs, a key only some ranks hold) is stored once per file
+  that holds it, scoped to ``<layout>/rank<N>`` (``registry.rank_scope``).
+  A file of the group that cannot be read counts as a rank holding nothing,
+  so then nothing of the group is shared (as vLLM, which loads per-rank
+  files only when every rank has a matching one).
+- The layout is what the vLLM plugin names at startup,
+  ``tp{T}-pp{P}-dp{D}-ep{E}``, and the scope's rank is the rank in the
+  plugin's tuning group. File names cannot tell tensor from pipeline
+  parallelism or expert parallelism, so unless the caller knows better
+  (``KnownLayout``: the plugin knows its own deployment directory, layout
+  and tuning-group size; the CLI's ``--layout``), a group is named
+  ``tp{T}-pp1-dp{D}-ep1`` with ``D`` = the largest data-parallel rank + 1
+  and ``T`` = the most files of one data-parallel rank, and the scope's rank
+  is the file's rank (vLLM's world rank, which is the plugin's tuning-group
+  rank when there is no pipeline parallelism). With a ``KnownLayout`` the
+  scope's rank is the file's rank modulo the tuning-group size (vLLM orders
+  ranks tensor-parallel innermost).
+- A v2 store is one store every rank reads: its entries are stored shared,
+  each environment under the fingerprint of its manifest. An environment
+  whose fingerprint another environment already gave under a different
+  measurement policy is skipped (the registry keeps one value per key).
+
+Invariants:
+- Reading never evaluates anything and never writes: files are parsed by
+  ``flashinfer_format`` and ``v2_store`` (keys are data), no directory is
+  created, no file under a root is changed. vLLM's cache dir stays as it was.
+- Bad input never stops an adoption: an unreadable, malformed, hostile or
+  metadata-less file, entry or environment is skipped and counted (the first
+  ``MAX_REASONS`` with their reasons), and its group loses only what that
+  rule says. ``plan_adoption`` never raises for what it finds (this path
+  also runs inside server startup); only ``sources_at`` refuses a root the
+  user named that is not a directory.
+- One adoption is one commit (kind ``import``) whose provenance names every
+  file, layout and v2 environment it read and what it skipped; adopting the
+  same tree again adds nothing and makes no commit.
+- Several caches may hold one (fingerprint, scope, key): the later one wins,
+  in this order: single files, then per-rank files, then v2 stores (vLLM's
+  own order of versions), each by path; each such conflict with a different
+  value is counted.
+- ``tuned_at`` of an adopted entry is the modification time of the file that
+  holds it (the earliest of them for a shared entry): vLLM saves a file right
+  after the tuning that produced it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sqlite3
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ficache import schema
+from ficache.errors import CacheFileError, FingerprintError, V2StoreError, VllmCacheError
+from ficache.fingerprint import ALL_FIELDS, Fingerprint
+from ficache.flashinfer_format import read_cache_file
+from ficache.models import SHARED_SCOPE, EntryRow, FingerprintRow
+from ficache.registry import NewEntry, Registry, WriteResult, rank_scope
+from ficache.v2_store import (
+    ENTRIES,
+    SCHEMA,
+    Skipped,
+    StoreEnvironment,
+    entry_file_name,
+    is_store_root,
+    measurement_label,
+    read_store,
+)
+
+#: ``source`` of the provenance an adoption commit records.
+PROVENANCE_SOURCE = "vllm-cache"
+#: The directory under ``VLLM_CACHE_ROOT`` that holds vLLM's autotune roots.
+AUTOTUNE_DIR = "flashinfer_autotune_cache"
+#: vLLM 0.27-0.31: one file per deployment, rank 0's, loaded by every rank.
+SINGLE_FILE_NAME = "autotune_configs.json"
+#: vLLM 0.32+: one file per rank (``flashinfer_autotune_filename(dp_rank, rank)``).
+RANK_FILE_NAME = re.compile(r"autotune_configs_dp(\d{1,6})_rank(\d{1,6})\.json")
+#: Skipped items kept with their reasons (all are counted).
+MAX_REASONS = 20
+
+SINGLE_FILE = "single file"
+PER_RANK = "per rank"
+V2_STORE = "v2 store"
+
+
+# --------------------------------------------------------------------------
+# Where to look.
+
+
+@dataclass(frozen=True)
+class Sources:
+    """Where an adoption looks: roots (see the module docstring) and extra v2 store roots."""
+
+    roots: tuple[Path, ...]
+    v2_roots: tuple[Path, ...] = ()
+
+    @property
+    def display(self) -> str:
+        return ", ".join(str(p) for p in (*self.roots, *self.v2_roots))
+
+
+def default_vllm_cache_root(environ: Mapping[str, str] | None = None) -> Path:
+    """``VLLM_CACHE_ROOT`` as vLLM resolves it: the variable, else ``$XDG_CACHE_HOME/vllm``."""
+    env = os.environ if environ is None else environ
+    explicit = env.get("VLLM_CACHE_ROOT")
+    if explicit:
+        return Path(explicit).expanduser()
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base).expanduser() / "vllm"
+
+
+def default_flashinfer_v2_root(environ: Mapping[str, str] | None = None) -> Path:
+    """FlashInfer's default managed-store root, computed without importing FlashInfer.
+
+    ``flashinfer.autotune_cache.get_default_cache_root``:
+    ``FLASHINFER_AUTOTUNE_CACHE_DIR``, else FlashInfer's cache dir
+    (``$FLASHINFER_WORKSPACE_BASE`` or ``~``, then ``.cache/flashinfer``) ``/autotune``.
+    """
+    env = os.environ if environ is None else environ
+    explicit = env.get("FLASHINFER_AUTOTUNE_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = env.get("FLASHINFER_WORKSPACE_BASE") or os.path.expanduser("~")
+    return Path(base) / ".cache" / "flashinfer" / "autotune"
+
+
+def default_sources(environ: Mapping[str, str] | None = None) -> Sources:
+    """Where this vLLM installation keeps its autotune caches.
+
+    ``VLLM_CACHE_ROOT`` (or vLLM's default), ``VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR``
+    when set (per-rank files and, in 0.33, the v2 store), and FlashInfer's
+    default v2 store root (vLLM 0.33's store when that variable is unset).
+    """
+    env = os.environ if environ is None else environ
+    roots = [default_vllm_cache_root(env)]
+    override = env.get("VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR")
+    if override:
+        roots.append(Path(override).expanduser())
+    return Sources(tuple(roots), (default_flashinfer_v2_root(env),))
+
+
+def sources_at(root: str | os.PathLike[str]) -> Sources:
+    """One root the user named; ``VllmCacheError`` when it is not a directory."""
+    path = Path(root).expanduser()
+    if not path.is_dir():
+        what = "does not exist" if not path.exists() else "is not a directory"
+        raise VllmCacheError(
+            f"{path} {what}; give vLLM's cache root (VLLM_CACHE_ROOT, default ~/.cache/vllm) "
+            "or its VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR"
+        )
+    return Sources((path,))
+
+
+@dataclass(frozen=True)
+class KnownLayout:
+    """What the caller knows about one deployment directory (the plugin knows its own).
+
+    Files in ``directory`` are scoped to ``layout``, rank ``file rank %
+    group_size`` (``group_size``: the ranks of the plugin's tuning group).
+    ``directory=None`` applies it to every per-rank directory (the CLI's
+    ``--layout``; ``group_size=None`` keeps the file's rank).
+    """
+
+    directory: Path | None
+    layout: str
+    group_size: int | None = None
+
+    def applies_to(self, directory: Path) -> bool:
+        return self.directory is None or _same_dir(self.directory, directory)
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return a == b
+
+
+# --------------------------------------------------------------------------
+# What an adoption found.
+
+
+@dataclass(frozen=True)
+class AdoptedLayout:
+    """One layout group: the files of one kind in one deployment directory."""
+
+    directory: Path
+    kind: str  # SINGLE_FILE or PER_RANK
+    layout: str  # the layout its scopes name; "shared" for a single file
+    files: tuple[str, ...]  # file names, sorted (unreadable ones included)
+    shared: int  # entries stored shared
+    scoped: int  # rows stored scoped to one rank
+    skipped: int  # files that could not be read
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "directory": str(self.directory),
+            "kind": self.kind,
+            "layout": self.layout,
+            "files": list(self.files),
+            "shared": self.shared,
+            "scoped": self.scoped,
+            "skipped": self.skipped,
+        }
+
+
+@dataclass(frozen=True)
+class AdoptedStore:
+    """One v2 store environment that was read."""
+
+    path: Path
+    env_hash: str
+    fingerprint: str  # digest
+    measurement: tuple[tuple[str, str], ...]
+    entries: int
+    skipped: int  # malformed entry files
+    records: int  # protocol records (not tactics; not adopted)
+
+    @property
+    def files(self) -> int:
+        return self.entries + self.skipped + self.records
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "env_hash": self.env_hash,
+            "fingerprint": self.fingerprint,
+            "measurement": dict(self.measurement),
+            "entries": self.entries,
+            "skipped_entries": self.skipped,
+            "records": self.records,
+        }
+
+
+@dataclass(frozen=True)
+class AdoptionPlan:
+    """What an adoption would store; ``execute`` stores it as one commit."""
+
+    sources: Sources
+    layouts: tuple[AdoptedLayout, ...]
+    stores: tuple[AdoptedStore, ...]
+    skipped: tuple[Skipped, ...]  # the first MAX_REASONS, with reasons
+    skipped_count: int  # files, entries and environments left out
+    conflicts: int  # (fingerprint, scope, key) held with different values by two caches
+    ignored_records: int  # ``_records`` namespaces and v2 protocol records (not tactics)
+    entries: tuple[NewEntry, ...] = field(repr=False)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.entries
+
+    @property
+    def files(self) -> int:
+        """Files read: vLLM's JSON files and the v2 stores' entry files."""
+        return sum(len(g.files) for g in self.layouts) + sum(s.files for s in self.stores)
+
+    @property
+    def shared(self) -> int:
+        return sum(e.scope == SHARED_SCOPE for e in self.entries)
+
+    @property
+    def scoped(self) -> int:
+        return len(self.entries) - self.shared
+
+    def provenance(self) -> dict[str, Any]:
+        provenance: dict[str, Any] = {
+            "source": PROVENANCE_SOURCE,
+            "roots": [str(p) for p in (*self.sources.roots, *self.sources.v2_roots)],
+            "layouts": [g.as_json() for g in self.layouts],
+            "v2_environments": [s.as_json() for s in self.stores],
+            "entries": len(self.entries),
+            "shared": self.shared,
+            "scoped": self.scoped,
+            "conflicts": self.conflicts,
+            "skipped_count": self.skipped_count,
+        }
+        if self.skipped:
+            provenance["skipped"] = [{"path": s.path, "reason": s.reason} for s in self.skipped]
+        return provenance
+
+    def execute(
+        self, registry: Registry, *, provenance: Mapping[str, Any] | None = None
+    ) -> WriteResult:
+        """Store the entries as one ``import`` commit (``provenance`` is added to it)."""
+        if self.is_empty:
+            return WriteResult(None)
+        return registry.write(
+            self.entries,
+            kind="import",
+            message=f"adopted from vLLM: {self.sources.display}"[:2000],
+            provenance={**dict(provenance or {}), **self.provenance()},
+        )
+
+
+# --------------------------------------------------------------------------
+# Finding and reading.
+
+
+class _Collector:
+    """Skipped items and conflicts, counted as the search goes."""
+
+    def __init__(self) -> None:
+        self.skipped: list[Skipped] = []
+        self.skipped_count = 0
+        self.conflicts = 0
+        self.ignored_records = 0
+
+    def skip(self, path: Path | str, reason: str, count: int = 1) -> None:
+        self.skipped_count += count
+        if len(self.skipped) < MAX_REASONS:
+            self.skipped.append(Skipped(str(path), reason))
+
+
+def _subdirs(path: Path, found: _Collector) -> list[Path]:
+    try:
+        return sorted(p for p in path.iterdir() if p.is_dir())
+    except OSError as exc:
+        found.skip(path, f"cannot list ({exc.strerror})")
+        return []
+
+
+def _autotune_roots(root: Path, found: _Collector) -> Iterator[Path]:
+    """The root itself, and ``<root>/flashinfer_autotune_cache/<version>/<arch>``."""
+    yield root
+    base = root / AUTOTUNE_DIR
+    if base.is_dir():
+        for version in _subdirs(base, found):
+            yield from _subdirs(version, found)
+
+
+@dataclass(frozen=True)
+class _Deployment:
+    directory: Path
+    single: Path | None
+    ranks: tuple[tuple[int, int, Path], ...]  # (dp, rank, path), sorted
+
+
+def _deployment(directory: Path, found: _Collector) -> _Deployment | None:
+    try:
+        names = sorted(p.name for p in directory.iterdir())
+    except OSError as exc:
+        found.skip(directory, f"cannot list ({exc.strerror})")
+        return None
+    single = directory / SINGLE_FILE_NAME if SINGLE_FILE_NAME in names else None
+    ranks = []
+    for name in names:
+        m = RANK_FILE_NAME.fullmatch(name)
+        if m is not None:
+            ranks.append((int(m.group(1)), int(m.group(2)), directory / name))
+    if single is None and not ranks:
+        return None
+    return _Deployment(directory, single, tuple(sorted(ranks)))
+
+
+def _find(sources: Sources, found: _Collector) -> tuple[list[_Deployment], list[Path]]:
+    deployments: dict[Path, _Deployment] = {}
+    stores: dict[Path, Path] = {}
+
+    def key(path: Path) -> Path:
+        try:
+            return path.resolve()
+        except OSError:
+            return path
+
+    for root in sources.roots:
+        if not root.is_dir():
+            continue
+        for autotune_root in _autotune_roots(root, found):
+            if is_store_root(autotune_root):
+                stores.setdefault(key(autotune_root), autotune_root)
+            for directory in (autotune_root, *_subdirs(autotune_root, found)):
+                if key(directory) in deployments or directory.name == SCHEMA:
+                    continue
+                deployment = _deployment(directory, found)
+                if deployment is not None:
+                    deployments[key(directory)] = deployment
+    for v2_root in sources.v2_roots:
+        if is_store_root(v2_root):
+            stores.setdefault(key(v2_root), v2_root)
+    return (
+        sorted(deployments.values(), key=lambda d: str(d.directory)),
+        sorted(stores.values(), key=str),
+    )
+
+
+@dataclass(frozen=True)
+class _ReadFile:
+    path: Path
+    fingerprint: Fingerprint
+    values: dict[str, tuple[str, str, str | None, Any]]  # key -> (runner, tactic, policy, fields)
+    mtime: float
+
+
+def _read(path: Path, found: _Collector) -> _ReadFile | None:
+    try:
+        cache = read_cache_file(path)
+        if cache.metadata is None:
+            raise CacheFileError(f"{path}: no _metadata, so its environment is unknown")
+        fingerprint = Fingerprint.from_flashinfer_metadata(cache.metadata)
+        mtime = path.stat().st_mtime
+    except (CacheFileError, FingerprintError) as exc:
+        found.skip(path, str(exc).removeprefix(f"{path}: "))
+        return None
+    except OSError as exc:
+        found.skip(path, f"cannot read ({exc.strerror})")
+        return None
+    found.ignored_records += len(cache.records or {})
+    values = {e.key: (e.runner, e.tactic_json, e.policy_json, e.fields) for e in cache.entries}
+    return _ReadFile(path, fingerprint, values, mtime)
+
+
+def derived_layout(ranks: Sequence[tuple[int, int, Path]]) -> str:
+    """``tp{T}-pp1-dp{D}-ep1`` for per-rank files (see the module docstring)."""
+    per_dp: dict[int, int] = {}
+    for dp, _rank, _path in ranks:
+        per_dp[dp] = per_dp.get(dp, 0) + 1
+    return f"tp{max(per_dp.values())}-pp1-dp{max(per_dp) + 1}-ep1"
+
+
+_Value = tuple[str, str, str | None]
+
+
+class _Entries:
+    """The adopted entries, later sources winning; conflicts counted."""
+
+    def __init__(self, found: _Collector) -> None:
+        self.found = found
+        self.rows: dict[tuple[Fingerprint, str, str], NewEntry] = {}
+        #: The measurement policy of the first v2 environment of each fingerprint.
+        self.measurements: dict[Fingerprint, tuple[tuple[str, str], ...]] = {}
+
+    def add(self, entry: NewEntry) -> None:
+        ident = (entry.fingerprint, entry.scope, entry.key)
+        old = self.rows.get(ident)
+        if old is not None and (old.runner, old.tactic_json, old.policy_json) != (
+            entry.runner,
+            entry.tactic_json,
+            entry.policy_json,
+        ):
+            self.found.conflicts += 1
+        self.rows[ident] = entry
+
+    def ordered(self) -> tuple[NewEntry, ...]:
+        return tuple(
+            sorted(self.rows.values(), key=lambda e: (e.fingerprint.digest, e.scope, e.key))
+        )
+
+
+def _adopt_single(deployment: _Deployment, entries: _Entries, found: _Collector) -> AdoptedLayout:
+    assert deployment.single is not None
+    read = _read(deployment.single, found)
+    if read is not None:
+        for key, (runner, tactic, policy, fields) in read.values.items():
+            entries.add(
+                NewEntry(
+                    read.fingerprint, key, runner, tactic, policy, SHARED_SCOPE, fields, read.mtime
+                )
+            )
+    return AdoptedLayout(
+        deployment.directory,
+        SINGLE_FILE,
+        SHARED_SCOPE,
+        (SINGLE_FILE_NAME,),
+        len(read.values) if read is not None else 0,
+        0,
+        int(read is None),
+    )
+
+
+def _adopt_per_rank(
+    deployment: _Deployment, entries: _Entries, found: _Collector, known: KnownLayout | None
+) -> AdoptedLayout:
+    if known is not None and known.applies_to(deployment.directory):
+        layout, group_size = known.layout, known.group_size
+    else:
+        layout, group_size = derived_layout(deployment.ranks), None
+    reads = [(rank, _read(path, found)) for _dp, rank, path in deployment.ranks]
+    complete = all(read is not None for _rank, read in reads)
+    present = [(rank, read) for rank, read in reads if read is not None]
+    keys = sorted({key for _rank, read in present for key in read.values})
+    shared = scoped = 0
+    scoped_here: dict[tuple[Fingerprint, str, str], _Value] = {}
+    for key in keys:
+        holders = [(rank, read) for rank, read in present if key in read.values]
+        values = {(read.fingerprint, read.values[key][:3]) for _rank, read in holders}
+        if complete and len(holders) == len(reads) and len(values) == 1:
+            runner, tactic, policy, fields = holders[0][1].values[key]
+            tuned_at = min(read.mtime for _rank, read in holders)
+            entries.add(
+                NewEntry(
+                    holders[0][1].fingerprint,
+                    key,
+                    runner,
+                    tactic,
+                    policy,
+                    SHARED_SCOPE,
+                    fields,
+                    tuned_at,
+                )
+            )
+            shared += 1
+            continue
+        for rank, read in holders:
+            scope = rank_scope(layout, rank % group_size if group_size else rank)
+            runner, tactic, policy, fields = read.values[key]
+            ident = (read.fingerprint, scope, key)
+            if ident in scoped_here:  # two files of one scope (the lower rank's file wins)
+                found.conflicts += scoped_here[ident] != (runner, tactic, policy)
+                continue
+            scoped_here[ident] = (runner, tactic, policy)
+            entries.add(
+                NewEntry(read.fingerprint, key, runner, tactic, policy, scope, fields, read.mtime)
+            )
+            scoped += 1
+    return AdoptedLayout(
+        deployment.directory,
+        PER_RANK,
+        layout,
+        tuple(sorted(path.name for _dp, _rank, path in deployment.ranks)),
+        shared,
+        scoped,
+        len(reads) - len(present),
+    )
+
+
+def _adopt_store(root: Path, entries: _Entries, found: _Collector) -> list[AdoptedStore]:
+    try:
+        contents = read_store(root)
+    except V2StoreError as exc:
+        found.skip(root, str(exc).removeprefix(f"{root}: "))
+        return []
+    for skipped in contents.skipped_environments:
+        found.skip(skipped.path, skipped.reason)
+    adopted = []
+    for env in contents.environments:
+        if not _one_policy(env, entries):
+            found.skip(
+                env.path,
+                f"a second measurement policy ({measurement_label(env.measurement_fields)}) for "
+                "one fingerprint; import this environment directory on its own",
+            )
+            continue
+        found.skipped_count += env.skipped
+        for skipped in env.first_skipped:
+            if len(found.skipped) < MAX_REASONS:
+                found.skipped.append(skipped)
+        found.ignored_records += env.records
+        for e in env.entries:
+            try:
+                mtime: float | None = (env.path / ENTRIES / entry_file_name(e.key)).stat().st_mtime
+            except OSError:
+                mtime = None
+            entries.add(
+                NewEntry(
+                    env.fingerprint,
+                    e.key,
+                    e.runner,
+                    e.tactic_json,
+                    e.policy_json,
+                    SHARED_SCOPE,
+                    e.fields,
+                    mtime,
+                )
+            )
+        entries.measurements[env.fingerprint] = env.measurement
+        adopted.append(
+            AdoptedStore(
+                env.path,
+                env.env_hash,
+                env.fingerprint.digest,
+                env.measurement,
+                len(env.entries),
+                env.skipped,
+                env.records,
+            )
+        )
+    return adopted
+
+
+def _one_policy(env: StoreEnvironment, entries: _Entries) -> bool:
+    first = entries.measurements.setdefault(env.fingerprint, env.measurement)
+    return first == env.measurement
+
+
+def plan_adoption(sources: Sources, *, known: KnownLayout | None = None) -> AdoptionPlan:
+    """Find and read every vLLM autotune cache under ``sources``; write nothing.
+
+    Never raises for what it finds: what cannot be read is skipped and counted.
+    """
+    found = _Collector()
+    entries = _Entries(found)
+    deployments, store_roots = _find(sources, found)
+    layouts = [_adopt_single(d, entries, found) for d in deployments if d.single is not None]
+    layouts += [_adopt_per_rank(d, entries, found, known) for d in deployments if d.ranks]
+    stores = [s for root in store_roots for s in _adopt_store(root, entries, found)]
+    return AdoptionPlan(
+        sources,
+        tuple(layouts),
+        tuple(stores),
+        tuple(found.skipped),
+        found.skipped_count,
+        found.conflicts,
+        found.ignored_records,
+        entries.ordered(),
+    )
+
+
+# --------------------------------------------------------------------------
+# At server startup.
+
+
+def _db_text(db: str | os.PathLike[str] | None) -> str | None:
+    return os.fspath(db) if db is not None else None
+
+
+_HOLDS_SQL = (
+    f"SELECT {', '.join(ALL_FIELDS)} FROM {FingerprintRow.__tablename__} f WHERE EXISTS "
+    f"(SELECT 1 FROM {EntryRow.__tablename__} e WHERE e.fingerprint_id = f.id)"
+)
+
+
+def registry_holds_entries_for(db: str | os.PathLike[str] | None, fingerprint: Fingerprint) -> bool:
+    """True when a stored fingerprint that serves ``fingerprint`` has entries.
+
+    A SQLite file is asked over one read-only connection (the warm start's
+    own fast path opens no registry either); a missing file holds nothing.
+    Anything else, or any doubt, goes through ``Registry.open``, which
+    explains its problems (``FicacheError``).
+    """
+    location = schema.resolve(db)
+    if location.path is not None:
+        if not location.path.exists():
+            return False
+        try:
+            conn = sqlite3.connect(location.path.as_uri() + "?mode=ro", uri=True, timeout=1.0)
+            try:
+                rows = conn.execute(_HOLDS_SQL).fetchall()
+            finally:
+                conn.close()
+            return any(
+                Fingerprint(**dict(zip(ALL_FIELDS, row, strict=True))).serves(fingerprint)
+                for row in rows
+            )
+        except Exception:  # noqa: BLE001 - any doubt: the full path below explains itself
+            pass
+    with Registry.open(_db_text(db)) as reg:
+        return any(info.entries for info in reg.serving(fingerprint))
+
+
+@dataclass(frozen=True)
+class StartupAdoption:
+    """What ``adopt_into_empty_registry`` found and wrote."""
+
+    plan: AdoptionPlan
+    result: WriteResult
+
+
+def adopt_into_empty_registry(
+    db: str | os.PathLike[str] | None,
+    fingerprint: Fingerprint,
+    sources: Sources,
+    *,
+    known: KnownLayout | None = None,
+    provenance: Mapping[str, Any] | None = None,
+    busy_timeout: float = 5.0,
+) -> StartupAdoption | None:
+    """Adopt ``sources`` when the registry holds nothing for ``fingerprint``.
+
+    Returns None (having read no cache) when it holds something already.
+    Opens the registry for writing only when there is something to adopt,
+    and then waits at most ``busy_timeout`` seconds for a lock per attempt.
+    Raises ``FicacheError`` for a registry it cannot use; the caller (server
+    startup) logs it and starts without adopting.
+    """
+    if registry_holds_entries_for(db, fingerprint):
+        return None
+    plan = plan_adoption(sources, known=known)
+    if plan.is_empty:
+        return StartupAdoption(plan, WriteResult(None))
+    from ficache.sync import _bound_busy_timeout
+
+    with Registry.open(_db_text(db)) as reg:
+        _bound_busy_timeout(reg, busy_timeout)
+        return StartupAdoption(plan, plan.execute(reg, provenance=provenance))
