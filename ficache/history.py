@@ -1,0 +1,167 @@
+"""History: what one commit did, entry by entry (``ficache show``).
+
+Every write is a commit with one ``entry_changes`` row per entry it added,
+replaced or removed (``ficache.models``). This module reads them back.
+
+Invariants:
+- Read-only: nothing here writes, so showing a commit never changes the
+  registry and works on a read-only one.
+- A change shows the value it replaced (``old``: absent for ``added``) and
+  the value it wrote (``new``: absent for ``removed``). Commits written
+  before schema revision 0002 did not record the value they wrote; their
+  ``new`` is None for every action, and ``new_known`` says so.
+- Changes are listed in a stable order: fingerprint id, scope, key.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, cast
+
+from sqlalchemy import Table, select
+from sqlalchemy.exc import DatabaseError
+
+from ficache import schema
+from ficache.errors import NotFoundError
+from ficache.flashinfer_format import KeyFields, parse_key
+from ficache.models import EntryChangeRow
+from ficache.registry import CommitInfo, Registry
+
+H = cast(Table, EntryChangeRow.__table__)
+
+ACTIONS = ("added", "replaced", "removed")
+
+
+@dataclass(frozen=True, order=True)
+class EntryValue:
+    """One value an entry can hold: runner, tactic and policy (canonical JSON text)."""
+
+    runner: str
+    tactic_json: str
+    policy_json: str | None = None
+
+    def __str__(self) -> str:
+        """The tactic, and the policy when there is one (the runner is in the key)."""
+        if self.policy_json is None:
+            return self.tactic_json
+        return f"{self.tactic_json} policy {self.policy_json}"
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "runner": self.runner,
+            "tactic": json.loads(self.tactic_json),
+            "policy": json.loads(self.policy_json) if self.policy_json is not None else None,
+        }
+
+
+@dataclass(frozen=True)
+class EntryChange:
+    """What one commit did to one entry."""
+
+    action: str  # added, replaced or removed
+    fingerprint_id: int
+    scope: str
+    key: str
+    old: EntryValue | None  # the value replaced or removed
+    new: EntryValue | None  # the value written
+    old_commit_id: int | None  # the commit that wrote ``old``
+    old_tuned_at: float | None  # when ``old`` was tuned
+
+    @property
+    def new_known(self) -> bool:
+        """False for an added/replaced change recorded before the schema kept new values."""
+        return self.new is not None or self.action == "removed"
+
+    @property
+    def key_fields(self) -> KeyFields | None:
+        """The key's op, runner, shapes and extras (None for a key that does not parse)."""
+        try:
+            return parse_key(self.key)
+        except ValueError:  # stored keys were parsed when written; never expected
+            return None
+
+    def as_json(self) -> dict[str, Any]:
+        fields = self.key_fields
+        return {
+            "action": self.action,
+            "fingerprint": self.fingerprint_id,
+            "scope": self.scope,
+            "op": fields.op if fields is not None else None,
+            "shapes": [list(s) for s in fields.shapes] if fields is not None else None,
+            "extras": fields.extras if fields is not None else None,
+            "key": self.key,
+            "old": self.old.as_json() if self.old is not None else None,
+            "new": self.new.as_json() if self.new is not None else None,
+            "old_commit": self.old_commit_id,
+            "old_tuned_at": self.old_tuned_at,
+        }
+
+
+@dataclass(frozen=True)
+class CommitDetails:
+    """One commit with its provenance and every change it made."""
+
+    commit: CommitInfo
+    changes: tuple[EntryChange, ...]
+
+    def count(self, action: str) -> int:
+        return sum(1 for c in self.changes if c.action == action)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "commit": self.commit.as_json(),
+            "changes": [c.as_json() for c in self.changes],
+        }
+
+
+def _value(runner: str | None, tactic: str | None, policy: str | None) -> EntryValue | None:
+    if runner is None or tactic is None:
+        return None
+    return EntryValue(runner, tactic, policy)
+
+
+def commit_details(registry: Registry, commit_id: int) -> CommitDetails:
+    """The commit ``commit_id`` and its changes; ``NotFoundError`` when there is none."""
+    found = registry.log(None, commit_id=commit_id)
+    if not found:
+        raise NotFoundError(f"no commit {commit_id}; see `ficache log`")
+    query = (
+        select(
+            H.c.action,
+            H.c.fingerprint_id,
+            H.c.scope,
+            H.c.key,
+            H.c.old_runner,
+            H.c.old_tactic,
+            H.c.old_policy,
+            H.c.new_runner,
+            H.c.new_tactic,
+            H.c.new_policy,
+            H.c.old_commit_id,
+            H.c.old_tuned_at,
+        )
+        .where(H.c.commit_id == commit_id)
+        .order_by(H.c.fingerprint_id, H.c.scope, H.c.key, H.c.id)
+    )
+    try:
+        with registry.engine.connect() as conn:
+            changes = tuple(
+                EntryChange(
+                    r.action,
+                    r.fingerprint_id,
+                    r.scope,
+                    r.key,
+                    _value(r.old_runner, r.old_tactic, r.old_policy),
+                    _value(r.new_runner, r.new_tactic, r.new_policy),
+                    r.old_commit_id,
+                    r.old_tuned_at,
+                )
+                for r in conn.execute(query)
+            )
+    except DatabaseError as exc:
+        raise schema.translate_operational_error(exc, registry.location) from None
+    return CommitDetails(found[0], changes)
+
+
+__all__ = ["ACTIONS", "CommitDetails", "EntryChange", "EntryValue", "commit_details"]
