@@ -1,0 +1,696 @@
+"""``ficache verify``: a healthy registry is clean, and each kind of damage made
+behind ficache's back with plain SQL is found, read-only.
+
+Tests marked ``@both_backends`` run on SQLite and on PostgreSQL (the PostgreSQL
+cases in ``tox -e postgres``); the others are about SQLite files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+import subprocess
+import sys
+import time
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine
+from sqlalchemy.engine import make_url
+from sqlalchemy.pool import NullPool
+
+from ficache import schema
+from ficache.fingerprint import Fingerprint
+from ficache.merge import open_source, plan_merge
+from ficache.registry import NewEntry, Registry
+from ficache.verify import KINDS, Checked, Problem, VerifyReport, verify
+
+HEAD = schema.head_revision()
+DATA = Path(__file__).resolve().parent / "data"
+FIELDS = {
+    "flashinfer_version": "0.7.2.post1",
+    "cuda_version": "12.9",
+    "cublas_version": "12.9.1",
+    "cudnn_version": "91002",
+    "cudnn_frontend_version": "1.32.0",
+    "cutlass_dsl_version": "nvidia-cutlass-dsl==4.8.1",
+}
+H200 = Fingerprint(**FIELDS, gpu="NVIDIA H200")
+B200 = Fingerprint(**FIELDS, gpu="NVIDIA B200")
+POLICY = '["cuda_graph_profile_replays",null,"l2_cache_policy","hot"]'
+AMCHECK_NOTE = (
+    "PostgreSQL: the amcheck extension is not installed, so index structure was not checked "
+    "(CREATE EXTENSION amcheck enables it)"
+)
+
+#: Runs a test on SQLite and on PostgreSQL: ``registry_db`` and ``cli`` follow ``backend``.
+both_backends = pytest.mark.usefixtures("backend")
+
+
+def key(m: int) -> str:
+    return str(
+        ("flashinfer::mm_fp4", "CutlassRunner", ((m, 4096), (4096, 2048)), ("torch.bfloat16",))
+    )
+
+
+def new(
+    fp: Fingerprint, m: int, tactic: str, scope: str = "shared", policy: str | None = None
+) -> NewEntry:
+    return NewEntry(fp, key(m), "CutlassRunner", tactic, policy, scope)
+
+
+def build(db: str) -> None:
+    """Six commits through the registry's three write paths (``write``, prune,
+    revert) under every commit kind.
+
+    Ids (the same on both backends): fingerprints H200 1, B200 2. Entries
+    1 H200 m16, 2 m32, 3 m64 (removed by commit 3, re-added by commit 5),
+    4 H200 m16 tp2/rank1, 5 and 6 B200 (pruned by commit 4), 7 H200 m128.
+    Commits: 1 import (6 added, changes 1-6), 2 merge (changes 7 added m128,
+    8 replaced m32), 3 startup (9 added m256 tp2/rank0, 10 removed m64),
+    4 prune of B200 (11, 12), 5 revert of 3 (13 removed m256, 14 added m64),
+    6 import (15 replaced m16).
+    """
+    with Registry.open(db) as reg:
+        reg.write(
+            [
+                new(H200, 16, "[1,[2,3]]"),
+                new(H200, 32, "4"),
+                new(H200, 64, "5", policy=POLICY),
+                new(H200, 16, "6", scope="tp2/rank1"),
+                new(B200, 16, "7"),
+                new(B200, 32, "8"),
+            ],
+            kind="import",
+            message="h200.json, b200.json",
+        )
+        reg.write([new(H200, 128, "9"), new(H200, 32, "10")], kind="merge")
+        startup = reg.write(
+            [new(H200, 256, "11", scope="tp2/rank0")],
+            kind="startup",
+            removals=[(H200, "shared", key(64))],
+            world_size=2,
+            layout="tp2",
+            provenance={"protocol": "ficache.warm_start"},
+        )
+        assert startup.commit_id == 3
+        assert reg.plan_prune(fingerprint_ids=[2]).execute(reg).commit_id == 4
+        assert reg.revert(3).commit_id == 5
+        assert reg.write([new(H200, 16, "[12]")], kind="import").commit_id == 6
+
+
+def display(db: str) -> str:
+    return db if not db.startswith("postgresql") else make_url(db).render_as_string()
+
+
+def behind_the_back(db: str, *statements: str) -> None:
+    """Run SQL on the registry as a shell or a restore tool would, foreign keys off."""
+    if db.startswith("postgresql"):
+        engine = create_engine(db, poolclass=NullPool)
+        try:
+            with engine.begin() as conn:
+                conn.exec_driver_sql("SET LOCAL session_replication_role = replica")
+                for statement in statements:
+                    conn.exec_driver_sql(statement)
+        finally:
+            engine.dispose()
+        return
+    conn = sqlite3.connect(db)  # foreign keys are off unless a connection turns them on
+    try:
+        with conn:
+            for statement in statements:
+                conn.execute(statement)
+    finally:
+        conn.close()
+
+
+def files_of(path: Path) -> tuple[bytes, bytes]:
+    """The registry file's bytes and its WAL's (none: empty). A read-only WAL reader may
+    create an empty ``-wal`` and the ``-shm`` (shared memory, not data); nothing else."""
+    wal = Path(f"{path}-wal")
+    return path.read_bytes(), wal.read_bytes() if wal.exists() else b""
+
+
+def short(text: str) -> str:
+    """How a report quotes a long key: its first 80 characters."""
+    return repr(text[:80] + "...")
+
+
+# -- healthy registries ---------------------------------------------------------------
+
+
+@both_backends
+def test_a_healthy_registry_is_clean(cli, registry_db: str, backend: str, dump_db) -> None:
+    build(registry_db)
+    before = dump_db(registry_db)
+
+    result = cli("verify")
+
+    dialect = "sqlite" if backend == "sqlite" else "postgresql"
+    notes = f"note: {AMCHECK_NOTE}\n" if backend == "postgres" else ""
+    assert (result.exit_code, result.stderr) == (0, "")
+    assert result.stdout == (
+        f"registry {display(registry_db)} ({dialect}, schema {HEAD}), checked read-only\n"
+        "checked 2 fingerprints, 5 entries, 6 commits, 15 changes\n"
+        f"{notes}"
+        "ok: no problems\n"
+    )
+    assert dump_db(registry_db) == before
+
+
+@both_backends
+def test_the_library_report(registry_db: str, backend: str) -> None:
+    build(registry_db)
+
+    report = verify(registry_db)
+
+    assert report == VerifyReport(
+        display(registry_db),
+        "sqlite" if backend == "sqlite" else "postgresql",
+        HEAD,
+        HEAD,
+        Checked(fingerprints=2, entries=5, commits=6, changes=15),
+        (),
+        (AMCHECK_NOTE,) if backend == "postgres" else (),
+    )
+    assert report.ok
+    assert report.counts == ()
+
+
+@both_backends
+def test_real_imports_merges_prunes_and_reverts_stay_clean(
+    cli, cache_file, registry_db: str
+) -> None:
+    meta = {**FIELDS, "gpu": "NVIDIA H200"}
+    first = cache_file(
+        "a.json",
+        {key(16): ["CutlassRunner", [1, 2]], key(32): ["CutlassRunner", 3, [1, None]]},
+        metadata=meta,
+    )
+    second = cache_file(
+        "b.json", {key(16): ["CutlassRunner", [9, 9]], key(64): ["CutlassRunner", 5]}, metadata=meta
+    )
+    assert cli("import", first).exit_code == 0
+    with Registry.open(registry_db) as reg:
+        merged = plan_merge(reg, [open_source(second)], "theirs").execute(reg)
+        assert (merged.added, merged.replaced) == (1, 1)
+        assert plan_merge(reg, [open_source(second)], "theirs").execute(reg).commit_id is None
+    assert cli("revert", "2", "--yes").exit_code == 0
+    assert cli("prune", "--scope", "shared", "--yes").exit_code == 0
+    assert cli("revert", "4", "--yes").exit_code == 0
+
+    result = cli("verify", "--format", "json")
+
+    assert (result.exit_code, result.stderr) == (0, "")
+    data = json.loads(result.stdout)
+    assert (data["ok"], data["checked"], data["problems"]) == (
+        True,
+        {"fingerprints": 1, "entries": 2, "commits": 5, "changes": 10},
+        [],
+    )
+
+
+@pytest.mark.parametrize("frozen", sorted(DATA.glob("registry-*.db")), ids=lambda p: p.stem)
+def test_every_frozen_registry_upgraded_to_head_is_clean(frozen: Path, tmp_path: Path) -> None:
+    path = tmp_path / frozen.name
+    shutil.copyfile(frozen, path)
+    Registry.open(str(path)).close()  # upgrades it, recovering history (0002's backfill)
+
+    report = verify(str(path))
+
+    assert (report.problems, report.checked) == (
+        (),
+        Checked(fingerprints=2, entries=4, commits=4, changes=7),
+    )
+
+
+def test_an_older_registry_is_reported_not_upgraded(cli, tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    shutil.copyfile(DATA / "registry-0001_registry.db", path)
+    before = files_of(path)
+
+    result = cli("verify", db=path)
+
+    assert (result.exit_code, result.stderr) == (1, "")
+    assert result.stdout == (
+        f"registry {path} (sqlite, schema 0001_registry), checked read-only\n"
+        "note: data checks skipped: they need the schema at head\n"
+        "1 problem:\n"
+        "schema_revision: 1\n"
+        f"  schema is at 0001_registry, head is {HEAD}; upgrade it (ficache db upgrade)\n"
+    )
+    assert files_of(path) == before
+
+
+WRITER_UNTIL_STOPPED = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from ficache.registry import Registry
+from test_verify import new, H200
+stop = Path({stop!r})
+with Registry.open({db!r}) as reg:
+    deadline = time.monotonic() + 120
+    i = 0
+    while not stop.exists() and time.monotonic() < deadline:
+        i += 1
+        reg.write([new(H200, m, str(i)) for m in range(1, 40)], kind="import")
+        if i % 3 == 0:
+            reg.revert(reg.plan_prune(scope="shared").execute(reg).commit_id)
+        Path({started!r}).touch()
+"""
+
+
+def commits(report: VerifyReport) -> int:
+    return report.checked.commits if report.checked is not None else 0
+
+
+@both_backends
+def test_verify_is_clean_while_a_writer_commits(registry_db: str, tmp_path: Path) -> None:
+    build(registry_db)
+    started, stop = tmp_path / "started", tmp_path / "stop"
+    script = WRITER_UNTIL_STOPPED.format(
+        tests=str(Path(__file__).resolve().parent),
+        db=registry_db,
+        started=str(started),
+        stop=str(stop),
+    )
+    writer = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        while not started.exists():  # the writer is importing; wait for its first commit
+            assert writer.poll() is None, "the writer died before its first commit"
+            time.sleep(0.05)
+        reports = [verify(registry_db)]
+        while commits(reports[-1]) < commits(reports[0]) + 10 and len(reports) < 500:
+            reports.append(verify(registry_db))  # each while the writer commits
+    finally:
+        stop.touch()
+        try:
+            assert writer.wait(timeout=150) == 0
+        finally:
+            writer.kill()
+
+    assert [r.problems for r in reports] == [()] * len(reports)
+    first, last = commits(reports[0]), commits(reports[-1])
+    assert first > 6 and last >= first + 10  # the writer committed before and while they ran
+    assert verify(registry_db).ok
+
+
+# -- damage ----------------------------------------------------------------------------
+
+#: ``(statements, {kind: count}, the first problem's message)``, made on ``build``'s registry.
+DAMAGE = {
+    "unparsable key": (
+        [
+            "UPDATE entries SET key = 'mm(16)' WHERE id = 7",
+            "UPDATE entry_changes SET key = 'mm(16)' WHERE id = 7",
+        ],
+        {"bad_key": 2},
+        "change 7: key 'mm(16)' does not parse: trailing text after the key tuple at offset 2",
+    ),
+    "key columns": (
+        ["UPDATE entries SET op = 'other', extras = '()' WHERE id = 2"],
+        {"key_columns": 1},
+        f"entry 2: op, extras differ from its key {short(key(32))}",
+    ),
+    "missing commit": (
+        ["DELETE FROM commits WHERE id = 6"],
+        {"orphan_entry": 1, "orphan_change": 1},
+        "entry 1: commit 6 is missing",
+    ),
+    "entry names another commit": (
+        ["UPDATE entries SET commit_id = 1 WHERE id = 2"],
+        {"entry_unlogged": 1},
+        "entry 2 names commit 1, its last change is in commit 2",
+    ),
+    "count mismatch": (
+        ["UPDATE commits SET added = 5, removed = 1 WHERE id = 1"],
+        {"commit_counts": 1},
+        "commit 1 has 6 added (the commit says 5), 0 removed (the commit says 1)",
+    ),
+    "value differs from the log": (
+        ["UPDATE entries SET tactic = '99' WHERE id = 7"],
+        {"entry_value": 1},
+        "entry 7: value differs from the one commit 2 wrote",
+    ),
+    "lost entry": (
+        ["DELETE FROM entries WHERE id = 4"],
+        {"entry_lost": 1},
+        "commit 1 wrote an entry that is missing (fingerprint 1, scope tp2/rank1, "
+        f"key {short(key(16))})",
+    ),
+    "digest mismatch": (
+        ["UPDATE fingerprints SET gpu = 'NVIDIA H100' WHERE id = 1"],
+        {"fingerprint_digest": 1},
+        f"fingerprint 1: digest {H200.digest[:12]} is not its fields' "
+        f"{Fingerprint(**FIELDS, gpu='NVIDIA H100').digest[:12]}",
+    ),
+    "orphan change rows": (  # B200's entries were pruned; its row deleted by hand
+        ["DELETE FROM fingerprints WHERE id = 2"],
+        {"orphan_change": 4},
+        "change 5: fingerprint 2 is missing",
+    ),
+    "unknown scope": (
+        [
+            "UPDATE entries SET scope = 'tp2/rank01' WHERE id = 4",
+            "UPDATE entry_changes SET scope = 'tp2/rank01' WHERE id = 4",
+        ],
+        {"bad_scope": 2},
+        "change 4: scope 'tp2/rank01' is invalid",
+    ),
+    "tactic not canonical": (
+        [
+            "UPDATE entries SET tactic = '[12, 1]' WHERE id = 1",
+            "UPDATE entry_changes SET new_tactic = '[12, 1]' WHERE id = 15",
+        ],
+        {"bad_json": 2},
+        "change 15: new tactic '[12, 1]' is not canonical JSON",
+    ),
+    "commit with no changes": (
+        [
+            "INSERT INTO commits (id, created_at, kind, host, added, replaced, removed) "
+            "VALUES (7, 0, 'import', 'h', 0, 0, 0)"
+        ],
+        {"empty_commit": 1},
+        "commit 7 has no changes",
+    ),
+    "unknown commit kind": (
+        ["UPDATE commits SET kind = 'magic' WHERE id = 2"],
+        {"bad_commit": 1},
+        "commit 2: unknown kind 'magic'",
+    ),
+    "revert of another commit": (
+        ["UPDATE commits SET reverts_commit_id = 2 WHERE id = 5"],
+        {"revert_mismatch": 1},
+        "commit 5 reverts commit 2, but 4 of its entries do not undo it",
+    ),
+    "old value contradicts the log": (
+        ["UPDATE entry_changes SET old_tactic = '3' WHERE id = 15"],
+        {"log_inconsistent": 1},
+        "change 15 (commit 6): old value is not the one commit 1 wrote",
+    ),
+    "change deleted": (
+        ["DELETE FROM entry_changes WHERE id = 8", "UPDATE commits SET replaced = 0 WHERE id = 2"],
+        {"entry_unlogged": 1},
+        "entry 2 names commit 2, its last change is in commit 1",
+    ),
+    "change moved to an earlier commit": (
+        ["UPDATE entry_changes SET commit_id = 1 WHERE id = 15"],
+        {"log_inconsistent": 1, "commit_counts": 2, "entry_unlogged": 1},
+        "change 15 of commit 1 follows changes of commit 5",
+    ),
+    "extra index": (
+        ["CREATE INDEX ix_entries_scope ON entries (scope)"],
+        {"schema_drift": 1},
+        "unexpected index entries.ix_entries_scope",
+    ),
+}
+
+
+@both_backends
+@pytest.mark.parametrize("damage", DAMAGE, ids=list(DAMAGE))
+def test_damage_is_found_read_only(cli, registry_db: str, dump_db, damage: str) -> None:
+    statements, counts, first = DAMAGE[damage]
+    build(registry_db)
+    behind_the_back(registry_db, *statements)
+    before = dump_db(registry_db)
+
+    report = verify(registry_db)
+    result = cli("verify")
+
+    assert dict(report.counts) == counts
+    assert report.problems[0].message == first
+    assert all(p.kind in KINDS for p in report.problems)
+    assert (result.exit_code, result.stderr) == (1, "")
+    lines = result.stdout.splitlines()
+    found = len(report.problems)
+    assert lines[2 + len(report.notes)] == f"{found} problem{'s' if found > 1 else ''}:"
+    assert f"  {first}" in lines
+    assert dump_db(registry_db) == before
+
+
+@both_backends
+def test_the_text_report_shows_each_kind_with_a_count_and_examples(
+    cli, registry_db: str, backend: str
+) -> None:
+    build(registry_db)
+    behind_the_back(
+        registry_db,
+        "UPDATE commits SET added = added + 1",
+        "UPDATE fingerprints SET gpu = 'NVIDIA H100' WHERE id = 1",
+    )
+
+    result = cli("verify")
+
+    notes = f"note: {AMCHECK_NOTE}\n" if backend == "postgres" else ""
+    dialect = "sqlite" if backend == "sqlite" else "postgresql"
+    h100 = Fingerprint(**FIELDS, gpu="NVIDIA H100").digest[:12]
+    assert (result.exit_code, result.stderr) == (1, "")
+    assert result.stdout == (
+        f"registry {display(registry_db)} ({dialect}, schema {HEAD}), checked read-only\n"
+        "checked 2 fingerprints, 5 entries, 6 commits, 15 changes\n"
+        f"{notes}"
+        "7 problems:\n"
+        "fingerprint_digest: 1\n"
+        f"  fingerprint 1: digest {H200.digest[:12]} is not its fields' {h100}\n"
+        "commit_counts: 6\n"
+        "  commit 1 has 6 added (the commit says 7)\n"
+        "  commit 2 has 1 added (the commit says 2)\n"
+        "  commit 3 has 1 added (the commit says 2)\n"
+        "  ... and 3 more\n"
+    )
+
+
+@both_backends
+def test_the_json_report(cli, registry_db: str, backend: str) -> None:
+    build(registry_db)
+    behind_the_back(registry_db, "UPDATE entries SET tactic = '99' WHERE id = 7")
+
+    result = cli("verify", "--format", "json")
+
+    assert (result.exit_code, result.stderr) == (1, "")
+    assert json.loads(result.stdout) == {
+        "registry": display(registry_db),
+        "backend": "sqlite" if backend == "sqlite" else "postgresql",
+        "read_only": True,
+        "revision": HEAD,
+        "head": HEAD,
+        "ok": False,
+        "checked": {"fingerprints": 2, "entries": 5, "commits": 6, "changes": 15},
+        "counts": {"entry_value": 1},
+        "problems": [
+            {
+                "kind": "entry_value",
+                "table": "entries",
+                "id": 7,
+                "message": "entry 7: value differs from the one commit 2 wrote",
+            }
+        ],
+        "notes": [AMCHECK_NOTE] if backend == "postgres" else [],
+    }
+    assert Problem("entry_value", "m", "entries", 7).as_json() == {
+        "kind": "entry_value",
+        "table": "entries",
+        "id": 7,
+        "message": "m",
+    }
+
+
+# -- SQLite files ----------------------------------------------------------------------
+
+
+def test_a_damaged_index_page_fails_integrity_check(cli, registry_path: Path) -> None:
+    build(str(registry_path))
+    assert not Path(f"{registry_path}-wal").exists()  # all of it is in the file
+    with sqlite3.connect(registry_path) as conn:
+        page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+        root = conn.execute(
+            "SELECT rootpage FROM sqlite_master WHERE name = 'ix_entries_op'"
+        ).fetchone()[0]
+    conn.close()
+    data = bytearray(registry_path.read_bytes())
+    page = (root - 1) * page_size
+    at = data.index(b"flashinfer::mm_fp4", page, page + page_size)
+    data[at + len("flashinfer::mm_fp")] = ord("5")  # one index record no longer matches its row
+    registry_path.write_bytes(bytes(data))
+    before = files_of(registry_path)
+
+    result = cli("verify")
+
+    assert (result.exit_code, result.stderr) == (1, "")
+    assert result.stdout.startswith(
+        f"registry {registry_path} (sqlite, schema {HEAD}), checked read-only\n"
+        "note: data checks skipped: the database is damaged\n"
+    )
+    report = verify(str(registry_path))
+    assert [kind for kind, _count in report.counts] == ["integrity"]
+    assert all(p.message.startswith("integrity_check: ") for p in report.problems)
+    assert report.checked is None
+    assert files_of(registry_path) == before
+
+
+def test_a_truncated_file_is_one_error_line(cli, registry_path: Path) -> None:
+    build(str(registry_path))
+    with registry_path.open("r+b") as handle:
+        handle.truncate(registry_path.stat().st_size // 2)
+    before = files_of(registry_path)
+
+    result = cli("verify")
+
+    assert (result.exit_code, result.stdout) == (1, "")
+    assert result.stderr == (
+        f"error: registry {registry_path} is corrupt (database disk image is malformed); "
+        "restore it or pass another --db\n"
+    )
+    assert files_of(registry_path) == before
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "no registry at {path}; import a cache file first (ficache import FILE)"),
+        (b"{}", "{path} is not a SQLite database; pass another --db or move the file away"),
+    ],
+    ids=["missing", "foreign"],
+)
+def test_what_is_not_a_registry_is_one_error_line(
+    cli, registry_path: Path, content: bytes | None, message: str
+) -> None:
+    if content is not None:
+        registry_path.write_bytes(content)
+
+    result = cli("verify")
+
+    assert (result.exit_code, result.stdout) == (1, "")
+    assert result.stderr == f"error: {message.format(path=registry_path)}\n"
+    assert not registry_path.exists() if content is None else registry_path.read_bytes() == content
+
+
+def test_a_foreign_or_newer_database_is_one_error_line(cli, registry_path: Path) -> None:
+    with closing(sqlite3.connect(registry_path)) as conn, conn:
+        conn.execute("CREATE TABLE notes (body TEXT)")
+    assert cli("verify").stderr == (
+        f"error: {registry_path} is a database but not a ficache registry; pass another --db\n"
+    )
+    with closing(sqlite3.connect(registry_path)) as conn, conn:
+        conn.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)")
+        conn.execute("INSERT INTO alembic_version VALUES ('9999_future')")
+    before = files_of(registry_path)
+
+    result = cli("verify")
+
+    assert (result.exit_code, result.stdout) == (1, "")
+    assert result.stderr == (
+        f"error: registry {registry_path} has schema revision '9999_future', newer than this "
+        f"ficache knows (head {HEAD!r}); upgrade ficache (pip install -U ficache)\n"
+    )
+    assert files_of(registry_path) == before
+
+
+@both_backends
+def test_an_empty_database_is_no_registry(cli, registry_db: str, registry_path: Path) -> None:
+    if registry_db == str(registry_path):
+        registry_path.touch()
+
+    result = cli("verify")
+
+    assert (result.exit_code, result.stdout) == (1, "")
+    assert result.stderr == (
+        f"error: no registry in {display(registry_db)}; import a cache file first "
+        "(ficache import FILE)\n"
+    )
+
+
+def test_a_missing_column_is_drift_and_skips_the_data_checks(cli, registry_path: Path) -> None:
+    build(str(registry_path))
+    behind_the_back(str(registry_path), "ALTER TABLE entry_changes DROP COLUMN new_policy")
+
+    result = cli("verify")
+
+    assert (result.exit_code, result.stderr) == (1, "")
+    assert result.stdout == (
+        f"registry {registry_path} (sqlite, schema {HEAD}), checked read-only\n"
+        "note: data checks skipped: the schema lacks tables or columns\n"
+        "1 problem:\n"
+        "schema_drift: 1\n"
+        "  column entry_changes.new_policy is missing\n"
+    )
+
+
+WRITER_KILLED_MID_SESSION = """
+import os, sqlite3, sys
+from ficache.registry import Registry
+sys.path.insert(0, {tests!r})
+from test_verify import new, H200
+reg = Registry.open({db!r})
+holder = sqlite3.connect({db!r})  # a reader that keeps the WAL from being checkpointed
+holder.execute("SELECT count(*) FROM entries").fetchall()
+reg.write([new(H200, m, "1") for m in (16, 32, 64)], kind="import")
+reg.write([new(H200, 16, "2")], kind="import")
+os._exit(0)  # no close, no checkpoint: the commits live only in the WAL
+"""
+
+
+def test_a_registry_left_with_a_wal_by_a_killed_writer(registry_path: Path) -> None:
+    script = WRITER_KILLED_MID_SESSION.format(
+        tests=str(Path(__file__).resolve().parent), db=str(registry_path)
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    wal = Path(f"{registry_path}-wal")
+    assert wal.stat().st_size > 0
+    before = files_of(registry_path)
+
+    report = verify(str(registry_path))
+
+    assert (report.problems, report.checked) == (
+        (),
+        Checked(fingerprints=1, entries=3, commits=2, changes=4),
+    )
+    assert files_of(registry_path) == before  # read through the WAL, checkpointed nothing
+
+
+def test_a_read_only_file_is_verified(cli, registry_path: Path) -> None:
+    build(str(registry_path))
+    registry_path.chmod(0o444)
+    try:
+        result = cli("verify")
+    finally:
+        registry_path.chmod(0o644)
+
+    assert (result.exit_code, result.stderr) == (0, "")
+    assert result.stdout.endswith("ok: no problems\n")
+
+
+# -- PostgreSQL ------------------------------------------------------------------------
+
+
+@pytest.mark.postgres
+def test_postgres_foreign_keys_not_enforced(postgres_url: str) -> None:
+    build(postgres_url)
+    behind_the_back(postgres_url, "ALTER TABLE entries DISABLE TRIGGER ALL")
+
+    report = verify(postgres_url)
+
+    assert report.counts == (("foreign_key", 1),)
+    assert report.problems[0].message == (
+        "4 internal trigger(s) of entries are disabled, so its foreign keys are not enforced "
+        "(ALTER TABLE ... ENABLE TRIGGER ALL)"
+    )
+
+
+@pytest.mark.postgres
+def test_postgres_indexes_are_checked_with_amcheck_when_installed(postgres_url: str) -> None:
+    build(postgres_url)
+    behind_the_back(postgres_url, "CREATE EXTENSION amcheck")
+
+    report = verify(postgres_url)
+
+    assert (report.problems, report.notes) == ((), ())
+
+
+def test_every_kind_is_documented() -> None:
+    import ficache.verify
+
+    doc = ficache.verify.__doc__ or ""
+    assert [kind for kind in KINDS if f"``{kind}``" not in doc] == []
