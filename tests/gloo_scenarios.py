@@ -20,6 +20,7 @@ are about SQLite files.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import sqlite3
@@ -141,6 +142,15 @@ def registry_summary(db: Path | str) -> dict[str, Any] | None:
         return {"error": str(exc)}
 
 
+def file_state(path: Path) -> dict[str, Any]:
+    """A bad registry file's sha256, and every file in its directory (to show what a start
+    left there: a rewritten file, a second registry, side files)."""
+    return {
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None,
+        "files": sorted(p.name for p in path.parent.iterdir()),
+    }
+
+
 def _boom() -> None:
     raise ValueError("boom")
 
@@ -212,6 +222,9 @@ def corrupt(rank: int, world: int, tmp: Path) -> dict[str, Any]:
         db.write_bytes(junk)
     out = {"first": start(db)}
     out["unchanged"] = db.read_bytes() == junk
+    out["written"] = hashlib.sha256(junk).hexdigest()
+    out["after"] = file_state(db)
+    out["registry"] = registry_summary(db)
     return out
 
 
@@ -226,8 +239,13 @@ def truncated(rank: int, world: int, tmp: Path) -> dict[str, Any]:
         db.write_bytes(data[: len(data) // 3])
         for suffix in ("-wal", "-shm"):
             Path(str(db) + suffix).unlink(missing_ok=True)
+        out["before"] = file_state(db)
     dist.barrier()
     out["first"] = start(db)
+    dist.barrier()  # every rank is done with the file
+    if rank == 0:
+        out["after"] = file_state(db)
+        out["registry"] = registry_summary(db)
     return out
 
 

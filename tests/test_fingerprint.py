@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import hashlib
-import json
+import shutil
+import sqlite3
+from contextlib import closing
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,11 +96,65 @@ def test_digest_is_identity(a: Fingerprint, b: Fingerprint) -> None:
     assert Fingerprint.from_dict(a.as_dict()) == a
 
 
-def test_digest_is_sha256_of_canonical_fields() -> None:
-    fp = Fingerprint.from_flashinfer_metadata(H200)
+#: Digests pinned as literals: a digest is a fingerprint's identity in every registry,
+#: bundle and slice cache ever written, so it may never change. The H200 and B200 ones
+#: are the digests stored in the frozen registries (``tests/data/registry-*.db``).
+H200_DIGEST = "c3e0f3f376006cd05fcf241b303ab3c543cd84b972ea07ca9d72b4ab27a36e43"
+B200_DIGEST = "edb632176e38f2adb827d1b8c171084fc88e8dbd5a6b15e434a622998bddcfb0"
+H200_SM90_DIGEST = "7b6f9dd504daea6a8370e8b6cc73b911fd4897cbc34153c226364bdc27b514ed"
+FROZEN = sorted((Path(__file__).parent / "data").glob("registry-*.db"))
 
-    canonical = json.dumps(fp.as_dict(), sort_keys=True, separators=(",", ":"))
-    assert fp.digest == hashlib.sha256(canonical.encode()).hexdigest()
+
+def test_digest_is_pinned() -> None:
+    h200 = Fingerprint.from_flashinfer_metadata(H200)
+    b200 = Fingerprint.from_flashinfer_metadata({**H200, "gpu": "NVIDIA B200"})
+    sm90 = Fingerprint(**H200, compute_capability="9.0", torch_version="2.9.1")
+
+    assert (h200.digest, b200.digest, sm90.digest) == (H200_DIGEST, B200_DIGEST, H200_SM90_DIGEST)
+    assert h200.short_digest == "c3e0f3f37600"
+    # what it is: the sha256 of the fields' canonical JSON (sorted keys, no spaces)
+    canonical = (
+        '{"compute_capability":"9.0","cublas_version":"12.9.1","cuda_version":"12.9",'
+        '"cudnn_frontend_version":"1.32.0","cudnn_version":"91002",'
+        '"cutlass_dsl_version":"nvidia-cutlass-dsl==4.8.1","flashinfer_version":"0.7.2.post1",'
+        '"gpu":"NVIDIA H200","torch_version":"2.9.1"}'
+    )
+    assert hashlib.sha256(canonical.encode()).hexdigest() == H200_SM90_DIGEST
+
+
+@pytest.mark.parametrize("frozen", FROZEN, ids=[p.stem for p in FROZEN])
+def test_the_frozen_registries_store_the_pinned_digests(frozen: Path) -> None:
+    with closing(sqlite3.connect(f"file:{frozen}?mode=ro", uri=True)) as conn:
+        rows = conn.execute("SELECT id, digest, gpu FROM fingerprints ORDER BY id").fetchall()
+
+    assert rows == [(1, H200_DIGEST, "NVIDIA H200"), (2, B200_DIGEST, "NVIDIA B200")]
+
+
+@pytest.mark.parametrize("frozen", FROZEN, ids=[p.stem for p in FROZEN])
+def test_importing_into_a_frozen_registry_reuses_its_fingerprint_row(
+    frozen: Path, tmp_path: Path, cli, cache_file
+) -> None:
+    """A file written today with the H200's metadata lands on the H200 row stored by an
+    older release: same fields, same digest, one fingerprint (no second row)."""
+    copy = tmp_path / frozen.name
+    shutil.copyfile(frozen, copy)
+    key = (
+        "('flashinfer::mm_fp4', 'CutlassFp4Runner', ((128, 4096), (4096, 2048)), "
+        "(torch.bfloat16, 1))"
+    )
+    path = cache_file("today.json", {key: ["CutlassFp4Runner", 4]}, metadata=H200)
+
+    result = cli("import", path, db=copy)
+
+    assert (result.exit_code, result.stderr) == (0, "")
+    assert result.stdout.startswith("imported 1 entries from 1 file(s): 1 added")
+    with closing(sqlite3.connect(copy)) as conn:
+        fingerprints = conn.execute("SELECT id, digest FROM fingerprints ORDER BY id").fetchall()
+        stored = conn.execute(
+            "SELECT fingerprint_id, scope, tactic FROM entries WHERE key = ?", (key,)
+        ).fetchall()
+    assert fingerprints == [(1, H200_DIGEST), (2, B200_DIGEST)]
+    assert stored == [(1, "shared", "4")]
 
 
 def test_from_flashinfer_metadata() -> None:

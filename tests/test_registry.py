@@ -5,16 +5,26 @@ Every test that uses the ``reg`` fixture runs on SQLite and on PostgreSQL
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import sqlite3
+from typing import Any
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import event, text
 
 from ficache import schema
 from ficache.errors import ConflictError, FicacheError, FingerprintError, NotFoundError
 from ficache.fingerprint import Fingerprint
-from ficache.flashinfer_format import parse_cache_bytes
-from ficache.registry import NewEntry, PruneGroup, Registry, rank_scope, validate_scope
+from ficache.flashinfer_format import parse_cache_bytes, parse_key
+from ficache.registry import (
+    NewEntry,
+    PruneGroup,
+    Registry,
+    bulk_new_entry,
+    rank_scope,
+    validate_scope,
+)
 
 FIELDS = {
     "flashinfer_version": "0.7.2.post1",
@@ -108,6 +118,82 @@ def test_writing_nothing_new_creates_no_commit(reg: Registry, registry_db: str, 
 
     assert dump_db(registry_db) == before
     assert len(reg.log()) == 1
+
+
+class AnotherWriter:
+    """Another writer holding the registry's write lock (plain driver SQL) until ``release``:
+    SQLite's ``BEGIN IMMEDIATE``, or on PostgreSQL the advisory lock writers queue on."""
+
+    def __init__(self, db: str) -> None:
+        location = schema.resolve(db)
+        self.conn: Any
+        if location.path is not None:
+            self.conn = sqlite3.connect(location.path, isolation_level=None)
+            self.conn.execute("BEGIN IMMEDIATE")
+            self.release_sql = "ROLLBACK"
+        else:
+            import psycopg
+
+            self.conn = psycopg.connect(
+                db.replace("postgresql+psycopg://", "postgresql://"), autocommit=True
+            )
+            self.conn.execute(f"SELECT pg_advisory_lock({schema.PG_MIGRATION_LOCK_ID})")
+            self.release_sql = f"SELECT pg_advisory_unlock({schema.PG_MIGRATION_LOCK_ID})"
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.conn.execute(self.release_sql)
+            self.held = False
+
+    def close(self) -> None:
+        self.release()
+        self.conn.close()
+
+
+def test_a_write_that_finds_the_lock_busy_retries_and_commits_once(
+    reg: Registry, registry_db: str
+) -> None:
+    """The write's first attempt waits out a short lock timeout while another writer holds
+    the lock, and fails busy. The other writer lets go exactly then, from SQLAlchemy's
+    ``handle_error`` event on that failure (no sleeps, no timing): the retry takes the
+    lock and the write commits, once."""
+    reg.write([entry(H200, 16, 1)], kind="import")
+    if reg.engine.dialect.name == "sqlite":
+
+        @event.listens_for(reg.engine, "connect")  # after ficache's own: this one wins
+        def short_busy_timeout(dbapi_connection: Any, _record: Any) -> None:
+            dbapi_connection.execute("PRAGMA busy_timeout = 20")
+
+    else:
+        reg.engine.update_execution_options(ficache_lock_timeout_ms=20)
+    lock_attempts: list[str] = []
+    failures: list[str] = []
+
+    @event.listens_for(reg.engine, "before_cursor_execute")
+    def count_lock_attempts(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if statement == "BEGIN IMMEDIATE" or "pg_advisory_xact_lock" in statement:
+            lock_attempts.append(statement)
+
+    other = AnotherWriter(registry_db)
+
+    @event.listens_for(reg.engine, "handle_error")
+    def other_writer_lets_go(context: Any) -> None:
+        failures.append(str(context.original_exception).splitlines()[0])
+        other.release()
+
+    try:
+        result = reg.write([entry(H200, 32, 2)], kind="import", message="after a busy wait")
+    finally:
+        other.close()
+
+    # One busy failure (the first attempt), then a second attempt that committed.
+    assert failures in (["database is locked"], ["canceling statement due to lock timeout"])
+    assert len(lock_attempts) == 2 and lock_attempts[0] == lock_attempts[1]
+    assert (result.commit_id, result.added) == (2, 1)
+    assert [(c.id, c.message) for c in reg.log()] == [(2, "after a busy wait"), (1, None)]
+    assert count(reg, "commits") == 2 and count(reg, "entry_changes") == 2
+    assert current(reg) == {(1, "shared", key(16)): "1", (1, "shared", key(32)): "2"}
 
 
 def test_replacing_keeps_the_old_value_in_history(reg: Registry) -> None:
@@ -423,3 +509,13 @@ def test_scopes() -> None:
     for bad in ["", "rank1", "tp4/rank", "tp4/rankx", "/rank1", "a/b/rank1"]:
         with pytest.raises(ValueError):
             validate_scope(bad)
+
+
+def test_bulk_new_entry_builds_the_same_entry_as_the_constructor() -> None:
+    values = (H200, key(16), "CutlassRunner", "[1]", "[2]", "tp2/rank1", parse_key(key(16)), 12.5)
+
+    fast = bulk_new_entry(*values)
+
+    assert fast == NewEntry(*values)
+    assert vars(fast) == vars(NewEntry(*values))  # every field, in field order
+    assert list(vars(fast)) == [f.name for f in dataclasses.fields(NewEntry)]

@@ -215,6 +215,12 @@ def test_unsynchronized_entries_are_never_shared(world: tuple[int, Any]) -> None
         assert r["first"]["standin"]["reduces"] == 0
         # Identical on every rank, yet tuned without synchronizing: stored per rank.
         assert rep["disagreements"] == 0 and rep["shared"] == 0 and rep["scoped"] == ALL * n
+        assert (rep["committed"], rep["commit_id"]) == (ALL * n, 1)
+    # The registry holds them so: one commit, every rank's entries in its own scope, none shared.
+    assert per_rank[0]["registry"] == {
+        "commits": 1,
+        "scopes": {f"world{n}/rank{rank}": ALL for rank in range(n)},
+    }
 
 
 def test_registry_directory_cannot_be_created(world: tuple[int, Any]) -> None:
@@ -228,13 +234,26 @@ def test_corrupt_registry(world: tuple[int, Any]) -> None:
     _n, results = world
     per_rank = scenario(results, "corrupt")
     assert_uncached(per_rank, "first", "is not a SQLite database")
-    assert all(r["unchanged"] for r in per_rank)
+    for r in per_rank:
+        # The garbage is byte-identical, still unreadable (nothing stored in it), and
+        # nothing else was written beside it (no side files, no second registry).
+        assert r["unchanged"] is True
+        assert r["after"] == {"sha256": r["written"], "files": ["registry.db"]}
+        assert r["registry"] == {"error": "file is not a database"}
 
 
 def test_truncated_registry(world: tuple[int, Any]) -> None:
     _n, results = world
     per_rank = scenario(results, "truncated")
+    for rep in reports(per_rank, "setup"):  # the file was a registry holding entries
+        assert (rep["status"], rep["committed"]) == ("cold", ALL)
     assert_uncached(per_rank, "first", "is corrupt")
+    # The truncated file is byte-identical, still unreadable (the tuned entries were
+    # stored nowhere in it), and nothing was written beside it.
+    truncated = per_rank[0]
+    assert truncated["before"]["files"] == ["registry.db"]
+    assert truncated["after"] == truncated["before"]
+    assert truncated["registry"] == {"error": "database disk image is malformed"}
 
 
 def test_newer_schema(world: tuple[int, Any]) -> None:
@@ -284,7 +303,7 @@ def test_a_rank_whose_load_fails_makes_every_rank_tune_from_empty(world: tuple[i
     for r in per_rank:
         assert r["first"]["report"]["loaded_by_rank"] == [0] * n
         assert r["first"]["report"]["synchronized"] is True
-    assert per_rank[0]["registry"]["commits"] == 1  # the setup's only
+    assert per_rank[0]["registry"] == {"commits": 1, "scopes": {"shared": ALL}}  # the setup's
 
 
 def test_heterogeneous_ranks_tune_uncached_and_commit_nothing(world: tuple[int, Any]) -> None:
@@ -296,7 +315,7 @@ def test_heterogeneous_ranks_tune_uncached_and_commit_nothing(world: tuple[int, 
         assert r["first"]["report"]["synchronized"] is True
     entries = [r["first"]["entries"] for r in per_rank]
     assert all(e == entries[0] for e in entries)
-    assert per_rank[0]["registry"]["commits"] == 1
+    assert per_rank[0]["registry"] == {"commits": 1, "scopes": {"shared": ALL}}  # the setup's
 
 
 def test_exception_after_tuning_on_one_rank(world: tuple[int, Any]) -> None:
@@ -354,7 +373,7 @@ def test_a_peer_that_misses_where_the_others_hit_fails_fast(world: tuple[int, An
         assert rep["committed"] == 0 and rep["reason"].startswith(
             "nothing committed: rank 1 raised RuntimeError"
         )
-    assert per_rank[0]["registry"]["commits"] == 1
+    assert per_rank[0]["registry"] == {"commits": 1, "scopes": {"shared": ALL}}  # the setup's
 
 
 def test_no_collective_waited_out_its_timeout(world: tuple[int, Any]) -> None:

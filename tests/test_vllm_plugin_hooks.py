@@ -1,16 +1,24 @@
-"""The vLLM plugin's mechanics that need no vLLM: the switch, the import hook, the fallback.
+"""The vLLM plugin's mechanics that need no vLLM: the switch, the import hook, the fallback,
+and one worker's start (its log line and the provenance it commits).
 
 Runs everywhere (``tests/test_vllm_plugin.py`` covers the real thing under
 ``tox -e vllm``). The module being patched is a stand-in module written to
-``tmp_path`` and named as such: ``TARGET_MODULE`` is pointed at it.
+``tmp_path`` and named as such: ``TARGET_MODULE`` is pointed at it. A worker's
+start runs the plugin's wrapper body (``_run``) in this one process, with
+stand-ins for what ``_plan`` reads from vLLM (its config and tuning group),
+over a real SQLite registry and the real AutoTuner.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import logging
+import re
+import sqlite3
 import sys
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -29,17 +37,52 @@ def flashinfer_autotune(runner, *, skip_attn=False):
 """
 
 
-@pytest.fixture
-def standin_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """A stand-in for vLLM's kernel_warmup (only ``flashinfer_autotune``), importable, not imported."""
-    name = f"ficache_standin_kernel_warmup_{tmp_path.name.replace('-', '_')}"
-    (tmp_path / f"{name}.py").write_text(STANDIN_KERNEL_WARMUP)
+#: A stand-in for vLLM 0.33's kernel_warmup with what the wrapper uses: its per-rank file
+#: resolver and v2 switch (both replaced during a start), and ``flashinfer_autotune``, which
+#: tunes the CPU stand-in op as vLLM's dummy runs would tune FlashInfer's ops.
+STANDIN_KERNEL_WARMUP_033 = """
+from ficache.standin import standin_tune
+
+calls = []
+
+
+def resolve_rank_flashinfer_autotune_file(runner):
+    return "vllm's own per-rank file"
+
+
+def use_flashinfer_autotune_v2(runner):
+    return True
+
+
+def flashinfer_autotune(runner):
+    calls.append(
+        (str(resolve_rank_flashinfer_autotune_file(runner)), use_flashinfer_autotune_v2(runner))
+    )
+    standin_tune()
+    return "vllm's result"
+"""
+
+
+def install_standin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, suffix: str = ""
+) -> str:
+    """Write a stand-in kernel_warmup module, importable, not imported; point the plugin at it."""
+    name = f"ficache_standin_kernel_warmup{suffix}_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(plugin, "TARGET_MODULE", name)
     monkeypatch.setattr(plugin, "_finder", None)
     monkeypatch.setattr(plugin, "_warned", set())
+    monkeypatch.setattr(plugin, "_last_report", None)
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     monkeypatch.delenv("FICACHE_VLLM", raising=False)
+    return name
+
+
+@pytest.fixture
+def standin_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A stand-in for vLLM's kernel_warmup (only ``flashinfer_autotune``), importable, not imported."""
+    name = install_standin(tmp_path, monkeypatch, STANDIN_KERNEL_WARMUP)
     yield name
     sys.modules.pop(name, None)
 
@@ -145,3 +188,122 @@ def test_switched_off_at_call_time_calls_the_original(
 )
 def test_layout_of_a_parallel_config(config: dict[str, Any], layout: str) -> None:
     assert plugin.layout_of(SimpleNamespace(**config)) == layout
+
+
+# -- one worker's start -------------------------------------------------------------------
+
+#: The per-worker line as the README documents it (its example lines must match it too).
+LOG_LINE = re.compile(
+    r"ficache: (cold|warm|partial|uncached) start on rank \d+/\d+ \(tp\d+-pp\d+-dp\d+-ep\d+\): "
+    r"loaded \d+, tuned \d+, committed \d+( \(commit \d+\))? in \d+\.\d\d s(; .+)?"
+)
+README = Path(__file__).resolve().parent.parent / "README.md"
+MODEL = "Qwen/Qwen3-30B-A3B-FP8"
+
+
+class StandInVllmConfig:
+    """STAND-IN for vLLM's ``VllmConfig``: the parts the plugin reads (a tp1 server of MODEL)."""
+
+    parallel_config = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
+    model_config = SimpleNamespace(model=MODEL)
+
+    def compute_hash(self) -> str:
+        return "standin-config-hash"
+
+
+#: STAND-IN for vLLM's tuning ``GroupCoordinator`` of a one-process server: no process
+#: group, so the warm start runs as world 1 (as ``warm_start(None)`` does undistributed).
+ONE_PROCESS_GROUP = SimpleNamespace(cpu_group=None, rank_in_group=0, world_size=1)
+
+
+@pytest.fixture
+def standin_target_033(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    name = install_standin(tmp_path, monkeypatch, STANDIN_KERNEL_WARMUP_033, "_033")
+    yield name
+    sys.modules.pop(name, None)
+
+
+def readme_log_lines() -> list[str]:
+    text = README.read_text()
+    block = text.split("At startup every worker logs one line from logger `ficache.vllm`:", 1)[1]
+    return block.split("```", 2)[1].strip().splitlines()
+
+
+def test_the_readme_log_lines_follow_the_documented_format() -> None:
+    lines = readme_log_lines()
+
+    assert [line.split(" start")[0] for line in lines] == [
+        "ficache: cold",
+        "ficache: warm",
+        "ficache: uncached",
+    ]
+    for line in lines:
+        assert LOG_LINE.fullmatch(line), line
+
+
+def test_a_worker_start_logs_the_readme_line_and_commits_the_model_in_its_provenance(
+    standin_target_033: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    autotuner: Any,
+) -> None:
+    module = importlib.import_module(standin_target_033)
+    registry = tmp_path / "registry.db"
+    monkeypatch.setenv("FICACHE_DB", str(registry))
+    monkeypatch.setenv("FICACHE_ADOPT", "0")  # no vLLM caches here to adopt
+    config = StandInVllmConfig()
+    plan = plugin._Plan(
+        ONE_PROCESS_GROUP,
+        plugin.layout_of(config.parallel_config),
+        plugin.provenance_of(config),
+    )
+    original = module.flashinfer_autotune
+    runner = object()
+
+    def worker_start() -> Any:
+        autotuner.clear_cache()  # a restarted server holds nothing yet
+        result = plugin._run(plan, original, module, runner, (), {})
+        assert result == "vllm's result"
+        return plugin.last_report()
+
+    with caplog.at_level(logging.INFO, logger="ficache.vllm"):
+        cold = worker_start()
+        warm = worker_start()
+        garbage = tmp_path / "garbage.db"
+        garbage.write_bytes(b"not a registry\n" * 64)
+        monkeypatch.setenv("FICACHE_DB", str(garbage))
+        uncached = worker_start()
+    lines = [r.getMessage() for r in caplog.records if r.name == "ficache.vllm"]
+
+    where = "rank 0/1 (tp1-pp1-dp1-ep1)"
+    assert lines == [
+        f"ficache: cold start on {where}: loaded 0, tuned 18, committed 18 (commit 1) "
+        f"in {cold.total_seconds:.2f} s",
+        f"ficache: warm start on {where}: loaded 18, tuned 0, committed 0 "
+        f"in {warm.total_seconds:.2f} s",
+        f"ficache: uncached start on {where}: loaded 0, tuned 18, committed 0 "
+        f"in {uncached.total_seconds:.2f} s; {garbage} is not a SQLite database; pass another "
+        "--db or move the file away",
+    ]
+    assert all(LOG_LINE.fullmatch(line) for line in lines)
+    assert [r.levelname for r in caplog.records if r.name == "ficache.vllm"] == ["INFO"] * 3
+    # During each call vLLM's own file cache pointed into a scratch directory and v2 was off;
+    # afterwards both are vLLM's again.
+    assert [
+        (Path(file).parent.name.startswith("ficache-vllm-rank0-"), v2) for file, v2 in module.calls
+    ] == [(True, False)] * 3
+    assert module.resolve_rank_flashinfer_autotune_file(runner) == "vllm's own per-rank file"
+    assert module.use_flashinfer_autotune_v2(runner) is True
+
+    with closing(sqlite3.connect(registry)) as conn:
+        rows = conn.execute("SELECT kind, added, provenance FROM commits ORDER BY id").fetchall()
+    [(kind, added, provenance_json)] = rows  # the warm and uncached starts committed nothing
+    provenance = json.loads(provenance_json)
+    assert (kind, added) == ("startup", 18)
+    assert {k: provenance[k] for k in ("framework", "model", "vllm_config_hash", "layout")} == {
+        "framework": "vllm",
+        "model": MODEL,
+        "vllm_config_hash": "standin-config-hash",
+        "layout": "tp1-pp1-dp1-ep1",
+    }
