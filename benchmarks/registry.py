@@ -151,9 +151,9 @@ def bench_big(total: int, per_fp: int, reps: int, tmp: Path) -> None:
         for f in range(n_fp):
             reg.write(
                 (
-                    NewEntry(fingerprint(f), k, v[0], canonical_json(v[1]), canonical_json(v[2]))
+                    NewEntry(fingerprint(f), k, v[0], canonical_json(v[1]), canonical_json(v[2]))  # type: ignore[index]
                     for k, v in items
-                ),  # type: ignore[index]
+                ),
                 kind="import",
             )
     build_s = time.perf_counter() - t0

@@ -199,7 +199,12 @@ def default_sources(environ: Mapping[str, str] | None = None) -> Sources:
 
 def sources_at(root: str | os.PathLike[str]) -> Sources:
     """One root the user named; ``VllmCacheError`` when it is not a directory."""
-    path = Path(root).expanduser()
+    try:
+        path = Path(root).expanduser()
+    except RuntimeError:  # ~user of a user without a home directory
+        raise VllmCacheError(
+            f"cannot find the home directory in {os.fspath(root)!r}; give vLLM's cache root"
+        ) from None
     if not path.is_dir():
         what = "does not exist" if not path.exists() else "is not a directory"
         raise VllmCacheError(

@@ -6,29 +6,49 @@ Invariants:
   added, replaced or removed (keeping the replaced value). A write that
   would change nothing adds nothing and returns ``commit_id=None``.
 - A write either commits whole or leaves the registry exactly as it was.
-  Writers queue on the registry's write lock (``BEGIN IMMEDIATE`` on SQLite)
-  and retry when the lock is busy past the busy timeout.
+  Writers queue on the registry's write lock (``BEGIN IMMEDIATE`` on SQLite,
+  an advisory lock on PostgreSQL) and retry when the lock is busy past the
+  busy timeout.
 - Exports render stored JSON fragments; a stored key is exported verbatim.
 - Destructive operations are plans first (``PrunePlan``), then a commit that
-  records what it removed, so ``revert`` can restore it.
+  records what it removed, so ``revert`` can restore it. ``write`` given
+  ``expected`` commit ids (a merge plan's) checks them inside its
+  transaction and raises ``ConflictError``, writing nothing, when any
+  differs: a plan is never applied to a state it was not made from.
 - ``revert`` refuses (``ConflictError``) when a later commit changed an entry
   the reverted commit touched; it never overwrites later work.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import getpass
 import json
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import Connection, Engine, Table, bindparam, delete, func, insert, select, update
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Table,
+    bindparam,
+    case,
+    delete,
+    func,
+    insert,
+    literal,
+    null,
+    select,
+    update,
+)
+from sqlalchemy import text as sql_text
 from sqlalchemy.exc import DatabaseError, IntegrityError, OperationalError
 
 from ficache import schema
+from ficache._gcpause import paused_gc
 from ficache.errors import (
     ConflictError,
     FicacheError,
@@ -55,6 +75,14 @@ H = cast(Table, EntryChangeRow.__table__)
 T = TypeVar("T")
 
 COMMIT_KINDS = ("import", "startup", "merge", "revert", "prune")
+#: The largest row id SQLite stores (a signed 64-bit integer).
+MAX_ROW_ID = 2**63 - 1
+
+#: ``write``'s ``expected``: (fingerprint, scope, key) -> commit id, or its pairs.
+_Expected = (
+    Mapping[tuple[Fingerprint, str, str], int | None]
+    | Sequence[tuple[tuple[Fingerprint, str, str], int | None]]
+)
 WRITE_ATTEMPTS = 4
 _CHUNK = 500  # rows per IN (...) list
 
@@ -77,7 +105,7 @@ def validate_scope(scope: str) -> str:
     raise ValueError(f"scope must be 'shared' or '<layout>/rank<N>', got {scope!r}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class NewEntry:
     """One entry a writer wants stored."""
 
@@ -88,6 +116,42 @@ class NewEntry:
     policy_json: str | None = None
     scope: str = SHARED_SCOPE
     fields: KeyFields | None = None  # parsed ``key``, when the caller has it
+    tuned_at: float | None = None  # when the value was tuned; None: now
+
+
+def bulk_new_entry(
+    fingerprint: Fingerprint,
+    key: str,
+    runner: str,
+    tactic_json: str,
+    policy_json: str | None,
+    scope: str,
+    fields: KeyFields | None,
+    tuned_at: float | None,
+) -> NewEntry:
+    """``NewEntry(...)`` with every field given, at half the cost: for bulk readers.
+
+    ``NewEntry`` is frozen, so its generated ``__init__`` sets each field
+    through ``object.__setattr__``; this sets them through the slots' own
+    setters, as that does underneath. The same object.
+    """
+    entry = _object_new(NewEntry)
+    set_fp, set_key, set_runner, set_tactic, set_policy, set_scope, set_fields, set_tuned = (
+        _NEW_ENTRY_SETTERS
+    )
+    set_fp(entry, fingerprint)
+    set_key(entry, key)
+    set_runner(entry, runner)
+    set_tactic(entry, tactic_json)
+    set_policy(entry, policy_json)
+    set_scope(entry, scope)
+    set_fields(entry, fields)
+    set_tuned(entry, tuned_at)
+    return entry
+
+
+_object_new = object.__new__
+_NEW_ENTRY_SETTERS = tuple(vars(NewEntry)[f.name].__set__ for f in dataclasses.fields(NewEntry))
 
 
 @dataclass(frozen=True)
@@ -126,6 +190,7 @@ class FingerprintInfo:
     fingerprint: Fingerprint
     entries: int
     created_at: float
+    last_served_at: float | None = None  # when a warm start last served it; None: never
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -134,6 +199,7 @@ class FingerprintInfo:
             **self.fingerprint.as_dict(),
             "entries": self.entries,
             "created_at": self.created_at,
+            "last_served_at": self.last_served_at,
         }
 
 
@@ -164,6 +230,7 @@ class WriteResult:
     replaced: int = 0
     removed: int = 0
     unchanged: int = 0
+    kept: int = 0  # values not written: the entry held another one (``keep_existing``)
 
     @property
     def changed(self) -> int:
@@ -211,10 +278,13 @@ class Stats:
     revision: str | None
     location: str
     size_bytes: int | None
+    #: ``(fingerprint id, last served at)``; None: never served by a warm start.
+    last_served: tuple[tuple[int, float | None], ...] = ()
 
     def as_json(self) -> dict[str, Any]:
         data = {k: getattr(self, k) for k in self.__dataclass_fields__}
         data["ops"] = dict(self.ops)
+        data["last_served"] = {str(fid): served for fid, served in self.last_served}
         return data
 
 
@@ -262,6 +332,7 @@ _ENTRY_STATE = (
     E.c.tactic,
     E.c.policy,
     E.c.commit_id,
+    E.c.tuned_at,
 )
 
 _ENTRY_COLUMNS = (
@@ -276,6 +347,7 @@ _ENTRY_COLUMNS = (
     "policy",
     "commit_id",
     "updated_at",
+    "tuned_at",
 )
 _CHANGE_COLUMNS = (
     "commit_id",
@@ -287,7 +359,38 @@ _CHANGE_COLUMNS = (
     "old_tactic",
     "old_policy",
     "old_commit_id",
+    "old_tuned_at",
+    "new_runner",
+    "new_tactic",
+    "new_policy",
 )
+
+
+def _added_changes_from_entries() -> Any:
+    """``INSERT INTO entry_changes ... SELECT`` of the ``added`` rows of a commit.
+
+    One statement instead of a bound row per entry: the entries a commit
+    added are the rows holding its id before it replaces any, in the order
+    they were inserted (the order of their ids).
+    """
+    values = {
+        "commit_id": E.c.commit_id,
+        "fingerprint_id": E.c.fingerprint_id,
+        "scope": E.c.scope,
+        "key": E.c.key,
+        "action": literal("added", H.c.action.type),
+        "old_runner": null(),
+        "old_tactic": null(),
+        "old_policy": null(),
+        "old_commit_id": null(),
+        "old_tuned_at": null(),
+        "new_runner": E.c.runner,
+        "new_tactic": E.c.tactic,
+        "new_policy": E.c.policy,
+    }
+    assert tuple(values) == _CHANGE_COLUMNS
+    rows = select(*values.values()).where(E.c.commit_id == bindparam("commit_id")).order_by(E.c.id)
+    return insert(H).from_select(list(values), rows)
 
 
 def _inserted_id(result: Any) -> int:
@@ -317,7 +420,7 @@ class Registry:
         location = schema.resolve(db)
         engine, readonly = schema.make_engine(location, create=create)
         try:
-            schema.ensure_schema(engine, location, readonly=readonly)
+            schema.ensure_schema(engine, location, readonly=readonly, create=create)
         except BaseException:
             engine.dispose()
             raise
@@ -360,7 +463,11 @@ class Registry:
                 counts = dict(conn.execute(count_query).all())
                 return [
                     FingerprintInfo(
-                        row.id, _fingerprint_from_row(row), counts.get(row.id, 0), row.created_at
+                        row.id,
+                        _fingerprint_from_row(row),
+                        counts.get(row.id, 0),
+                        row.created_at,
+                        row.last_served_at,
                     )
                     for row in conn.execute(fp_query)
                 ]
@@ -377,8 +484,9 @@ class Registry:
     def fingerprint(self, ref: int | str) -> FingerprintInfo:
         """Find a stored fingerprint by id or (a prefix of at least 6 of) its digest."""
         text = str(ref).strip()
-        if text.isdigit():
-            found = self.fingerprints(ids=[int(text)])
+        if text.isascii() and text.isdigit():
+            # Past the largest id a database stores ("²" is a digit int() refuses): not found.
+            found = self.fingerprints(ids=[int(text)]) if int(text) <= MAX_ROW_ID else []
             if found:
                 return found[0]
         elif len(text) >= 6:
@@ -471,6 +579,32 @@ class Registry:
 
         return self._guard(run)
 
+    def entry_values(
+        self, fingerprint_ids: Sequence[int]
+    ) -> list[tuple[int, str, str, str, str, str | None, float]]:
+        """``(fingerprint_id, scope, key, runner, tactic, policy, tuned_at)`` of every
+        entry of ``fingerprint_ids``: an entry's value with when it was tuned, as
+        bundles and merges copy it (``tuned_at`` falls back to ``updated_at``)."""
+        query = (
+            select(
+                E.c.fingerprint_id,
+                E.c.scope,
+                E.c.key,
+                E.c.runner,
+                E.c.tactic,
+                E.c.policy,
+                func.coalesce(E.c.tuned_at, E.c.updated_at),
+            )
+            .where(E.c.fingerprint_id.in_(list(fingerprint_ids)))
+            .order_by(E.c.fingerprint_id, E.c.scope, E.c.key)
+        )
+
+        def run() -> list[tuple[int, str, str, str, str, str | None, float]]:
+            with self._read() as conn:
+                return [tuple(row) for row in conn.execute(query)]
+
+        return self._guard(run)
+
     def export_text(self, fingerprint_id: int, *, scope: str = SHARED_SCOPE) -> tuple[str, int]:
         """The FlashInfer cache file of one stored fingerprint's entries, and its size."""
         info = self.fingerprint(fingerprint_id)
@@ -528,12 +662,19 @@ class Registry:
         def run() -> Stats:
             with self._read() as conn:
                 n_fp = conn.execute(select(func.count()).select_from(F)).scalar_one()
-                per_scope = dict(
-                    conn.execute(
-                        select(E.c.scope == SHARED_SCOPE, func.count()).group_by(
-                            E.c.scope == SHARED_SCOPE
-                        )
-                    ).all()
+                # Counted with CASE: PostgreSQL will not group by an expression
+                # holding a bound parameter (each use binds a parameter of its own).
+                n_entries, n_shared = conn.execute(
+                    select(
+                        func.count(),
+                        func.coalesce(func.sum(case((E.c.scope == SHARED_SCOPE, 1), else_=0)), 0),
+                    ).select_from(E)
+                ).one()
+                last_served = tuple(
+                    (int(fid), served)
+                    for fid, served in conn.execute(
+                        select(F.c.id, F.c.last_served_at).order_by(F.c.id)
+                    )
                 )
                 ops = tuple(
                     (op, n)
@@ -545,9 +686,13 @@ class Registry:
                 )
                 n_commits, last = conn.execute(select(func.count(), func.max(C.c.created_at))).one()
                 revision = schema.current_revision(conn)
-            shared = int(per_scope.get(True, 0) or per_scope.get(1, 0))
-            scoped = int(per_scope.get(False, 0) or per_scope.get(0, 0))
-            size = None
+                size = None
+                if conn.dialect.name == "postgresql":
+                    size = conn.execute(
+                        sql_text("SELECT pg_database_size(current_database())")
+                    ).scalar_one()
+            shared = int(n_shared)
+            scoped = int(n_entries) - shared
             if self.location.path is not None and self.location.path.exists():
                 size = sum(
                     p.stat().st_size
@@ -568,6 +713,7 @@ class Registry:
                 revision,
                 self.location.display,
                 size,
+                last_served,
             )
 
         return self._guard(run)
@@ -598,13 +744,14 @@ class Registry:
                 delay *= 4
         raise AssertionError("unreachable")
 
-    def _fingerprint_id(self, conn: Connection, fp: Fingerprint, now: float) -> int:
+    def _fingerprint_id(self, conn: Connection, fp: Fingerprint, now: float) -> tuple[int, bool]:
+        """The id of ``fp``'s row, inserting it when absent; True when inserted."""
         found = conn.execute(select(F.c.id).where(F.c.digest == fp.digest)).scalar_one_or_none()
         if found is not None:
-            return int(found)
+            return int(found), False
         values = fp.as_dict()
         result = conn.execute(insert(F).values(digest=fp.digest, created_at=now, **values))
-        return _inserted_id(result)
+        return _inserted_id(result), True
 
     @staticmethod
     def _new_commit(conn: Connection, now: float, kind: str, **values: Any) -> int:
@@ -636,56 +783,157 @@ class Registry:
         world_size: int | None = None,
         layout: str | None = None,
         provenance: dict[str, Any] | None = None,
+        removals: Iterable[tuple[Fingerprint, str, str]] = (),
+        expected: _Expected | None = None,
+        keep_existing: bool = False,
     ) -> WriteResult:
-        """Store ``entries`` (insert or replace) as one commit."""
+        """Store ``entries`` (insert or replace) and delete ``removals`` as one commit.
+
+        ``removals`` are ``(fingerprint, scope, key)`` of entries to delete; an
+        absent one is skipped. Each deletion is recorded as ``removed`` with
+        its old value and ``tuned_at``, so ``revert`` restores it.
+        ``expected`` maps some of those identities (of ``entries`` or
+        ``removals``) to the commit id that must have written their current
+        value (None: absent), as a mapping or as ``(identity, commit id)``
+        pairs, each identity once; when any differs inside the transaction,
+        ``ConflictError`` is raised and nothing is written (a plan made from
+        an older state is never applied to a newer one).
+        ``keep_existing=True``: an entry that already holds another value
+        keeps it, decided inside the transaction (under the write lock); the
+        new value is not written and is counted in ``WriteResult.kept``.
+        """
+        with paused_gc():  # a large write allocates many small objects, no cycles
+            return self._write_entries(
+                entries,
+                kind=kind,
+                message=message,
+                world_size=world_size,
+                layout=layout,
+                provenance=provenance,
+                removals=removals,
+                expected=expected,
+                keep_existing=keep_existing,
+            )
+
+    def _write_entries(
+        self,
+        entries: Iterable[NewEntry],
+        *,
+        kind: str,
+        message: str | None,
+        world_size: int | None,
+        layout: str | None,
+        provenance: dict[str, Any] | None,
+        removals: Iterable[tuple[Fingerprint, str, str]],
+        expected: _Expected | None,
+        keep_existing: bool,
+    ) -> WriteResult:
+        """``write``'s body, run with the garbage collector paused."""
         # Entries keyed by (fingerprint index, scope, key); a later duplicate wins.
         fingerprints: dict[Fingerprint, int] = {}
         scopes_by_fp: list[set[str]] = []
         wanted: dict[tuple[int, str, str], NewEntry] = {}
         last_fp: Fingerprint | None = None
         fp_index = -1
+        scopes: set[str] = set()
         for entry in entries:
-            if entry.fingerprint is not last_fp:  # entries come in runs of one fingerprint
-                last_fp = entry.fingerprint
-                fp_index = fingerprints.setdefault(last_fp, len(fingerprints))
+            fp = entry.fingerprint
+            if fp is not last_fp:  # entries come in runs of one fingerprint: hash it once
+                last_fp = fp
+                fp_index = fingerprints.setdefault(fp, len(fingerprints))
                 if fp_index == len(scopes_by_fp):
                     scopes_by_fp.append(set())
-            if entry.scope not in scopes_by_fp[fp_index]:
-                validate_scope(entry.scope)
-                scopes_by_fp[fp_index].add(entry.scope)
-            wanted[(fp_index, entry.scope, entry.key)] = entry
-        if not wanted:
+                scopes = scopes_by_fp[fp_index]
+            scope = entry.scope
+            if scope not in scopes:
+                validate_scope(scope)
+                scopes.add(scope)
+            wanted[(fp_index, scope, entry.key)] = entry
+        removal_ids: set[tuple[Fingerprint, str, str]] = set()
+        for fp, scope, key in removals:
+            validate_scope(scope)
+            if fp in fingerprints and (fingerprints[fp], scope, key) in wanted:
+                raise ValueError(f"entry {key[:80]!r} is both written and removed")
+            removal_ids.add((fp, scope, key))
+        if not wanted and not removal_ids:
             return WriteResult(None)
-        # Parse keys before the transaction: the lock is held for SQL only.
-        fields = {}
+        # Parse keys before the transaction (the lock is held for SQL only):
+        # those of entries that do not carry their parsed key already.
+        fields: dict[str, KeyFields] = {}
         for (_fp, _scope, key), entry in wanted.items():
-            if key not in fields:
-                kf = entry.fields
-                if kf is None:
-                    try:
-                        kf = parse_key(key)
-                    except ValueError as exc:
-                        raise FicacheError(
-                            f"entry key {key[:80]!r} is not a FlashInfer key: {exc}"
-                        ) from None
-                fields[key] = (kf.op, kf.shapes_json, kf.extras)
+            if entry.fields is None and key not in fields:
+                try:
+                    fields[key] = parse_key(key)
+                except ValueError as exc:
+                    raise FicacheError(
+                        f"entry key {key[:80]!r} is not a FlashInfer key: {exc}"
+                    ) from None
 
         def body(conn: Connection) -> WriteResult:
             now = time.time()
-            fp_ids = [self._fingerprint_id(conn, fp, now) for fp in fingerprints]
-            existing: dict[tuple[int, str, str], tuple[int, str, str, str | None, int]] = {}
-            for index, fid in enumerate(fp_ids):
+            fp_ids = []
+            new_fids = set()  # inserted just now: they hold no entries yet
+            for fp in fingerprints:
+                fid, created = self._fingerprint_id(conn, fp, now)
+                fp_ids.append(fid)
+                if created:
+                    new_fids.add(fid)
+            fid_of = dict(zip(fingerprints, fp_ids, strict=True))
+            scopes_by_fid = {fid: set(scopes_by_fp[i]) for i, fid in enumerate(fp_ids)}
+            for fp, scope, _key in removal_ids:
+                if fp not in fid_of:  # looked up, never created: nothing of it to remove
+                    found = conn.execute(
+                        select(F.c.id).where(F.c.digest == fp.digest)
+                    ).scalar_one_or_none()
+                    if found is None:
+                        continue
+                    fid_of[fp] = int(found)
+                scopes_by_fid.setdefault(fid_of[fp], set()).add(scope)
+            existing: dict[
+                tuple[int, str, str], tuple[int, str, str, str | None, int, float | None]
+            ] = {}
+            for fid, scopes in scopes_by_fid.items():
+                if fid in new_fids:
+                    continue
                 query = select(
-                    E.c.id, E.c.scope, E.c.key, E.c.runner, E.c.tactic, E.c.policy, E.c.commit_id
-                ).where(E.c.fingerprint_id == fid, E.c.scope.in_(sorted(scopes_by_fp[index])))
-                for eid, scope, key, runner, tactic, policy, cid in conn.execute(query):
-                    existing[(fid, scope, key)] = (eid, runner, tactic, policy, cid)
+                    E.c.id,
+                    E.c.scope,
+                    E.c.key,
+                    E.c.runner,
+                    E.c.tactic,
+                    E.c.policy,
+                    E.c.commit_id,
+                    E.c.tuned_at,
+                ).where(E.c.fingerprint_id == fid, E.c.scope.in_(sorted(scopes)))
+                for eid, scope, key, runner, tactic, policy, cid, tuned in conn.execute(query):
+                    existing[(fid, scope, key)] = (eid, runner, tactic, policy, cid, tuned)
+            if expected:
+                stale = 0
+                last_fp, fid = None, -1
+                pairs = expected.items() if isinstance(expected, Mapping) else expected
+                for (fp, scope, key), commit in pairs:
+                    if fp is not last_fp:  # runs of one fingerprint: hash it once
+                        last_fp, fid = fp, fid_of.get(fp, -1)
+                    now_row = existing.get((fid, scope, key)) if existing else None
+                    stale += (now_row[4] if now_row is not None else None) != commit
+                if stale:
+                    raise ConflictError(
+                        f"{stale} of {len(expected)} entries changed since the plan was made; "
+                        "nothing written, run the command again"
+                    )
+            removed = []
+            for fp, scope, key in sorted(removal_ids, key=lambda r: (r[0].digest, r[1], r[2])):
+                known = existing.get((fid_of.get(fp, -1), scope, key))
+                if known is not None:
+                    removed.append((fid_of[fp], scope, key, known))
             added: list[tuple[int, str, str, NewEntry]] = []
             replaced: list[
-                tuple[int, str, str, NewEntry, tuple[int, str, str, str | None, int]]
+                tuple[int, str, str, NewEntry, tuple[int, str, str, str | None, int, float | None]]
             ] = []
-            unchanged = 0
-            for (index, scope, key), entry in wanted.items():
+            unchanged = kept = 0
+            if not existing:  # the common bulk case: new keys (or a new fingerprint) only
+                added = [(fp_ids[i], scope, key, e) for (i, scope, key), e in wanted.items()]
+            for (index, scope, key), entry in wanted.items() if existing else ():
                 fid = fp_ids[index]
                 old = existing.get((fid, scope, key))
                 if old is None:
@@ -696,10 +944,12 @@ class Registry:
                     entry.policy_json,
                 ):
                     unchanged += 1
+                elif keep_existing:
+                    kept += 1
                 else:
                     replaced.append((fid, scope, key, entry, old))
-            if not added and not replaced:
-                raise _NothingToWrite(WriteResult(None, unchanged=unchanged))
+            if not added and not replaced and not removed:
+                raise _NothingToWrite(WriteResult(None, unchanged=unchanged, kept=kept))
             commit_id = self._new_commit(
                 conn,
                 now,
@@ -710,26 +960,30 @@ class Registry:
                 provenance=provenance,
                 added=len(added),
                 replaced=len(replaced),
+                removed=len(removed),
             )
-            rows = []
-            for fid, scope, key, entry in added:
-                op, shapes, extras = fields[key]
-                rows.append(
-                    (
-                        fid,
-                        scope,
-                        key,
-                        op,
-                        entry.runner,
-                        shapes,
-                        extras,
-                        entry.tactic_json,
-                        entry.policy_json,
-                        commit_id,
-                        now,
-                    )
+            rows = [
+                (
+                    fid,
+                    scope,
+                    key,
+                    (kf := e.fields or fields[key]).op,
+                    e.runner,
+                    kf.shapes_json,
+                    kf.extras,
+                    e.tactic_json,
+                    e.policy_json,
+                    commit_id,
+                    now,
+                    now if (tuned_at := e.tuned_at) is None else tuned_at,
                 )
+                for fid, scope, key, e in added
+            ]
             _insert_many(conn, E, rows, _ENTRY_COLUMNS)
+            if added:
+                # Their change rows, copied inside the database: the only
+                # entries of this new commit so far are the ones just added.
+                conn.execute(_added_changes_from_entries(), {"commit_id": commit_id})
             if replaced:
                 conn.execute(
                     update(E)
@@ -740,6 +994,7 @@ class Registry:
                         policy=bindparam("policy"),
                         commit_id=bindparam("commit_id"),
                         updated_at=bindparam("updated_at"),
+                        tuned_at=bindparam("tuned_at"),
                     ),
                     [
                         {
@@ -749,6 +1004,7 @@ class Registry:
                             "policy": entry.policy_json,
                             "commit_id": commit_id,
                             "updated_at": now,
+                            "tuned_at": entry.tuned_at if entry.tuned_at is not None else now,
                         }
                         for _fid, _scope, _key, entry, old in replaced
                     ],
@@ -758,18 +1014,53 @@ class Registry:
                 H,
                 [
                     *(
-                        (commit_id, fid, scope, key, "added", None, None, None, None)
-                        for fid, scope, key, _e in added
+                        (
+                            commit_id,
+                            fid,
+                            scope,
+                            key,
+                            "replaced",
+                            old[1],
+                            old[2],
+                            old[3],
+                            old[4],
+                            old[5],
+                            e.runner,
+                            e.tactic_json,
+                            e.policy_json,
+                        )
+                        for fid, scope, key, e, old in replaced
                     ),
                     *(
-                        (commit_id, fid, scope, key, "replaced", old[1], old[2], old[3], old[4])
-                        for fid, scope, key, _e, old in replaced
+                        (
+                            commit_id,
+                            fid,
+                            scope,
+                            key,
+                            "removed",
+                            old[1],
+                            old[2],
+                            old[3],
+                            old[4],
+                            old[5],
+                            None,
+                            None,
+                            None,
+                        )
+                        for fid, scope, key, old in removed
                     ),
                 ],
                 _CHANGE_COLUMNS,
             )
+            for chunk in _chunks([old[0] for _fid, _scope, _key, old in removed]):
+                conn.execute(delete(E).where(E.c.id.in_(list(chunk))))
             return WriteResult(
-                commit_id, added=len(added), replaced=len(replaced), unchanged=unchanged
+                commit_id,
+                added=len(added),
+                replaced=len(replaced),
+                removed=len(removed),
+                unchanged=unchanged,
+                kept=kept,
             )
 
         try:
@@ -793,6 +1084,15 @@ class Registry:
         refused before anything is written.
         """
         validate_scope(scope)
+        with paused_gc():  # one NewEntry per entry: many small objects, no cycles
+            new = self._entries_of_files(files, fingerprint, scope)
+            message = ", ".join(source for source, _ in files)
+            return self.write(new, kind=kind, message=message[:2000], provenance=provenance)
+
+    @staticmethod
+    def _entries_of_files(
+        files: Sequence[tuple[str, CacheFile]], fingerprint: Fingerprint | None, scope: str
+    ) -> list[NewEntry]:
         new: list[NewEntry] = []
         for source, cache in files:
             if cache.metadata is not None:
@@ -804,12 +1104,12 @@ class Registry:
                     f"{source} has no _metadata, so its environment is unknown; "
                     "import it with --fingerprint ID|current"
                 )
+            make = bulk_new_entry
             new.extend(
-                NewEntry(fp, e.key, e.runner, e.tactic_json, e.policy_json, scope, e.fields)
+                make(fp, e.key, e.runner, e.tactic_json, e.policy_json, scope, e.fields, None)
                 for e in cache.entries
             )
-        message = ", ".join(source for source, _ in files)
-        return self.write(new, kind=kind, message=message[:2000], provenance=provenance)
+        return new
 
     # -- prune --------------------------------------------------------------
 
@@ -820,17 +1120,25 @@ class Registry:
         flashinfer_versions: Sequence[str] = (),
         older_than_seconds: float | None = None,
         scope: str | None = None,
+        unused_for_seconds: float | None = None,
         now: float | None = None,
     ) -> PrunePlan:
-        """Plan removing entries matching all the given criteria (at least one)."""
+        """Plan removing entries matching all the given criteria (at least one).
+
+        ``unused_for_seconds``: entries of fingerprints no warm start has
+        served for that long: last served before ``now - unused_for_seconds``,
+        or, never served, created before it (``ficache.usage``).
+        """
         if (
             not fingerprint_ids
             and not flashinfer_versions
             and older_than_seconds is None
             and scope is None
+            and unused_for_seconds is None
         ):
             raise FicacheError(
-                "prune needs a criterion: --fingerprint, --flashinfer-version, --older-than or --scope"
+                "prune needs a criterion: --fingerprint, --flashinfer-version, --older-than, "
+                "--unused-for or --scope"
             )
         criteria: list[tuple[str, str]] = []
         query = select(
@@ -851,6 +1159,16 @@ class Registry:
         if scope is not None:
             query = query.where(E.c.scope == validate_scope(scope))
             criteria.append(("scope", scope))
+        if unused_for_seconds is not None:
+            cutoff = (now if now is not None else time.time()) - unused_for_seconds
+            last_used = func.coalesce(F.c.last_served_at, F.c.created_at)
+            query = query.where(last_used < cutoff)
+            shown = (
+                f"{unused_for_seconds:.0f}"
+                if unused_for_seconds.is_integer()
+                else f"{unused_for_seconds:g}"
+            )
+            criteria.append(("unused_for_seconds", shown))
         query = query.order_by(E.c.id)
 
         def run() -> PrunePlan:
@@ -905,6 +1223,7 @@ class Registry:
                         "old_tactic": r.tactic,
                         "old_policy": r.policy,
                         "old_commit_id": r.commit_id,
+                        "old_tuned_at": r.tuned_at,
                     }
                     for r in rows
                 ],
@@ -981,6 +1300,7 @@ class Registry:
                             policy=ch.old_policy,
                             commit_id=new_id,
                             updated_at=now,
+                            tuned_at=ch.old_tuned_at if ch.old_tuned_at is not None else now,
                         )
                     )
                     history.append((ch, "replaced", now_row))
@@ -1000,6 +1320,7 @@ class Registry:
                             policy=ch.old_policy,
                             commit_id=new_id,
                             updated_at=now,
+                            tuned_at=ch.old_tuned_at if ch.old_tuned_at is not None else now,
                         )
                     )
                     history.append((ch, "added", None))
@@ -1018,6 +1339,11 @@ class Registry:
                             "old_tactic": old.tactic if old is not None else None,
                             "old_policy": old.policy if old is not None else None,
                             "old_commit_id": old.commit_id if old is not None else None,
+                            "old_tuned_at": old.tuned_at if old is not None else None,
+                            # A revert writes back the value the reverted change replaced.
+                            "new_runner": ch.old_runner if action != "removed" else None,
+                            "new_tactic": ch.old_tactic if action != "removed" else None,
+                            "new_policy": ch.old_policy if action != "removed" else None,
                         }
                         for ch, action, old in history
                     ],
@@ -1044,6 +1370,7 @@ __all__ = [
     "Stats",
     "StoredEntry",
     "WriteResult",
+    "bulk_new_entry",
     "rank_scope",
     "validate_scope",
 ]

@@ -98,12 +98,22 @@ def resolve(db: str | os.PathLike[str] | None = None) -> Location:
         if url.get_backend_name() == "sqlite":
             database = url.database
             if database and database != ":memory:" and not database.startswith("file:"):
-                path = Path(database).expanduser().resolve()
+                path = _local_path(database)
                 return Location(f"sqlite:///{path}", path)
             return Location(raw, None)
         return Location(raw, None)
-    path = Path(raw).expanduser().resolve()
+    path = _local_path(raw)
     return Location(f"sqlite:///{path}", path)
+
+
+def _local_path(text: str) -> Path:
+    """``text`` as an absolute path, ``~`` and ``~user`` expanded."""
+    try:
+        return Path(text).expanduser().resolve()
+    except RuntimeError as exc:  # ~user without a home directory; a symlink loop
+        raise RegistryError(
+            f"cannot use registry path {text!r} ({exc}); give another --db"
+        ) from None
 
 
 def _check_sqlite_file(path: Path) -> bool:

@@ -16,8 +16,10 @@ from samples import H200_METADATA
 from ficache.errors import CacheFileError
 from ficache.flashinfer_format import (
     KeyFields,
+    _check_entry,
     _common_key,
     _parse_key_general,
+    _read_entries,
     canonical_json,
     parse_cache_bytes,
     parse_key,
@@ -100,7 +102,9 @@ def test_the_common_key_fast_path_agrees_with_the_general_parser(parts: tuple) -
     key = str(parts)
     fast = _common_key(key)
     if fast is not None:  # None: the key falls through to the general parser
-        assert fast == _parse_key_general(key)
+        general = _parse_key_general(key)
+        assert fast == general
+        assert fast.shapes_json == general.shapes_json  # read from the key's text
 
 
 def test_parse_key_of_a_real_profiling_cache_key() -> None:
@@ -121,6 +125,62 @@ def test_parse_key_of_a_real_profiling_cache_key() -> None:
     assert fields.shapes == ((8, 7168), (256, 7168))
     assert fields.extras == "(torch.float8_e4m3fn, 256, 8, None, 2.5)"
     assert fields.shapes_json == "[[8, 7168], [256, 7168]]"
+
+
+json_values = st.recursive(
+    st.one_of(
+        st.integers(min_value=-(2**70), max_value=2**70),
+        st.booleans(),
+        st.none(),
+        st.text(alphabet='ab{}[]"\\é\n', max_size=6),
+        st.floats(),  # inf and nan too: json.loads makes inf of 1e999
+    ),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=2)
+    ),
+    max_leaves=12,
+)
+entry_values = st.one_of(
+    st.tuples(st.sampled_from(["CutlassFp4Runner", "Other", ""]), json_values).map(list),
+    st.tuples(st.just("CutlassFp4Runner"), json_values, json_values).map(list),
+    st.tuples(st.just("CutlassFp4Runner"), json_values, st.just(POLICY)).map(list),
+    json_values,
+)
+entry_keys = st.one_of(
+    st.just(KEY),
+    st.just(KEY.replace("(16, 4096)", "(016, 4096)")),
+    st.just(KEY.replace("(16, 4096)", "(-0, 4096)")),
+    keys.map(str),
+    st.text(max_size=30),
+)
+
+
+def _nested(depth: int) -> list:
+    value: list = [1]
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(entry_keys, entry_values), max_size=6))
+@example([(KEY, ["CutlassFp4Runner", _nested(7)]), (KEY2, ["CutlassFp4Runner", _nested(8)])])
+@example([(KEY, ["CutlassFp4Runner", 1, _nested(7)]), (KEY2, ["CutlassFp4Runner", 1, _nested(8)])])
+@example([(KEY, ["CutlassFp4Runner", ["[[[[[[[[["]]), (KEY2, ["CutlassFp4Runner", ["{"]])])
+@example([(KEY, ["CutlassFp4Runner", [float("inf")]]), (KEY2, ["CutlassFp4Runner", 1, [1e300]])])
+def test_the_fast_entry_path_decides_as_check_entry(items: list) -> None:
+    top = dict(items)
+    expected, problems = [], []
+    for key, value in top.items():
+        try:
+            expected.append(_check_entry(key, value))
+        except ValueError as exc:
+            problems.append(f"{key[:80]!r}: {exc}")
+
+    entries, fast_problems = _read_entries(top)
+
+    assert (entries, fast_problems) == (expected, problems)
+    assert [e.fields.shapes_json for e in entries] == [e.fields.shapes_json for e in expected]
 
 
 @settings(max_examples=300)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 import sqlite3
 from typing import Any
 
@@ -517,5 +518,7 @@ def test_bulk_new_entry_builds_the_same_entry_as_the_constructor() -> None:
     fast = bulk_new_entry(*values)
 
     assert fast == NewEntry(*values)
-    assert vars(fast) == vars(NewEntry(*values))  # every field, in field order
-    assert list(vars(fast)) == [f.name for f in dataclasses.fields(NewEntry)]
+    assert tuple(getattr(fast, f.name) for f in dataclasses.fields(NewEntry)) == values
+    assert pickle.loads(pickle.dumps(fast)) == fast
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.key = "other"  # type: ignore[misc]
