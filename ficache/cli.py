@@ -12,19 +12,26 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import click
 
 from ficache import __version__
 from ficache.errors import FicacheError, NotFoundError
+
+T = TypeVar("T")
+
+#: A commit id or row count as the CLI takes it: positive, and at most the largest
+#: integer SQLite stores (``ficache.registry.MAX_ROW_ID``; a larger one cannot be bound).
+POSITIVE_ID = click.IntRange(min=1, max=2**63 - 1)
 
 FORMAT = click.option(
     "--format",
@@ -99,6 +106,11 @@ def _when(ts: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 
 
+def _served(ts: float | None) -> str:
+    """When a warm start last served a fingerprint (``never`` for NULL)."""
+    return "never" if ts is None else _when(ts)
+
+
 def _dump_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=False))
 
@@ -153,6 +165,23 @@ def _confirm_or_stop(question: str, *, dry_run: bool, yes: bool) -> None:
         sys.exit(1)
 
 
+#: Reading at least this many sources shows a progress bar (on a terminal only).
+PROGRESS_MIN_SOURCES = 4
+
+
+@contextlib.contextmanager
+def _progress(items: Sequence[T], label: str) -> Iterator[Iterable[T]]:
+    """``items``, with a progress bar on stderr when it is a terminal and they are many.
+
+    Piped or captured output never shows it, so scripts see clean streams.
+    """
+    if len(items) < PROGRESS_MIN_SOURCES or not sys.stderr.isatty():
+        yield items
+        return
+    with click.progressbar(items, label=label, file=sys.stderr) as bar:
+        yield bar
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--db",
@@ -192,7 +221,7 @@ def fingerprint_cmd(fmt: str) -> None:
 @FORMAT
 @pass_ctx
 def fingerprints_cmd(obj: _Context, fmt: str) -> None:
-    """List stored fingerprints with their entry counts."""
+    """List stored fingerprints with their entry counts and when a start last served each."""
     with obj.registry(create=False) as reg:
         infos = reg.fingerprints()
     if fmt == "json":
@@ -202,9 +231,15 @@ def fingerprints_cmd(obj: _Context, fmt: str) -> None:
 
     click.echo(
         _table(
-            ["id", "entries", "digest", *ALL_FIELDS],
+            ["id", "entries", "last served", "digest", *ALL_FIELDS],
             [
-                (i.id, i.entries, i.fingerprint.short_digest, *i.fingerprint.as_dict().values())
+                (
+                    i.id,
+                    i.entries,
+                    _served(i.last_served_at),
+                    i.fingerprint.short_digest,
+                    *i.fingerprint.as_dict().values(),
+                )
                 for i in infos
             ],
         )
@@ -215,7 +250,7 @@ def fingerprints_cmd(obj: _Context, fmt: str) -> None:
 
 
 @cli.command("import")
-@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("files", nargs=-1, type=click.Path(path_type=Path))
 @click.option(
     "--fingerprint",
     "fingerprint_ref",
@@ -229,18 +264,70 @@ def fingerprints_cmd(obj: _Context, fmt: str) -> None:
     show_default=True,
     help="Rank scope of the entries: 'shared' or '<layout>/rank<N>'.",
 )
+@click.option(
+    "--from-vllm",
+    "from_vllm",
+    is_flag=False,
+    flag_value="",
+    default=None,
+    metavar="[ROOT]",
+    help="Adopt vLLM's own FlashInfer autotune caches (vLLM 0.27-0.33) under ROOT "
+    "[default: VLLM_CACHE_ROOT or ~/.cache/vllm, VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR, "
+    "FlashInfer's v2 store].",
+)
+@click.option(
+    "--layout",
+    metavar="NAME",
+    help="With --from-vllm: the layout that per-rank files are scoped to, as the vLLM "
+    "plugin names it (tp4-pp1-dp1-ep4) [default: tp<files>-pp1-dp<D>-ep1].",
+)
 @FORMAT
 @pass_ctx
 def import_cmd(
-    obj: _Context, files: tuple[Path, ...], fingerprint_ref: str | None, scope: str, fmt: str
+    obj: _Context,
+    files: tuple[Path, ...],
+    fingerprint_ref: str | None,
+    scope: str,
+    from_vllm: str | None,
+    layout: str | None,
+    fmt: str,
 ) -> None:
-    """Import FlashInfer autotune cache files, all of them as one commit.
+    """Import FlashInfer autotune cache files, or ficache bundles, all of them as one commit.
 
     Every file is read and validated first: one invalid file imports nothing.
+    A bundle (from `export --bundle`) is recognised by its content and keeps
+    its own fingerprints, scopes and tuning times.
+
+    A directory is a FlashInfer v2 store (`autotune_v2`): its root, or one
+    environment directory under root/v2/. Every environment is imported with
+    its fingerprint and measurement policy; malformed entries are skipped and
+    counted, as FlashInfer treats them as misses.
+
+    --from-vllm adopts what vLLM already tuned: its autotune files (one per
+    deployment in vLLM 0.27-0.31, one per rank since 0.32) and its v2 store.
+    Entries equal on every rank of a deployment are stored shared, the rest
+    scoped to their rank; unreadable files are skipped and counted.
     """
+    from ficache.bundle import is_bundle
     from ficache.flashinfer_format import read_cache_file
 
-    parsed = [(str(f), read_cache_file(f)) for f in files]
+    if from_vllm is not None:
+        if files or fingerprint_ref is not None or scope != "shared":
+            raise click.UsageError("--from-vllm takes no FILES, --fingerprint or --scope")
+        _import_from_vllm(obj, from_vllm, layout, fmt)
+        return
+    if layout is not None:
+        raise click.UsageError("--layout goes with --from-vllm")
+    if not files:
+        raise click.UsageError("give FILES to import, or --from-vllm")
+    if any(f.is_dir() for f in files):
+        _import_v2_stores(obj, files, fingerprint_ref, scope, fmt)
+        return
+    if any(is_bundle(f) for f in files):
+        _import_bundles(obj, files, fingerprint_ref, scope, fmt)
+        return
+    with _progress(files, "reading files") as items:
+        parsed = [(str(f), read_cache_file(f)) for f in items]
     with obj.registry() as reg:
         fp = _resolve_fingerprint(reg, fingerprint_ref) if fingerprint_ref else None
         result = reg.import_cache(parsed, fingerprint=fp, scope=scope)
@@ -276,13 +363,240 @@ def import_cmd(
         )
 
 
+def _import_from_vllm(obj: _Context, root: str, layout: str | None, fmt: str) -> None:
+    """``import --from-vllm``: find and read vLLM's caches, then one commit (if any)."""
+    from ficache.adopt import (
+        V2_STORE,
+        KnownLayout,
+        default_sources,
+        plan_adoption,
+        sources_at,
+    )
+    from ficache.registry import rank_scope
+
+    known = None
+    if layout is not None:
+        try:
+            rank_scope(layout, 0)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="'--layout'") from None
+        known = KnownLayout(None, layout)
+    sources = sources_at(root) if root else default_sources()
+    plan = plan_adoption(sources, known=known)
+    result = None
+    if not plan.is_empty:
+        with obj.registry() as reg:
+            result = plan.execute(reg)
+    if fmt == "json":
+        _dump_json(
+            {
+                "roots": [str(p) for p in (*sources.roots, *sources.v2_roots)],
+                "layouts": [g.as_json() for g in plan.layouts],
+                "v2_environments": [s.as_json() for s in plan.stores],
+                "files": plan.files,
+                "entries": len(plan.entries),
+                "shared": plan.shared,
+                "scoped": plan.scoped,
+                "conflicts": plan.conflicts,
+                "skipped": plan.skipped_count,
+                "ignored_records": plan.ignored_records,
+                "commit": result.commit_id if result else None,
+                "added": result.added if result else 0,
+                "replaced": result.replaced if result else 0,
+                "unchanged": result.unchanged if result else 0,
+            }
+        )
+    else:
+        rows = [
+            (g.kind, g.layout, len(g.files), g.shared, g.scoped, g.skipped, g.directory)
+            for g in plan.layouts
+        ]
+        rows += [
+            (V2_STORE, "shared", s.files, s.entries, 0, s.skipped, s.path) for s in plan.stores
+        ]
+        if rows:
+            click.echo(
+                _table(
+                    ["kind", "layout", "files", "shared", "scoped", "skipped", "directory"], rows
+                )
+            )
+        if result is None:
+            click.echo(f"found nothing to adopt under {sources.display}")
+        else:
+            where = (
+                f"commit {result.commit_id}"
+                if result.commit_id is not None
+                else "nothing new, no commit"
+            )
+            click.echo(
+                f"adopted {len(plan.entries)} entries ({plan.shared} shared, {plan.scoped} "
+                f"scoped) from {plan.files} file(s): {result.added} added, {result.replaced} "
+                f"replaced, {result.unchanged} unchanged ({where})"
+            )
+    if plan.skipped_count:
+        click.echo(
+            f"warning: skipped {plan.skipped_count} unreadable file(s), entr(ies) or "
+            f"environment(s); first: {plan.skipped[0]}",
+            err=True,
+        )
+    if plan.conflicts:
+        click.echo(
+            f"warning: {plan.conflicts} entr(ies) held different values in two vLLM caches; "
+            "the later cache's value was kept (v2 store over per-rank files over a single file)",
+            err=True,
+        )
+    if plan.ignored_records:
+        click.echo(
+            f"warning: {plan.ignored_records} record namespace(s) or protocol record(s) were not "
+            "imported (ficache stores tactics only)",
+            err=True,
+        )
+
+
+def _import_v2_stores(
+    obj: _Context, dirs: tuple[Path, ...], fingerprint_ref: str | None, scope: str, fmt: str
+) -> None:
+    """``import`` of FlashInfer v2 stores: read every one, then one commit."""
+    from ficache.v2_store import import_stores, measurement_label, read_store
+
+    if not all(d.is_dir() for d in dirs):
+        raise click.UsageError("import v2 store directories and files in separate commands")
+    if fingerprint_ref is not None:
+        raise click.UsageError("a v2 store's manifest names its environments; drop --fingerprint")
+    stores = [read_store(d) for d in dirs]
+    with obj.registry() as reg:
+        result = import_stores(reg, stores, scope=scope)
+    envs = [env for store in stores for env in store.environments]
+    entries = sum(s.entries for s in stores)
+    skipped_entries = sum(s.skipped_entries for s in stores)
+    skipped_envs = [skip for s in stores for skip in s.skipped_environments]
+    records = sum(s.records for s in stores)
+    if fmt == "json":
+        _dump_json(
+            {
+                "stores": len(stores),
+                "environments": [
+                    {
+                        "env_hash": e.env_hash,
+                        "fingerprint": e.fingerprint.digest,
+                        "measurement": e.measurement_fields,
+                        "entries": len(e.entries),
+                        "skipped_entries": e.skipped,
+                        "records": e.records,
+                    }
+                    for e in envs
+                ],
+                "entries": entries,
+                "skipped_entries": skipped_entries,
+                "skipped_environments": len(skipped_envs),
+                "ignored_records": records,
+                "commit": result.commit_id,
+                "added": result.added,
+                "replaced": result.replaced,
+                "unchanged": result.unchanged,
+            }
+        )
+    else:
+        if envs:
+            click.echo(
+                _table(
+                    ["environment", "fingerprint", "measurement", "entries", "skipped"],
+                    (
+                        (
+                            e.env_hash,
+                            e.fingerprint.short_digest,
+                            measurement_label(e.measurement_fields),
+                            len(e.entries),
+                            e.skipped,
+                        )
+                        for e in envs
+                    ),
+                )
+            )
+        where = (
+            f"commit {result.commit_id}"
+            if result.commit_id is not None
+            else "nothing new, no commit"
+        )
+        click.echo(
+            f"imported {entries} entries from {len(envs)} environment(s): {result.added} added, "
+            f"{result.replaced} replaced, {result.unchanged} unchanged ({where})"
+        )
+    if skipped_entries:
+        first = next(s for e in envs for s in e.first_skipped)
+        click.echo(
+            f"warning: skipped {skipped_entries} malformed entr{'y' if skipped_entries == 1 else 'ies'}"
+            f" (FlashInfer treats them as misses); first: {first}",
+            err=True,
+        )
+    if skipped_envs:
+        click.echo(
+            f"warning: skipped {len(skipped_envs)} environment(s) with a malformed manifest; "
+            f"first: {skipped_envs[0]}",
+            err=True,
+        )
+    if records:
+        click.echo(
+            f"warning: {records} protocol record(s) were not imported (ficache stores tactics only)",
+            err=True,
+        )
+
+
+def _import_bundles(
+    obj: _Context, files: tuple[Path, ...], fingerprint_ref: str | None, scope: str, fmt: str
+) -> None:
+    """``import`` of bundles: verify every one, then one commit."""
+    from ficache.bundle import import_bundles, is_bundle, read_bundle
+
+    if not all(is_bundle(f) for f in files):
+        raise click.UsageError("import bundles and FlashInfer cache files in separate commands")
+    if fingerprint_ref is not None or scope != "shared":
+        raise click.UsageError(
+            "a bundle carries its own fingerprints and scopes; drop --fingerprint/--scope"
+        )
+    bundles = [(str(f), read_bundle(f)) for f in files]
+    with obj.registry() as reg:
+        result = import_bundles(reg, bundles)
+    total = sum(len(b.entries) for _, b in bundles)
+    ignored_records = sum(b.record_namespaces for _, b in bundles)
+    if fmt == "json":
+        _dump_json(
+            {
+                "files": len(bundles),
+                "entries": total,
+                "commit": result.commit_id,
+                "added": result.added,
+                "replaced": result.replaced,
+                "unchanged": result.unchanged,
+                "ignored_record_namespaces": ignored_records,
+            }
+        )
+    else:
+        where = (
+            f"commit {result.commit_id}"
+            if result.commit_id is not None
+            else "nothing new, no commit"
+        )
+        click.echo(
+            f"imported {total} entries from {len(bundles)} bundle(s): {result.added} added, "
+            f"{result.replaced} replaced, {result.unchanged} unchanged ({where})"
+        )
+    if ignored_records:
+        click.echo(
+            f"warning: {ignored_records} record namespace(s) were not imported "
+            "(ficache stores tactics only)",
+            err=True,
+        )
+
+
 @cli.command("export")
 @click.option(
     "--fingerprint",
-    "fingerprint_ref",
-    required=True,
+    "fingerprint_refs",
+    multiple=True,
     metavar="ID|current",
-    help="A stored fingerprint id, or `current` for what this environment would load.",
+    help="A stored fingerprint id, or `current` for what this environment would load "
+    "(repeatable with --bundle).",
 )
 @click.option(
     "--scope",
@@ -297,11 +611,67 @@ def import_cmd(
     type=click.Path(dir_okay=False, path_type=Path),
     help="Write the cache file here (atomically) instead of stdout.",
 )
+@click.option(
+    "--bundle",
+    "bundle_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write a ficache bundle here instead: every scope of the given fingerprints "
+    "(or --all), reproducible byte for byte.",
+)
+@click.option("--all", "all_fingerprints", is_flag=True, help="With --bundle: every fingerprint.")
+@click.option(
+    "--v2-store",
+    "v2_root",
+    type=click.Path(path_type=Path),
+    metavar="DIR",
+    help="Publish the entries into this FlashInfer v2 store root (autotune_v2's "
+    "cache_root) instead, where FlashInfer's lookup and preload serve them.",
+)
+@click.option(
+    "--measurement-policy",
+    "measurement_spec",
+    metavar="default|FIELD=VALUE,...",
+    help="With --v2-store: the MeasurementPolicy the server attaches with "
+    "(execution_mode, cold_l2, timer, graph_timing) [default: the one recorded at import].",
+)
 @pass_ctx
-def export_cmd(obj: _Context, fingerprint_ref: str, scope: str, output: Path | None) -> None:
-    """Export a FlashInfer cache file that AutoTuner.load_configs accepts."""
+def export_cmd(
+    obj: _Context,
+    fingerprint_refs: tuple[str, ...],
+    scope: str,
+    output: Path | None,
+    bundle_path: Path | None,
+    all_fingerprints: bool,
+    v2_root: Path | None,
+    measurement_spec: str | None,
+) -> None:
+    """Export a FlashInfer cache file that AutoTuner.load_configs accepts, or a bundle.
+
+    With --bundle FILE, write one ficache bundle (for images) holding every
+    scope of the given stored fingerprints, or of all with --all.
+
+    With --v2-store DIR, publish one environment directory of a FlashInfer
+    v2 store (`autotune_v2`) instead; exporting twice gives identical files.
+    """
     from ficache.flashinfer_format import write_atomic
 
+    if v2_root is not None:
+        if bundle_path is not None or output is not None or all_fingerprints:
+            raise click.UsageError("--v2-store is its own output; drop --bundle/--all/-o")
+        if len(fingerprint_refs) != 1:
+            raise click.UsageError("--v2-store needs one --fingerprint ID|current")
+        _export_v2_store(obj, v2_root, fingerprint_refs[0], scope, measurement_spec)
+        return
+    if measurement_spec is not None:
+        raise click.UsageError("--measurement-policy needs --v2-store DIR")
+    if bundle_path is not None:
+        _export_bundle(obj, bundle_path, fingerprint_refs, all_fingerprints, scope, output)
+        return
+    if all_fingerprints:
+        raise click.UsageError("--all needs --bundle FILE")
+    if len(fingerprint_refs) != 1:
+        raise click.UsageError("give one --fingerprint ID|current (several need --bundle FILE)")
+    [fingerprint_ref] = fingerprint_refs
     with obj.registry(create=False) as reg:
         if fingerprint_ref == "current":
             from ficache.fingerprint import collect
@@ -317,6 +687,56 @@ def export_cmd(obj: _Context, fingerprint_ref: str, scope: str, output: Path | N
     except OSError as exc:
         _fail(f"cannot write {output}: {exc.strerror}")
     click.echo(f"wrote {count} entries to {output}", err=True)
+
+
+def _export_v2_store(
+    obj: _Context, root: Path, fingerprint_ref: str, scope: str, measurement_spec: str | None
+) -> None:
+    """``export --v2-store``: the library plans and writes, the CLI prints."""
+    from ficache.v2_store import measurement_label, parse_measurement_policy, plan_export
+
+    measurement = (
+        parse_measurement_policy(measurement_spec) if measurement_spec is not None else None
+    )
+    with obj.registry(create=False) as reg:
+        export = plan_export(reg, fingerprint_ref, scope=scope, measurement=measurement)
+    result = export.write(root)
+    lazy = (
+        f"; {export.not_preloadable} not preloadable, served by lookup only"
+        if export.not_preloadable
+        else ""
+    )
+    click.echo(
+        f"exported {len(export.files)} entries to {result.env_dir} "
+        f"(measurement policy {measurement_label(export.measurement)}): "
+        f"{result.written} written, {result.unchanged} unchanged{lazy}"
+    )
+
+
+def _export_bundle(
+    obj: _Context,
+    path: Path,
+    fingerprint_refs: tuple[str, ...],
+    all_fingerprints: bool,
+    scope: str,
+    output: Path | None,
+) -> None:
+    """``export --bundle``: the library writes, the CLI checks options and prints."""
+    from ficache.bundle import write_bundle
+
+    if all_fingerprints == bool(fingerprint_refs):
+        raise click.UsageError("--bundle needs --fingerprint ID (repeatable) or --all")
+    if "current" in fingerprint_refs:
+        raise click.UsageError("--bundle takes stored fingerprint ids or digests, not `current`")
+    if scope != "shared" or output is not None:
+        raise click.UsageError("--bundle holds every scope and is its own output; drop --scope/-o")
+    with obj.registry(create=False) as reg:
+        ids = None if all_fingerprints else [reg.fingerprint(ref).id for ref in fingerprint_refs]
+        summary = write_bundle(reg, path, ids)
+    click.echo(
+        f"wrote bundle {path}: {summary.entries} entries of {summary.fingerprints} "
+        f"fingerprint(s), {summary.size_bytes} bytes, sha256 {summary.digest}"
+    )
 
 
 # -- inspection ---------------------------------------------------------------
@@ -339,7 +759,7 @@ def export_cmd(obj: _Context, fingerprint_ref: str, scope: str, output: Path | N
     callback=_check_scope,
     help="Only entries of this scope ('shared' or '<layout>/rank<N>').",
 )
-@click.option("--limit", type=click.IntRange(min=1), help="Show at most this many entries.")
+@click.option("--limit", type=POSITIVE_ID, help="Show at most this many entries.")
 @FORMAT
 @pass_ctx
 def list_cmd(
@@ -393,7 +813,7 @@ def list_cmd(
 @FORMAT
 @pass_ctx
 def stats_cmd(obj: _Context, fmt: str) -> None:
-    """Summarise the registry: fingerprints, entries, ops, commits."""
+    """Summarise the registry: fingerprints, entries, ops, commits, last served times."""
     with obj.registry(create=False) as reg:
         stats = reg.stats()
     if fmt == "json":
@@ -419,12 +839,20 @@ def stats_cmd(obj: _Context, fmt: str) -> None:
     if stats.ops:
         click.echo()
         click.echo(_table(["op", "entries"], stats.ops))
+    if stats.last_served:
+        click.echo()
+        click.echo(
+            _table(
+                ["fingerprint", "last served"],
+                [(fid, _served(served)) for fid, served in stats.last_served],
+            )
+        )
 
 
 @cli.command("log")
 @click.option(
     "--limit",
-    type=click.IntRange(min=1),
+    type=POSITIVE_ID,
     default=20,
     show_default=True,
     help="Show at most this many commits, newest first.",
@@ -471,6 +899,192 @@ def log_cmd(obj: _Context, limit: int, fmt: str) -> None:
     )
 
 
+def _change_value(value: Any, *, known: bool = True) -> str:
+    """A value of ``show``'s table: ``-`` for none, ``?`` for one history did not keep."""
+    if value is not None:
+        return str(value)
+    return "-" if known else "?"
+
+
+@cli.command("show")
+@click.argument("commit_id", type=POSITIVE_ID)
+@FORMAT
+@pass_ctx
+def show_cmd(obj: _Context, commit_id: int, fmt: str) -> None:
+    """Show one commit: its provenance and every entry it added, replaced or removed."""
+    from ficache.history import commit_details
+
+    with obj.registry(create=False) as reg:
+        details = commit_details(reg, commit_id)
+    if fmt == "json":
+        _dump_json(details.as_json())
+        return
+    c = details.commit
+    who = f"{c.user}@{c.host}" if c.user else c.host
+    click.echo(f"commit {c.id}: {c.kind}, {_when(c.created_at)}, {who}")
+    if c.message:
+        click.echo(f"message: {c.message}")
+    if c.reverts_commit_id is not None:
+        click.echo(f"reverts: commit {c.reverts_commit_id}")
+    if c.world_size is not None or c.layout is not None:
+        click.echo(
+            f"world: {c.world_size if c.world_size is not None else '-'}, layout: {c.layout or '-'}"
+        )
+    click.echo(f"changes: {c.added} added, {c.replaced} replaced, {c.removed} removed")
+    if c.provenance:
+        click.echo("provenance:")
+        for line in json.dumps(c.provenance, indent=2, sort_keys=True).splitlines():
+            click.echo(f"  {line}")
+    rows = []
+    for ch in details.changes:
+        kf = ch.key_fields
+        rows.append(
+            (
+                ch.action,
+                ch.fingerprint_id,
+                ch.scope,
+                kf.op if kf is not None else ch.key,
+                kf.runner if kf is not None else "",
+                kf.shapes_json if kf is not None else "",
+                kf.extras if kf is not None else "",
+                _change_value(ch.old),
+                _change_value(ch.new, known=ch.new_known),
+            )
+        )
+    click.echo(
+        _table(
+            ["action", "fingerprint", "scope", "op", "runner", "shapes", "extras", "old", "new"],
+            rows,
+        )
+    )
+
+
+# -- merge ---------------------------------------------------------------------------
+
+#: ``ficache.merge.POLICIES``, repeated so that `--help` does not import the library.
+MERGE_POLICIES = ("keep", "theirs", "newest", "vote", "drop", "fail")
+#: Conflicts a text report lists (JSON lists them all).
+SHOWN_CONFLICTS = 50
+
+
+def _echo_merge_plan(plan: Any) -> None:
+    click.echo(f"merge plan (on conflict: {plan.policy}, {len(plan.sources)} source(s)):")
+    click.echo(
+        _table(
+            ["source", "kind", "entries", "sha256", "name"],
+            (
+                (n, s.kind, s.entries, s.digest[:12], s.name)
+                for n, s in enumerate(plan.sources, start=1)
+            ),
+        )
+    )
+    if plan.groups:
+        click.echo(
+            _table(
+                [
+                    "fingerprint",
+                    "digest",
+                    "gpu",
+                    "scope",
+                    "op",
+                    "added",
+                    "replaced",
+                    "removed",
+                    "identical",
+                    "conflicting",
+                ],
+                (
+                    (
+                        g.fingerprint_id if g.fingerprint_id is not None else "new",
+                        g.fingerprint[:12],
+                        g.gpu,
+                        g.scope,
+                        g.op,
+                        g.added,
+                        g.replaced,
+                        g.removed,
+                        g.identical,
+                        g.conflicting,
+                    )
+                    for g in plan.groups
+                ),
+            )
+        )
+    if plan.conflicts:
+        click.echo(f"conflicts ({plan.conflicting}):")
+        for c in plan.conflicts[:SHOWN_CONFLICTS]:
+            where = (
+                c.fingerprint_id if c.fingerprint_id is not None else f"new {c.fingerprint[:12]}"
+            )
+            held = ([f"target {c.target}"] if c.target is not None else []) + [
+                f"source {n} {v}" for n, v in c.sources
+            ]
+            click.echo(f"  {where} {c.scope} {c.key}: {'; '.join(held)} -> {c.resolution}")
+        if plan.conflicting > SHOWN_CONFLICTS:
+            click.echo(
+                f"  ... and {plan.conflicting - SHOWN_CONFLICTS} more (--format json lists all)"
+            )
+    click.echo(f"total: {plan.totals_str}")
+
+
+@cli.command("merge")
+@click.argument("sources", nargs=-1, required=True, metavar="SOURCE...")
+@click.option(
+    "--on-conflict",
+    "policy",
+    type=click.Choice(MERGE_POLICIES),
+    default="keep",
+    show_default=True,
+    help="Which value wins a conflict: the registry's (keep), the last source's (theirs), "
+    "the most recently tuned (newest), the most sources' (vote); or remove the key (drop), "
+    "or change nothing and exit 1 (fail).",
+)
+@click.option("--dry-run", is_flag=True, help="Show the plan and change nothing.")
+@FORMAT
+@pass_ctx
+def merge_cmd(
+    obj: _Context, sources: tuple[str, ...], policy: str, dry_run: bool, fmt: str
+) -> None:
+    """Merge registries, FlashInfer cache files and bundles into the registry as one commit.
+
+    A SOURCE is another registry (a path or SQLAlchemy URL), a FlashInfer
+    cache file or a bundle. Every source is read and verified first: one
+    damaged source merges nothing. A conflict is one fingerprint, scope and
+    key with different values; --on-conflict decides. Merging the same
+    sources again changes nothing. Revert a merge with `ficache revert`.
+    """
+    from ficache.merge import plan_merge, read_sources
+
+    with _progress(sources, "reading sources") as items:
+        opened = read_sources(items)
+    with obj.registry(create=not dry_run) as reg:
+        if not dry_run:
+            reg.require_writable()
+        plan = plan_merge(reg, opened, policy)
+        result = None if plan.refused or dry_run else plan.execute(reg)
+    commit_id = result.commit_id if result is not None else None
+    if fmt == "json":
+        _dump_json({**plan.as_json(), "dry_run": dry_run, "commit": commit_id})
+    else:
+        _echo_merge_plan(plan)
+        if dry_run and not plan.refused:
+            click.echo("dry run: nothing changed")
+        elif result is not None and commit_id is None:
+            click.echo("nothing to change, no commit")
+        elif result is not None:
+            click.echo(
+                f"merged as commit {commit_id}: {result.added} added, "
+                f"{result.replaced} replaced, {result.removed} removed"
+            )
+    ignored = sum(s.ignored_records for s in plan.sources)
+    if ignored:
+        click.echo(
+            f"warning: {ignored} record namespace(s) were not merged (ficache stores tactics only)",
+            err=True,
+        )
+    plan.check()  # a refused plan: one error line, exit 1
+
+
 # -- destructive ----------------------------------------------------------------
 
 
@@ -492,6 +1106,12 @@ def log_cmd(obj: _Context, limit: int, fmt: str) -> None:
 @click.option(
     "--older-than", type=AgeType(), help="Remove entries last written before this age (30d, 12h)."
 )
+@click.option(
+    "--unused-for",
+    type=AgeType(),
+    help="Remove entries of fingerprints no warm start served for this age (30d); one never "
+    "served counts from when it was stored.",
+)
 @click.option("--scope", callback=_check_scope, help="Remove only entries of this scope.")
 @click.option("--dry-run", is_flag=True, help="Show the plan and change nothing.")
 @click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
@@ -501,6 +1121,7 @@ def prune_cmd(
     fingerprint_refs: tuple[str, ...],
     versions: tuple[str, ...],
     older_than: float | None,
+    unused_for: float | None,
     scope: str | None,
     dry_run: bool,
     yes: bool,
@@ -515,6 +1136,7 @@ def prune_cmd(
                 flashinfer_versions=versions,
                 older_than_seconds=older_than,
                 scope=scope,
+                unused_for_seconds=unused_for,
             )
         except ValueError as exc:
             raise click.BadParameter(str(exc)) from None
@@ -538,7 +1160,7 @@ def prune_cmd(
 
 
 @cli.command("revert")
-@click.argument("commit_id", type=click.IntRange(min=1))
+@click.argument("commit_id", type=POSITIVE_ID)
 @click.option("--dry-run", is_flag=True, help="Show what would be reverted and change nothing.")
 @click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
 @pass_ctx
@@ -560,6 +1182,54 @@ def revert_cmd(obj: _Context, commit_id: int, dry_run: bool, yes: bool) -> None:
         f"reverted commit {commit_id} as commit {result.commit_id}: {result.removed} removed, "
         f"{result.replaced} restored, {result.added} re-added"
     )
+
+
+#: ``verify`` shows this many problems of each kind (``--format json`` shows all).
+VERIFY_EXAMPLES = 3
+
+
+@cli.command("verify")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="Output as a text report or as JSON.",
+)
+@pass_ctx
+def verify_cmd(obj: _Context, fmt: str) -> None:
+    """Check the registry (read-only): storage, schema, keys, history; exit 1 on problems."""
+    from ficache.verify import verify
+
+    report = verify(obj.db)
+    if fmt == "json":
+        _dump_json(report.as_json())
+        sys.exit(0 if report.ok else 1)
+    click.echo(
+        f"registry {report.location} ({report.backend}, schema {report.revision or '(none)'}), "
+        "checked read-only"
+    )
+    if report.checked is not None:
+        n = report.checked
+        click.echo(
+            f"checked {n.fingerprints} fingerprints, {n.entries} entries, {n.commits} commits, "
+            f"{n.changes} changes"
+        )
+    for note in report.notes:
+        click.echo(f"note: {note}")
+    if report.ok:
+        click.echo("ok: no problems")
+        return
+    found = len(report.problems)
+    click.echo(f"{found} problem{'s' if found != 1 else ''}:")
+    for kind, count in report.counts:
+        click.echo(f"{kind}: {count}")
+        for problem in report.examples(kind, VERIFY_EXAMPLES):
+            click.echo(f"  {problem.message}")
+        if count > VERIFY_EXAMPLES:
+            click.echo(f"  ... and {count - VERIFY_EXAMPLES} more")
+    sys.exit(1)
 
 
 # -- the startup protocol --------------------------------------------------------
@@ -612,6 +1282,19 @@ def _schema_engine(obj: _Context, *, create: bool) -> tuple[Any, Any]:
     return location, engine
 
 
+def _checked_revision(engine: Any, location: Any) -> str | None:
+    """The registry's revision (``schema.check_revision``); a database error is one line."""
+    from sqlalchemy.exc import DatabaseError
+
+    from ficache import schema
+
+    try:
+        with engine.connect() as conn:
+            return schema.check_revision(conn, location)
+    except DatabaseError as exc:  # a server that cannot be reached, say
+        raise schema.translate_operational_error(exc, location) from None
+
+
 @db_group.command("current")
 @pass_ctx
 def db_current(obj: _Context) -> None:
@@ -620,8 +1303,7 @@ def db_current(obj: _Context) -> None:
 
     location, engine = _schema_engine(obj, create=False)
     try:
-        with engine.connect() as conn:
-            revision = schema.check_revision(conn, location)
+        revision = _checked_revision(engine, location)
     finally:
         engine.dispose()
     head = schema.head_revision()
@@ -665,8 +1347,7 @@ def db_downgrade(obj: _Context, revision: str, dry_run: bool, yes: bool) -> None
 
     location, engine = _schema_engine(obj, create=False)
     try:
-        with engine.connect() as conn:
-            current = schema.check_revision(conn, location)
+        current = _checked_revision(engine, location)
         click.echo(
             f"downgrade plan: {location.display} from {current} to {revision}"
             + (" (drops all stored entries)" if revision == "base" else "")

@@ -57,3 +57,19 @@ class ConflictError(FicacheError):
 
 class TunerError(FicacheError):
     """The autotuner refused or failed an operation (FlashInfer rejected a cache, say)."""
+
+
+class BundleError(FicacheError):
+    """A ficache bundle is unreadable, damaged, truncated, foreign, hostile or too new."""
+
+
+class MergeConflictError(ConflictError):
+    """A merge under ``--on-conflict fail`` found conflicting entries; nothing changed."""
+
+
+class V2StoreError(FicacheError):
+    """A FlashInfer managed (v2) store cannot be read as one, or written here."""
+
+
+class VllmCacheError(FicacheError):
+    """A path given as vLLM's cache root cannot be searched for its autotune caches."""

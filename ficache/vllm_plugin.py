@@ -53,6 +53,23 @@ each other by shipping these per-rank files, find none; share a registry
 winners never reach the tuner's exported entries, so ficache could not
 commit them.
 
+Adopting what vLLM already tuned. A server that ran vLLM without ficache
+has paid for its tuning in vLLM's own caches; installing ficache must not
+make it pay again. So on a start whose registry holds nothing for its
+fingerprint, rank 0 of the tuning group first adopts vLLM's caches
+(``ficache.adopt``: every layout vLLM 0.27-0.33 writes under
+``VLLM_CACHE_ROOT``, ``VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR`` and FlashInfer's
+v2 store root) into the registry as one ``import`` commit, and logs one
+line saying what it adopted; its own deployment directory (vLLM's
+``flashinfer_autotune_root() / flashinfer_autotune_cache_hash(runner)``,
+computed without creating anything) is scoped to this start's layout and
+tuning-group ranks. This happens before the warm start, so rank 0 exports
+the adopted entries and every rank loads the same slice; the other ranks
+wait for it in the warm start's first collective. Adoption only reads
+vLLM's files. It is tried once per start and costs one read-only query
+once the registry holds entries. Any failure is logged and ignored (the
+start goes on without it). ``FICACHE_ADOPT=0`` turns it off.
+
 Invariants:
 - ``register`` never raises and imports nothing heavy (vLLM calls plugins
   outside any ``try``: a raising plugin would stop the server).
@@ -71,6 +88,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import importlib.abc
 import importlib.machinery
 import logging
@@ -85,6 +103,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ficache.adopt import KnownLayout
     from ficache.sync import WarmStartReport
 
 logger = logging.getLogger("ficache.vllm")
@@ -92,6 +111,9 @@ logger = logging.getLogger("ficache.vllm")
 TARGET_MODULE = "vllm.model_executor.warmup.kernel_warmup"
 TARGET_FUNCTION = "flashinfer_autotune"
 ENV_SWITCH = "FICACHE_VLLM"
+ENV_ADOPT = "FICACHE_ADOPT"
+#: vLLM's module of autotune cache helpers (where its deployment directory is named).
+CACHE_HELPERS_MODULE = "vllm.model_executor.warmup.flashinfer_autotune_cache"
 #: Module attributes of ``kernel_warmup`` the wrapper relies on.
 REQUIRED_ATTRIBUTES = (
     "flashinfer_autotune",
@@ -106,8 +128,17 @@ _warned: set[str] = set()
 _last_report: WarmStartReport | None = None
 
 
+def _switch(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+    return _switch(ENV_SWITCH)
+
+
+def adopt_enabled() -> bool:
+    """``FICACHE_ADOPT`` (default on): adopt vLLM's own caches into an empty registry."""
+    return _switch(ENV_ADOPT)
 
 
 def register() -> None:
@@ -320,6 +351,8 @@ def _run(
     kwargs: dict[str, Any],
 ) -> Any:
     coordinator = plan.coordinator
+    if coordinator.rank_in_group == 0 and adopt_enabled():
+        _adopt_vllm_caches(plan, runner)  # before rank 0 exports: every rank loads the same
     stack = contextlib.ExitStack()
     try:
         from ficache.sync import warm_start
@@ -361,6 +394,72 @@ def _run(
     finally:
         _log_report(ws.report, plan.layout)
     return result
+
+
+def _known_layout(plan: _Plan, runner: Any) -> KnownLayout | None:
+    """This deployment's directory of vLLM per-rank files, with its layout; None if unknown.
+
+    vLLM's own helpers name it; neither creates anything (unlike its
+    ``resolve_*`` functions, which make the directory).
+    """
+    from ficache.adopt import KnownLayout
+
+    try:
+        helpers = importlib.import_module(CACHE_HELPERS_MODULE)
+        directory = Path(helpers.flashinfer_autotune_root()) / str(
+            helpers.flashinfer_autotune_cache_hash(runner)
+        )
+    except Exception as exc:  # noqa: BLE001 - layouts are then derived from file names
+        logger.debug("ficache: cannot name vLLM's autotune directory (%s)", exc)
+        return None
+    return KnownLayout(directory, plan.layout, int(plan.coordinator.world_size))
+
+
+def _adopt_vllm_caches(plan: _Plan, runner: Any) -> None:
+    """Rank 0: adopt vLLM's own autotune caches when the registry holds nothing for us.
+
+    Never raises: any failure is one warning, and the start goes on without it.
+    """
+    try:
+        from ficache.adopt import adopt_into_empty_registry, default_sources
+        from ficache.fingerprint import collect
+
+        outcome = adopt_into_empty_registry(
+            os.environ.get("FICACHE_DB"),
+            collect(),
+            default_sources(),
+            known=_known_layout(plan, runner),
+            provenance=plan.provenance,
+        )
+    except Exception as exc:  # noqa: BLE001 - adoption must never stop a start
+        logger.warning(
+            "ficache: did not adopt vLLM's own FlashInfer autotune caches (%s: %s); "
+            "starting without them",
+            type(exc).__name__,
+            exc,
+        )
+        return
+    if outcome is None:
+        return  # the registry already holds entries for this environment
+    adopted = outcome.plan
+    if adopted.is_empty:
+        logger.debug("ficache: no vLLM autotune cache to adopt under %s", adopted.sources.display)
+        return
+    result = outcome.result
+    logger.info(
+        "ficache: adopted vLLM's FlashInfer autotune caches into the registry: %d entries "
+        "(%d shared, %d scoped) from %d file(s) in %d layout(s) and %d v2 environment(s), "
+        "%d added%s; skipped %d",
+        len(adopted.entries),
+        adopted.shared,
+        adopted.scoped,
+        adopted.files,
+        len(adopted.layouts),
+        len(adopted.stores),
+        result.added,
+        f" (commit {result.commit_id})" if result.commit_id is not None else "",
+        adopted.skipped_count,
+    )
 
 
 def _log_report(report: WarmStartReport, layout: str) -> None:

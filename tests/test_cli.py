@@ -1,12 +1,13 @@
 """The ``ficache`` command line: every command, exact output, exit codes, and
-bad input (one line on stderr, exit 1, registry unchanged)."""
+bad input (one line on stderr, exit 1, registry unchanged).
+
+Tests marked ``@both_backends`` run on SQLite and on PostgreSQL (the
+PostgreSQL cases in ``tox -e postgres``); the others are about SQLite files."""
 
 from __future__ import annotations
 
 import json
 import os
-import pty
-import select
 import socket
 import sqlite3
 import subprocess
@@ -17,7 +18,9 @@ from pathlib import Path
 
 import click
 import pytest
+from terminal import run_in_a_terminal
 
+from ficache import schema
 from ficache.cli import cli as ficache_cli
 from ficache.fingerprint import FLASHINFER_FIELDS, Fingerprint
 from ficache.registry import Registry
@@ -39,20 +42,24 @@ K32 = "('mm', 'Runner', ((32, 64),), (torch.bfloat16,))"
 K64 = "('mm', 'Runner', ((64, 64),), (torch.bfloat16,))"
 DIGEST = Fingerprint.from_flashinfer_metadata(META).digest
 
+#: Runs a test on SQLite and on PostgreSQL: ``cli`` and ``populated`` follow ``backend``.
+both_backends = pytest.mark.usefixtures("backend")
+
 
 def when(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 
 
 @pytest.fixture
-def populated(cli, cache_file, registry_path: Path) -> Path:
-    """A registry with one import (commit 1) of two H200 entries."""
+def populated(cli, cache_file, registry_path: Path, registry_db: str) -> Path | str:
+    """A registry with one import (commit 1) of two H200 entries: the SQLite
+    file's path, or in a test's PostgreSQL case the database's URL."""
     path = cache_file(
         "h200.json", {K16: ["Runner", [1, [2, 3]], POLICY], K32: ["Runner", 4]}, metadata=META
     )
     result = cli("import", path)
     assert (result.exit_code, result.stderr) == (0, "")
-    return registry_path
+    return registry_path if registry_db == str(registry_path) else registry_db
 
 
 def one_error_line(result, message: str) -> None:
@@ -90,9 +97,12 @@ def test_the_command_set() -> None:
             "import",
             "list",
             "log",
+            "merge",
             "prune",
             "revert",
+            "show",
             "stats",
+            "verify",
         ]
     )
 
@@ -147,7 +157,8 @@ def test_usage_errors_exit_2(cli, registry_path: Path, args: tuple[str, ...]) ->
 # -- import ------------------------------------------------------------------------------
 
 
-def test_import_prints_counts_and_makes_one_commit(cli, cache_file, registry_path: Path) -> None:
+@both_backends
+def test_import_prints_counts_and_makes_one_commit(cli, cache_file, registry_db: str) -> None:
     a = cache_file("a.json", {K16: ["Runner", 1], K32: ["Runner", 2]}, metadata=META)
     b = cache_file("b.json", {K16: ["Runner", 1]}, metadata=B200)
 
@@ -158,13 +169,14 @@ def test_import_prints_counts_and_makes_one_commit(cli, cache_file, registry_pat
         result.stdout
         == "imported 3 entries from 2 file(s): 3 added, 0 replaced, 0 unchanged (commit 1)\n"
     )
-    with Registry.open(str(registry_path)) as reg:
+    with Registry.open(registry_db) as reg:
         [commit] = reg.log()
         assert (commit.kind, commit.added, commit.message) == ("import", 3, f"{a}, {b}")
 
 
+@both_backends
 def test_import_again_is_unchanged_and_creates_no_commit(
-    cli, populated: Path, cache_file, dump_db
+    cli, populated: str, cache_file, dump_db
 ) -> None:
     before = dump_db(populated)
     again = cache_file(
@@ -180,7 +192,8 @@ def test_import_again_is_unchanged_and_creates_no_commit(
     assert dump_db(populated) == before
 
 
-def test_import_replaces_and_reports_json(cli, populated: Path, cache_file) -> None:
+@both_backends
+def test_import_replaces_and_reports_json(cli, populated: str, cache_file) -> None:
     newer = cache_file(
         "newer.json", {K16: ["Runner", 9], K64: ["Runner", 1]}, metadata=META, generation="ab" * 32
     )
@@ -212,8 +225,9 @@ def test_import_warns_about_records_it_does_not_keep(cli, cache_file) -> None:
     )
 
 
+@both_backends
 def test_import_without_metadata_needs_a_fingerprint(
-    cli, populated: Path, cache_file, dump_db
+    cli, populated: str, cache_file, dump_db
 ) -> None:
     bare = cache_file("bare.json", {K64: ["Runner", 5]}, metadata=None)
     before = dump_db(populated)
@@ -252,7 +266,8 @@ def test_import_without_metadata_as_the_current_environment(cli, cache_file) -> 
 # -- list / fingerprints / stats / log ---------------------------------------------------------
 
 
-def test_list_table(cli, populated: Path) -> None:
+@both_backends
+def test_list_table(cli, populated: str) -> None:
     result = cli("list")
 
     assert result.exit_code == 0
@@ -263,7 +278,8 @@ def test_list_table(cli, populated: Path) -> None:
     ]
 
 
-def test_list_json_has_one_object_per_entry(cli, populated: Path) -> None:
+@both_backends
+def test_list_json_has_one_object_per_entry(cli, populated: str) -> None:
     rows = json.loads(cli("list", "--format", "json").stdout)
 
     assert [
@@ -298,7 +314,8 @@ def test_list_json_has_one_object_per_entry(cli, populated: Path) -> None:
     assert rows[0]["extras"] == "(torch.bfloat16,)"
 
 
-def test_list_filters(cli, populated: Path, cache_file) -> None:
+@both_backends
+def test_list_filters(cli, populated: str, cache_file) -> None:
     other = "('attn', 'Runner', ((8,),), ())"
     cli("import", cache_file("b.json", {K16: ["Runner", 7], other: ["Runner", 1]}, metadata=B200))
 
@@ -323,20 +340,25 @@ def test_list_filters(cli, populated: Path, cache_file) -> None:
     )
 
 
-def test_fingerprints_table_and_json(cli, populated: Path) -> None:
+@both_backends
+def test_fingerprints_table_and_json(cli, populated: str) -> None:
     table = cli("fingerprints")
 
     assert table.stdout.splitlines() == [
-        "id  entries  digest        flashinfer_version  cuda_version  cublas_version  cudnn_version  "
-        "cudnn_frontend_version  cutlass_dsl_version  gpu          compute_capability  torch_version",
-        f"1   2        {DIGEST[:12]}  0.7.2               12.9          12.9.1          91002          "
-        "1.32.0                  4.8.1                NVIDIA H200  *                   *",
+        "id  entries  last served  digest        flashinfer_version  cuda_version  cublas_version  "
+        "cudnn_version  cudnn_frontend_version  cutlass_dsl_version  gpu          "
+        "compute_capability  torch_version",
+        f"1   2        never        {DIGEST[:12]}  0.7.2               12.9          12.9.1          "
+        "91002          1.32.0                  4.8.1                NVIDIA H200  *                   *",
     ]
     [info] = json.loads(cli("fingerprints", "--format", "json").stdout)
-    assert {k: info[k] for k in ("id", "digest", "entries", *FLASHINFER_FIELDS)} == {
+    assert {
+        k: info[k] for k in ("id", "digest", "entries", "last_served_at", *FLASHINFER_FIELDS)
+    } == {
         "id": 1,
         "digest": DIGEST,
         "entries": 2,
+        "last_served_at": None,
         **META,
     }
 
@@ -358,15 +380,16 @@ def test_fingerprint_prints_the_current_environment(cli) -> None:
     assert json.loads(as_json.stdout) == {"digest": fp.digest, **fp.as_dict()}
 
 
-def test_stats(cli, populated: Path) -> None:
+@both_backends
+def test_stats(cli, populated: str) -> None:
     with Registry.open(str(populated)) as reg:
         stats = reg.stats()
 
     result = cli("stats")
 
     assert result.stdout.splitlines() == [
-        f"registry         {populated.resolve()}",
-        "schema revision  0001_registry",
+        f"registry         {schema.resolve(str(populated)).display}",
+        "schema revision  0002_fleet",
         f"size             {stats.size_bytes} bytes",
         "fingerprints     1",
         "entries          2 (2 shared, 0 rank-scoped)",
@@ -375,11 +398,16 @@ def test_stats(cli, populated: Path) -> None:
         "",
         "op  entries",
         "mm  2",
+        "",
+        "fingerprint  last served",
+        "1            never",
     ]
-    assert json.loads(cli("stats", "--format", "json").stdout)["ops"] == {"mm": 2}
+    as_json = json.loads(cli("stats", "--format", "json").stdout)
+    assert (as_json["ops"], as_json["last_served"]) == ({"mm": 2}, {"1": None})
 
 
-def test_log(cli, populated: Path, cache_file) -> None:
+@both_backends
+def test_log(cli, populated: str, cache_file, tmp_path: Path) -> None:
     newer = cache_file("n.json", {K16: ["Runner", 9]}, metadata=META)
     cli("import", newer)
     with Registry.open(str(populated)) as reg:
@@ -392,7 +420,7 @@ def test_log(cli, populated: Path, cache_file) -> None:
         f"commit  when                 kind    {'host'.ljust(len(host))}  added  replaced  removed  world  layout  message",
         f"2       {when(c2.created_at)}  import  {host}  0      1         0                       {str(newer)[:60]}",
         f"1       {when(c1.created_at)}  import  {host}  2      0         0                       "
-        f"{str(populated.parent / 'h200.json')[:60]}",
+        f"{str(tmp_path / 'h200.json')[:60]}",
     ]
     assert [c["id"] for c in json.loads(cli("log", "--limit", "1", "--format", "json").stdout)] == [
         2
@@ -402,7 +430,8 @@ def test_log(cli, populated: Path, cache_file) -> None:
 # -- export ------------------------------------------------------------------------------------
 
 
-def test_export_to_stdout_is_the_stored_file(cli, populated: Path) -> None:
+@both_backends
+def test_export_to_stdout_is_the_stored_file(cli, populated: str) -> None:
     result = cli("export", "--fingerprint", "1")
 
     assert result.exit_code == 0
@@ -415,7 +444,8 @@ def test_export_to_stdout_is_the_stored_file(cli, populated: Path) -> None:
     )
 
 
-def test_export_to_a_file(cli, populated: Path, tmp_path: Path) -> None:
+@both_backends
+def test_export_to_a_file(cli, populated: str, tmp_path: Path) -> None:
     out = tmp_path / "out" / "cache.json"
 
     result = cli("export", "--fingerprint", DIGEST[:8], "-o", out)
@@ -433,7 +463,8 @@ def test_export_to_a_file(cli, populated: Path, tmp_path: Path) -> None:
     assert os.listdir(out.parent) == ["cache.json"]
 
 
-def test_export_errors(cli, populated: Path, registry_path: Path, tmp_path: Path) -> None:
+@both_backends
+def test_export_errors(cli, populated: str, tmp_path: Path) -> None:
     one_error_line(
         cli("export", "--fingerprint", "5"),
         "no fingerprint '5' in the registry; see `ficache fingerprints`",
@@ -463,7 +494,8 @@ PLAN = [
 ]
 
 
-def test_prune_dry_run_changes_nothing(cli, populated: Path, dump_db) -> None:
+@both_backends
+def test_prune_dry_run_changes_nothing(cli, populated: str, dump_db) -> None:
     before = dump_db(populated)
 
     result = cli("prune", "--fingerprint", "1", "--dry-run")
@@ -475,7 +507,8 @@ def test_prune_dry_run_changes_nothing(cli, populated: Path, dump_db) -> None:
     assert dump_db(populated) == before
 
 
-def test_prune_without_a_tty_or_yes_is_refused(cli, populated: Path, dump_db) -> None:
+@both_backends
+def test_prune_without_a_tty_or_yes_is_refused(cli, populated: str, dump_db) -> None:
     before = dump_db(populated)
 
     result = cli("prune", "--fingerprint", "1")
@@ -488,7 +521,8 @@ def test_prune_without_a_tty_or_yes_is_refused(cli, populated: Path, dump_db) ->
     assert dump_db(populated) == before
 
 
-def test_prune_yes_removes_as_one_commit_and_revert_restores(cli, populated: Path) -> None:
+@both_backends
+def test_prune_yes_removes_as_one_commit_and_revert_restores(cli, populated: str) -> None:
     result = cli("prune", "--fingerprint", "1", "--yes")
 
     assert (result.exit_code, result.stdout.splitlines()) == (
@@ -507,7 +541,8 @@ def test_prune_yes_removes_as_one_commit_and_revert_restores(cli, populated: Pat
     assert len(json.loads(cli("list", "--format", "json").stdout)) == 2
 
 
-def test_prune_other_criteria(cli, populated: Path) -> None:
+@both_backends
+def test_prune_other_criteria(cli, populated: str) -> None:
     assert (
         cli("prune", "--older-than", "1d", "--yes").stdout == "nothing matches: nothing to prune\n"
     )
@@ -519,7 +554,8 @@ def test_prune_other_criteria(cli, populated: Path) -> None:
     assert scoped.stdout.splitlines()[0] == "prune plan (flashinfer_version=0.7.2, scope=shared):"
     one_error_line(
         cli("prune"),
-        "prune needs a criterion: --fingerprint, --flashinfer-version, --older-than or --scope",
+        "prune needs a criterion: --fingerprint, --flashinfer-version, --older-than, "
+        "--unused-for or --scope",
     )
     one_error_line(
         cli("prune", "--fingerprint", "9", "--yes"),
@@ -527,34 +563,67 @@ def test_prune_other_criteria(cli, populated: Path) -> None:
     )
 
 
-def _run_in_a_terminal(args: list[str], answer: bytes) -> tuple[int, str]:
-    """Run ``python -m ficache ARGS`` on a real pseudo-terminal and answer its prompt."""
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: stdin, stdout and stderr are the terminal
-        try:
-            os.chdir(REPO)
-            os.execv(sys.executable, [sys.executable, "-m", "ficache", *args])
-        finally:
-            os._exit(127)  # never return into pytest
-    output = b""
-    answered = False
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        ready, _, _ = select.select([fd], [], [], 0.2)
-        if ready:
-            try:
-                chunk = os.read(fd, 4096)
-            except OSError:
-                break
-            if not chunk:
-                break
-            output += chunk
-        if not answered and b"[y/N]" in output:
-            os.write(fd, answer)
-            answered = True
-    _, status = os.waitpid(pid, 0)
-    os.close(fd)
-    return os.waitstatus_to_exitcode(status), output.decode().replace("\r\n", "\n")
+HOUR = 3600.0
+
+
+def backdate_entries(db: str | Path, ages: dict[str, float]) -> None:
+    """Make entries (by key) last written ``age`` seconds ago, behind the registry's back."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.pool import NullPool
+
+    now = time.time()
+    engine = create_engine(schema.resolve(str(db)).url, poolclass=NullPool)
+    try:
+        with engine.begin() as conn:
+            for key, age in ages.items():
+                updated = conn.execute(
+                    text("UPDATE entries SET updated_at = :t WHERE key = :k"),
+                    {"t": now - age, "k": key},
+                )
+                assert updated.rowcount == 1
+    finally:
+        engine.dispose()
+
+
+@both_backends
+def test_prune_older_than_removes_exactly_the_entries_written_before_that_age(
+    cli, populated: str, cache_file, dump_db
+) -> None:
+    cli("import", cache_file("new.json", {K64: ["Runner", 5]}, metadata=META))  # written now
+    backdate_entries(populated, {K32: 48 * HOUR, K16: 12 * HOUR})
+    before = dump_db(populated)
+
+    dry = cli("prune", "--older-than", "1d", "--dry-run")
+
+    assert (dry.exit_code, dry.stdout.splitlines()) == (
+        0,
+        [
+            "prune plan (older_than_seconds=86400):",
+            "fingerprint  gpu          flashinfer  scope   entries",
+            "1            NVIDIA H200  0.7.2       shared  1",
+            "1 entries would be removed (revertible with `ficache revert`)",
+            "dry run: nothing changed",
+        ],
+    )
+    assert dump_db(populated) == before
+
+    # Only the 2-day-old entry goes; the 12-hour-old and the new one stay.
+    day = cli("prune", "--older-than", "1d", "--yes")
+
+    assert (day.exit_code, day.stdout.splitlines()[-1]) == (0, "removed 1 entries (commit 3)")
+    assert [e["key"] for e in json.loads(cli("list", "--format", "json").stdout)] == [K16, K64]
+    with Registry.open(str(populated)) as reg:
+        [prune] = reg.log(None, commit_id=3)
+        assert (prune.kind, prune.removed) == ("prune", 1)
+        assert prune.message == "older_than_seconds=86400"
+
+    # A shorter age takes the 12-hour-old entry too, and still not the new one.
+    hours = cli("prune", "--older-than", "6h", "--yes")
+
+    assert (hours.exit_code, hours.stdout.splitlines()[-1]) == (0, "removed 1 entries (commit 4)")
+    assert [e["key"] for e in json.loads(cli("list", "--format", "json").stdout)] == [K64]
+    again = cli("prune", "--older-than", "6h", "--yes")
+    assert again.stdout == "nothing matches: nothing to prune\n"
 
 
 @pytest.mark.parametrize(
@@ -564,7 +633,7 @@ def _run_in_a_terminal(args: list[str], answer: bytes) -> tuple[int, str]:
 def test_prune_asks_on_a_terminal(
     populated: Path, answer: bytes, code: int, last_line: str, remaining: int
 ) -> None:
-    status, output = _run_in_a_terminal(
+    status, output = run_in_a_terminal(
         ["--db", str(populated), "prune", "--fingerprint", "1"], answer
     )
 
@@ -575,7 +644,8 @@ def test_prune_asks_on_a_terminal(
         assert len(list(reg.entries())) == remaining
 
 
-def test_revert_dry_run_and_conflict(cli, populated: Path, cache_file, dump_db) -> None:
+@both_backends
+def test_revert_dry_run_and_conflict(cli, populated: str, cache_file, dump_db) -> None:
     cli("import", cache_file("n.json", {K16: ["Runner", 9]}, metadata=META))
     before = dump_db(populated)
     with Registry.open(str(populated)) as reg:
@@ -601,15 +671,18 @@ def test_revert_dry_run_and_conflict(cli, populated: Path, cache_file, dump_db) 
 # -- db ---------------------------------------------------------------------------------------
 
 
-def test_db_commands(cli, populated: Path, registry_path: Path, tmp_path: Path) -> None:
-    assert cli("db", "current").stdout == "0001_registry (head 0001_registry: up to date)\n"
+@both_backends
+def test_db_commands(cli, populated: str, tmp_path: Path) -> None:
+    assert cli("db", "current").stdout == "0002_fleet (head 0002_fleet: up to date)\n"
     assert cli("db", "history", db=None).stdout.splitlines() == [
-        "revision       down  title",
-        "0001_registry        ficache 0.1: fingerprints, entries, commits and the entry change log.",
+        "revision       down           title",
+        "0001_registry                 ficache 0.1: fingerprints, entries, commits and the entry change log.",
+        "0002_fleet     0001_registry  ficache 0.2: tuned times, last served times, new values in the change log.",
     ]
     dry = cli("db", "downgrade", "base", "--dry-run")
     assert dry.stdout.splitlines() == [
-        f"downgrade plan: {registry_path.resolve()} from 0001_registry to base (drops all stored entries)",
+        f"downgrade plan: {schema.resolve(str(populated)).display} from 0002_fleet to base "
+        "(drops all stored entries)",
         "dry run: nothing changed",
     ]
     refused = cli("db", "downgrade", "base")
@@ -717,7 +790,7 @@ BAD_FILES = {
 
 @pytest.mark.parametrize("name", list(BAD_FILES))
 def test_a_bad_file_is_one_error_and_changes_nothing(
-    cli, populated: Path, tmp_path: Path, dump_db, name: str
+    cli, populated: str, tmp_path: Path, dump_db, name: str
 ) -> None:
     text, message = BAD_FILES[name]
     bad = tmp_path / f"{name}.json"
@@ -740,7 +813,7 @@ def test_a_bad_file_is_one_error_and_changes_nothing(
     ],
 )
 def test_keys_that_look_like_code_are_never_run(
-    cli, populated: Path, tmp_path: Path, dump_db, monkeypatch, key: str
+    cli, populated: str, tmp_path: Path, dump_db, monkeypatch, key: str
 ) -> None:
     monkeypatch.chdir(tmp_path)
     bad = tmp_path / "hostile.json"
@@ -759,7 +832,8 @@ def test_keys_that_look_like_code_are_never_run(
     assert dump_db(populated) == before
 
 
-def test_a_missing_file_is_one_error(cli, populated: Path, tmp_path: Path, dump_db) -> None:
+@both_backends
+def test_a_missing_file_is_one_error(cli, populated: str, tmp_path: Path, dump_db) -> None:
     before = dump_db(populated)
 
     one_error_line(cli("import", tmp_path / "nope.json"), f"{tmp_path / 'nope.json'}: no such file")
@@ -802,7 +876,7 @@ def test_a_newer_schema_is_refused(cli, populated: Path, cache_file) -> None:
     one_error_line(
         result,
         f"registry {populated} has schema revision '0099_future', newer than this ficache knows "
-        "(head '0001_registry'); upgrade ficache (pip install -U ficache)",
+        "(head '0002_fleet'); upgrade ficache (pip install -U ficache)",
     )
     assert populated.read_bytes() == before
 
