@@ -112,6 +112,7 @@ import os
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from sys import intern
 from typing import Any, cast
 from urllib.parse import quote
@@ -283,9 +284,29 @@ def verify(db: str | os.PathLike[str] | None = None) -> VerifyReport:
             with conn.begin():
                 return _Verifier(conn, location).run()
     except DatabaseError as exc:
+        hot_journal = _hot_journal(location)
+        if hot_journal is not None:
+            # A writer killed mid-transaction in rollback-journal mode: SQLite
+            # must roll it back before anyone reads, and that is a write.
+            raise RegistryError(
+                f"registry {location.display} holds a transaction a killed writer left "
+                f"unfinished ({hot_journal.name}); open it once for writing (e.g. `ficache "
+                "stats`) so SQLite rolls it back, then verify again"
+            ) from None
         raise schema.translate_operational_error(exc, location) from None
     finally:
         engine.dispose()
+
+
+def _hot_journal(location: schema.Location) -> Path | None:
+    """The rollback journal a killed writer left beside a SQLite registry, if any."""
+    if location.path is None:
+        return None
+    journal = location.path.with_name(location.path.name + "-journal")
+    try:
+        return journal if journal.stat().st_size > 0 else None
+    except OSError:
+        return None
 
 
 # --------------------------------------------------------------------------

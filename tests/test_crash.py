@@ -824,6 +824,13 @@ def test_a_killed_operation_leaves_each_commit_whole_or_absent(
 def _check(db: str, phase: str, operation: str, before: Any, after: Any) -> str:
     """Verify the registry a kill left; which whole state it holds."""
     if operation == "upgrade":
+        if not db.startswith("postgresql"):
+            # "The registry opens": a killed upgrade of a rollback-journal file
+            # leaves a hot journal, which SQLite rolls back at the first
+            # read-write open (verify only reads, and says so). Open it the
+            # plain way, without upgrading, to see what the kill left.
+            with contextlib.closing(sqlite3.connect(db)) as conn:
+                conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
         report = verify(db)  # before any upgrade: at 0001 it is healthy but stale
         kinds = {p.kind for p in report.problems}
         assert report.ok or kinds == {"schema_revision"}, [p.message for p in report.problems]

@@ -650,6 +650,45 @@ def test_a_registry_left_with_a_wal_by_a_killed_writer(registry_path: Path) -> N
     assert files_of(registry_path) == before  # read through the WAL, checkpointed nothing
 
 
+WRITER_KILLED_MID_TRANSACTION = """
+import os, signal, sqlite3
+conn = sqlite3.connect({db!r}, isolation_level=None)
+conn.execute("PRAGMA journal_mode = DELETE")  # a rollback journal, as the frozen 0001 file has
+conn.execute("PRAGMA cache_size = 1")  # spill: the file itself is written before the commit
+conn.execute("BEGIN IMMEDIATE")
+conn.execute("UPDATE entries SET tactic = '99'")
+conn.execute("DELETE FROM entry_changes")
+conn.execute("DELETE FROM entries")
+os.kill(os.getpid(), signal.SIGKILL)  # mid-transaction: the journal stays behind, hot
+"""
+
+
+def test_a_hot_journal_left_by_a_killed_writer_is_one_line_and_untouched(
+    cli, registry_path: Path
+) -> None:
+    build(str(registry_path))
+    script = WRITER_KILLED_MID_TRANSACTION.format(db=str(registry_path))
+    killed = subprocess.run([sys.executable, "-c", script], timeout=120)
+    journal = Path(f"{registry_path}-journal")
+    assert killed.returncode == -9 and journal.stat().st_size > 0
+    before = (registry_path.read_bytes(), journal.read_bytes())
+
+    refused = cli("verify")
+
+    assert (refused.exit_code, refused.stdout) == (1, "")
+    assert refused.stderr == (
+        f"error: registry {registry_path} holds a transaction a killed writer left unfinished "
+        f"({journal.name}); open it once for writing (e.g. `ficache stats`) so SQLite rolls it "
+        "back, then verify again\n"
+    )
+    assert (registry_path.read_bytes(), journal.read_bytes()) == before
+    # Opened for writing, SQLite rolls the killed transaction back: nothing of it remains.
+    assert cli("stats").exit_code == 0
+    result = cli("verify")
+    assert (result.exit_code, result.stderr) == (0, "")
+    assert result.stdout.endswith("ok: no problems\n")
+
+
 def test_a_read_only_file_is_verified(cli, registry_path: Path) -> None:
     build(str(registry_path))
     registry_path.chmod(0o444)
