@@ -15,10 +15,10 @@ The merge figure is what ``ficache merge FILE...`` does: read and verify
 every file, plan against the registry, and commit once (policy ``keep``,
 into a fresh registry). The floor times only the ``load_configs`` calls, in
 a child process that has imported FlashInfer: not the imports, not the
-environment probe of the first call, not the collector rescanning torch's
-import-time heap (frozen first). Targets (2-core machine): 10 files under
-2 s, 100 files under 20 s. ``--reps N`` runs each N times and prints
-medians. Nothing here asserts: it prints. Not run in CI.
+environment probe of the first call, not the cyclic collector (off while
+they run, as ficache's own tuner calls ``load_configs``). Targets (2-core
+machine): 10 files under 2 s, 100 files under 20 s. ``--reps N`` runs each
+N times and prints medians. Nothing here asserts: it prints. Not run in CI.
 """
 
 from __future__ import annotations
@@ -67,10 +67,10 @@ def fleet_file(host: int, entries: int, conflict_percent: float, metadata: dict[
 # the heap by millions of objects, which the merge, like `ficache merge`,
 # never imports. Only the load_configs calls are timed: not the imports, not
 # the environment's metadata that the first call collects (done before), and
-# not the collector rescanning torch's import-time heap, which is frozen
-# first (unfrozen, each call's allocations set off full collections over
-# millions of torch objects, which made the floor 5-10x what load_configs
-# itself costs).
+# not the cyclic collector, which is off while they run (as ficache's own
+# tuner calls load_configs). With it on, the calls' allocations set off full
+# collections over millions of torch objects, which made the floor several
+# times what load_configs itself costs.
 _FLOOR = """
 import gc, json, logging, sys, time
 from flashinfer.autotuner import AutoTuner, _collect_metadata
@@ -83,7 +83,7 @@ _collect_metadata()
 tuner = AutoTuner.get()
 tuner.clear_cache()
 gc.collect()
-gc.freeze()
+gc.disable()
 t0 = time.perf_counter()
 for path in sys.argv[1:]:
     if not tuner.load_configs(path):

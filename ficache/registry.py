@@ -933,21 +933,22 @@ class Registry:
             unchanged = kept = 0
             if not existing:  # the common bulk case: new keys (or a new fingerprint) only
                 added = [(fp_ids[i], scope, key, e) for (i, scope, key), e in wanted.items()]
-            for (index, scope, key), entry in wanted.items() if existing else ():
-                fid = fp_ids[index]
-                old = existing.get((fid, scope, key))
-                if old is None:
-                    added.append((fid, scope, key, entry))
-                elif (old[1], old[2], old[3]) == (
-                    entry.runner,
-                    entry.tactic_json,
-                    entry.policy_json,
-                ):
-                    unchanged += 1
-                elif keep_existing:
-                    kept += 1
-                else:
-                    replaced.append((fid, scope, key, entry, old))
+            else:
+                for (index, scope, key), entry in wanted.items():
+                    fid = fp_ids[index]
+                    old = existing.get((fid, scope, key))
+                    if old is None:
+                        added.append((fid, scope, key, entry))
+                    elif (old[1], old[2], old[3]) == (
+                        entry.runner,
+                        entry.tactic_json,
+                        entry.policy_json,
+                    ):
+                        unchanged += 1
+                    elif keep_existing:
+                        kept += 1
+                    else:
+                        replaced.append((fid, scope, key, entry, old))
             if not added and not replaced and not removed:
                 raise _NothingToWrite(WriteResult(None, unchanged=unchanged, kept=kept))
             commit_id = self._new_commit(
