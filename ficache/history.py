@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import Table, select
+from sqlalchemy import select
 from sqlalchemy.exc import DatabaseError
 
 from ficache import schema
 from ficache.errors import NotFoundError
 from ficache.flashinfer_format import KeyFields, parse_key
-from ficache.models import EntryChangeRow
+from ficache.models import ENTRY_CHANGES as H
 from ficache.registry import CommitInfo, Registry
-
-H = cast(Table, EntryChangeRow.__table__)
 
 ACTIONS = ("added", "replaced", "removed")
 

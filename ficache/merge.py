@@ -53,9 +53,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import Table, func, select
+from sqlalchemy import func, select
 from sqlalchemy.exc import DatabaseError
 
 from ficache import schema
@@ -70,19 +70,14 @@ from ficache.errors import (
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
 from ficache.flashinfer_format import MAX_FILE_BYTES, parse_cache_bytes, parse_key
 from ficache.history import EntryValue
+from ficache.models import COMMITS as C
+from ficache.models import ENTRIES as E
+from ficache.models import ENTRY_CHANGES as H
+from ficache.models import FINGERPRINTS as F
 from ficache.models import (
     SHARED_SCOPE,
-    CommitRow,
-    EntryChangeRow,
-    EntryRow,
-    FingerprintRow,
 )
 from ficache.registry import NewEntry, Registry, WriteResult, bulk_new_entry
-
-F = cast(Table, FingerprintRow.__table__)
-E = cast(Table, EntryRow.__table__)
-C = cast(Table, CommitRow.__table__)
-H = cast(Table, EntryChangeRow.__table__)
 
 POLICIES = ("keep", "theirs", "newest", "vote", "drop", "fail")
 SOURCE_KINDS = ("registry", "flashinfer", "bundle")

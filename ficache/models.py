@@ -29,7 +29,9 @@ Invariants:
 
 from __future__ import annotations
 
-from sqlalchemy import Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from typing import cast
+
+from sqlalchemy import Float, ForeignKey, Index, Integer, String, Table, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 SHARED_SCOPE = "shared"
@@ -121,3 +123,11 @@ class EntryChangeRow(Base):
     new_policy: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (Index("ix_entry_changes_commit_id", "commit_id"),)
+
+
+# The tables as SQLAlchemy Core objects, for the bulk queries of the modules
+# that read and write many rows at once (registry, merge, history, verify).
+FINGERPRINTS = cast(Table, FingerprintRow.__table__)
+ENTRIES = cast(Table, EntryRow.__table__)
+COMMITS = cast(Table, CommitRow.__table__)
+ENTRY_CHANGES = cast(Table, EntryChangeRow.__table__)

@@ -28,12 +28,11 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from sqlalchemy import (
     Connection,
     Engine,
-    Table,
     bindparam,
     case,
     delete,
@@ -59,18 +58,13 @@ from ficache.errors import (
 )
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
 from ficache.flashinfer_format import CacheFile, KeyFields, parse_key, render_cache
+from ficache.models import COMMITS as C
+from ficache.models import ENTRIES as E
+from ficache.models import ENTRY_CHANGES as H
+from ficache.models import FINGERPRINTS as F
 from ficache.models import (
     SHARED_SCOPE,
-    CommitRow,
-    EntryChangeRow,
-    EntryRow,
-    FingerprintRow,
 )
-
-F = cast(Table, FingerprintRow.__table__)
-E = cast(Table, EntryRow.__table__)
-C = cast(Table, CommitRow.__table__)
-H = cast(Table, EntryChangeRow.__table__)
 
 T = TypeVar("T")
 

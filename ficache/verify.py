@@ -114,7 +114,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from sys import intern
-from typing import Any, cast
+from typing import Any
 from urllib.parse import quote
 
 from alembic.autogenerate import compare_metadata
@@ -128,13 +128,12 @@ from ficache import schema
 from ficache.errors import FingerprintError, RegistryError
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
 from ficache.flashinfer_format import canonical_json, parse_key
-from ficache.models import Base, CommitRow, EntryChangeRow, EntryRow, FingerprintRow
+from ficache.models import COMMITS as C
+from ficache.models import ENTRIES as E
+from ficache.models import ENTRY_CHANGES as H
+from ficache.models import FINGERPRINTS as F
+from ficache.models import Base
 from ficache.registry import COMMIT_KINDS, validate_scope
-
-F = cast(Table, FingerprintRow.__table__)
-E = cast(Table, EntryRow.__table__)
-C = cast(Table, CommitRow.__table__)
-H = cast(Table, EntryChangeRow.__table__)
 
 #: Every kind of problem, in report order, with what it means.
 KINDS: dict[str, str] = {
