@@ -1095,8 +1095,8 @@ def test_arguments_the_fuzzer_found(
     assert registry.read_bytes() == cli_world["pristine"]
 
 
+@pytest.mark.postgres  # runs where the driver is installed (tox -e postgres); needs no server
 def test_db_current_on_a_server_that_cannot_be_reached_is_one_line(cli_world: CliWorld) -> None:
-    pytest.importorskip("psycopg")
     url = "postgresql+psycopg://u@127.0.0.1:1/x"  # port 1: refused at once
     for argv in (["db", "current"], ["db", "downgrade", "base", "--yes"]):
         result = CliRunner().invoke(ficache_cli, ["--db", url, *argv], prog_name="ficache")
