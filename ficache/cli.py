@@ -333,11 +333,24 @@ def import_cmd(
         result = reg.import_cache(parsed, fingerprint=fp, scope=scope)
     total = sum(len(c.entries) for _, c in parsed)
     ignored_records = sum(len(c.records or {}) for _, c in parsed)
+    _report_import(fmt, result, total, len(parsed), "file", ignored_records, "_records namespace")
+
+
+def _report_import(
+    fmt: str,
+    result: Any,
+    entries: int,
+    sources: int,
+    source_noun: str,
+    ignored_records: int,
+    records_noun: str,
+) -> None:
+    """The report of one ``import`` commit, as text or JSON, and what it could not keep."""
     if fmt == "json":
         _dump_json(
             {
-                "files": len(parsed),
-                "entries": total,
+                "files": sources,
+                "entries": entries,
                 "commit": result.commit_id,
                 "added": result.added,
                 "replaced": result.replaced,
@@ -352,12 +365,12 @@ def import_cmd(
             else "nothing new, no commit"
         )
         click.echo(
-            f"imported {total} entries from {len(parsed)} file(s): {result.added} added, "
+            f"imported {entries} entries from {sources} {source_noun}(s): {result.added} added, "
             f"{result.replaced} replaced, {result.unchanged} unchanged ({where})"
         )
     if ignored_records:
         click.echo(
-            f"warning: {ignored_records} _records namespace(s) were not imported "
+            f"warning: {ignored_records} {records_noun}(s) were not imported "
             "(ficache stores tactics only)",
             err=True,
         )
@@ -559,34 +572,7 @@ def _import_bundles(
         result = import_bundles(reg, bundles)
     total = sum(len(b.entries) for _, b in bundles)
     ignored_records = sum(b.record_namespaces for _, b in bundles)
-    if fmt == "json":
-        _dump_json(
-            {
-                "files": len(bundles),
-                "entries": total,
-                "commit": result.commit_id,
-                "added": result.added,
-                "replaced": result.replaced,
-                "unchanged": result.unchanged,
-                "ignored_record_namespaces": ignored_records,
-            }
-        )
-    else:
-        where = (
-            f"commit {result.commit_id}"
-            if result.commit_id is not None
-            else "nothing new, no commit"
-        )
-        click.echo(
-            f"imported {total} entries from {len(bundles)} bundle(s): {result.added} added, "
-            f"{result.replaced} replaced, {result.unchanged} unchanged ({where})"
-        )
-    if ignored_records:
-        click.echo(
-            f"warning: {ignored_records} record namespace(s) were not imported "
-            "(ficache stores tactics only)",
-            err=True,
-        )
+    _report_import(fmt, result, total, len(bundles), "bundle", ignored_records, "record namespace")
 
 
 @cli.command("export")

@@ -55,7 +55,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.exc import DatabaseError
 
 from ficache import schema
@@ -67,7 +67,7 @@ from ficache.errors import (
     NotARegistryError,
     SchemaError,
 )
-from ficache.fingerprint import ALL_FIELDS, Fingerprint
+from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import MAX_FILE_BYTES, parse_cache_bytes, parse_key
 from ficache.history import EntryValue
 from ficache.models import COMMITS as C
@@ -77,7 +77,14 @@ from ficache.models import FINGERPRINTS as F
 from ficache.models import (
     SHARED_SCOPE,
 )
-from ficache.registry import NewEntry, Registry, WriteResult, bulk_new_entry
+from ficache.registry import (
+    ENTRY_VALUE_COLUMNS,
+    NewEntry,
+    Registry,
+    WriteResult,
+    bulk_new_entry,
+    fingerprint_from_row,
+)
 
 POLICIES = ("keep", "theirs", "newest", "vote", "drop", "fail")
 SOURCE_KINDS = ("registry", "flashinfer", "bundle")
@@ -285,20 +292,11 @@ def _registry_source(spec: str) -> MergeSource:
                     f"source registry {name} is at schema revision {revision!r}, older than "
                     f"{head!r}; upgrade it first (ficache --db {name} db upgrade)"
                 )
-            fps = {
-                row.id: Fingerprint(**{n: getattr(row, n) for n in ALL_FIELDS})
-                for row in conn.execute(select(F))
-            }
+            # One snapshot, read here rather than through Registry.open, which
+            # would upgrade (write) a source registry of an older schema.
+            fps = {row.id: fingerprint_from_row(row) for row in conn.execute(select(F))}
             rows = conn.execute(
-                select(
-                    E.c.fingerprint_id,
-                    E.c.scope,
-                    E.c.key,
-                    E.c.runner,
-                    E.c.tactic,
-                    E.c.policy,
-                    func.coalesce(E.c.tuned_at, E.c.updated_at),
-                ).order_by(E.c.fingerprint_id, E.c.scope, E.c.key)
+                select(*ENTRY_VALUE_COLUMNS).order_by(E.c.fingerprint_id, E.c.scope, E.c.key)
             ).all()
     except DatabaseError as exc:
         raise schema.translate_operational_error(exc, location) from None

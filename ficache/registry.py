@@ -289,8 +289,23 @@ class _NothingToWrite(Exception):
         self.result = result
 
 
-def _fingerprint_from_row(row: Any) -> Fingerprint:
+def fingerprint_from_row(row: Any) -> Fingerprint:
+    """The ``Fingerprint`` of one ``fingerprints`` row."""
     return Fingerprint(**{name: getattr(row, name) for name in ALL_FIELDS})
+
+
+#: An entry's identity and value with when it was tuned, as bundles and merges
+#: copy it: ``(fingerprint_id, scope, key, runner, tactic, policy, tuned_at)``
+#: (``tuned_at`` falls back to ``updated_at`` for rows from before 0002).
+ENTRY_VALUE_COLUMNS = (
+    E.c.fingerprint_id,
+    E.c.scope,
+    E.c.key,
+    E.c.runner,
+    E.c.tactic,
+    E.c.policy,
+    func.coalesce(E.c.tuned_at, E.c.updated_at),
+)
 
 
 def _insert_many(
@@ -458,7 +473,7 @@ class Registry:
                 return [
                     FingerprintInfo(
                         row.id,
-                        _fingerprint_from_row(row),
+                        fingerprint_from_row(row),
                         counts.get(row.id, 0),
                         row.created_at,
                         row.last_served_at,
@@ -471,7 +486,7 @@ class Registry:
     def _fingerprint_ids(self) -> list[tuple[int, Fingerprint]]:
         def run() -> list[tuple[int, Fingerprint]]:
             with self._read() as conn:
-                return [(row.id, _fingerprint_from_row(row)) for row in conn.execute(select(F))]
+                return [(row.id, fingerprint_from_row(row)) for row in conn.execute(select(F))]
 
         return self._guard(run)
 
@@ -580,15 +595,7 @@ class Registry:
         entry of ``fingerprint_ids``: an entry's value with when it was tuned, as
         bundles and merges copy it (``tuned_at`` falls back to ``updated_at``)."""
         query = (
-            select(
-                E.c.fingerprint_id,
-                E.c.scope,
-                E.c.key,
-                E.c.runner,
-                E.c.tactic,
-                E.c.policy,
-                func.coalesce(E.c.tuned_at, E.c.updated_at),
-            )
+            select(*ENTRY_VALUE_COLUMNS)
             .where(E.c.fingerprint_id.in_(list(fingerprint_ids)))
             .order_by(E.c.fingerprint_id, E.c.scope, E.c.key)
         )
