@@ -513,6 +513,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.lone < 1 or args.rounds < 1 or min(args.procs) < 1:
         parser.error("--lone, --rounds and --procs must be at least 1")
 
+    # On a GPU host, hide the GPUs: the starts are forked from this process
+    # after it collected the fingerprint, and a child cannot use CUDA its
+    # parent initialised, so it would read "unknown" for the compute
+    # capability and find no entries (every start "cold").
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     tmp = tempfile.mkdtemp(prefix="ficache-fleet-starts-")
     os.environ["XDG_CACHE_HOME"] = str(Path(tmp) / "user-cache")  # a slice cache of its own
     import logging
