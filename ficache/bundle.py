@@ -18,7 +18,8 @@ The payload is ASCII JSON with exactly four members, one entry per line::
 ``key`` is FlashInfer's ``file_key`` verbatim; ``tactic`` and ``policy`` are
 the registry's canonical JSON text (``policy`` may be null); ``tuned_at`` is
 when the value was tuned (UNIX seconds). ``records`` holds FlashInfer's
-namespaced records; it is empty until the registry stores records.
+namespaced records (``ficache.records``) as parsed JSON values, each a value
+``flashinfer_format.record_value_json`` accepts; they carry no tuning time.
 
 Invariants:
 - The same content gives the same bytes. A bundle is a pure function of
@@ -71,7 +72,8 @@ from typing import Any
 
 from ficache.errors import BundleError, FingerprintError, NotFoundError
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
-from ficache.flashinfer_format import canonical_json, parse_key
+from ficache.flashinfer_format import canonical_json, check_namespace, parse_key, record_value_json
+from ficache.records import NewRecord, record_values
 from ficache.registry import NewEntry, Registry, WriteResult, validate_scope
 
 FORMAT_VERSION = 1
@@ -453,6 +455,15 @@ def _records(value: Any, fps: Mapping[str, Fingerprint]) -> Records:
             for ns, recs in _object(by_ns, f"records of {digest[:12]} {scope}").items():
                 if not ns or not _object(recs, f"records namespace {ns[:80]!r}"):
                     raise _Invalid(f"records of {digest[:12]} {scope} hold an empty namespace")
+                try:
+                    check_namespace(ns)
+                    for key, value in recs.items():
+                        try:
+                            record_value_json(value)
+                        except ValueError as exc:
+                            raise ValueError(f"record {key[:80]!r}: {exc}") from None
+                except ValueError as exc:
+                    raise _Invalid(f"records of {digest[:12]} {scope}: {exc}") from None
             if not by_ns:
                 raise _Invalid(f"records of {digest[:12]} hold an empty scope")
         if not scopes:
@@ -560,18 +571,23 @@ def write_bundle(
             )
     by_id = {i.id: i.fingerprint for i in infos}
     rows = registry.entry_values(sorted(by_id))
-    if not rows:
+    with registry.engine.connect() as conn:
+        stored_records = record_values(conn, sorted(by_id))
+    if not rows and not stored_records:
         raise NotFoundError(
             "no entries to bundle in the selected fingerprints; see `ficache fingerprints`"
         )
-    # Records are not stored yet; once they are, they are read here too.
     entries = [
         NewEntry(by_id[fid], key, runner, tactic, policy, scope, None, tuned_at)
         for fid, scope, key, runner, tactic, policy, tuned_at in rows
     ]
+    records: Records = {}
+    for fid, scope, ns, key, value, _tuned_at in stored_records:
+        by_scope = records.setdefault(by_id[fid].digest, {})
+        by_scope.setdefault(scope, {}).setdefault(ns, {})[key] = json.loads(value)
     target = Path(path)
     try:
-        data = render_bundle(entries)
+        data = render_bundle(entries, records, [by_id[fid] for fid, *_rest in stored_records])
         bundle = parse_bundle_bytes(data, source=str(target))
     except (ValueError, BundleError) as exc:
         raise BundleError(f"the registry holds an entry a bundle cannot carry: {exc}") from None
@@ -593,28 +609,47 @@ def write_bundle(
 def import_bundles(registry: Registry, bundles: Sequence[tuple[str, Bundle]]) -> WriteResult:
     """Store the entries of verified ``(source, bundle)`` pairs as one import commit.
 
-    Entries keep their scope and ``tuned_at``; the commit's provenance names
-    every bundle by digest. Importing the same bundles again changes
-    nothing and makes no commit. Records are not stored yet (see
-    ``Bundle.record_namespaces``).
+    Entries keep their scope and ``tuned_at``, records their scope (they
+    carry no tuning time: the import's is used); the commit's provenance
+    names every bundle by digest. Importing the same bundles again changes
+    nothing and makes no commit.
     """
     return registry.write(
         [e for _source, b in bundles for e in b.entries],
+        records=[r for _source, b in bundles for r in bundle_records(b)],
         kind="import",
         message=", ".join(source for source, _ in bundles)[:2000],
         provenance={
             "bundles": [
-                {"digest": b.digest, "format_version": b.format_version, "entries": len(b.entries)}
+                {
+                    "digest": b.digest,
+                    "format_version": b.format_version,
+                    "entries": len(b.entries),
+                    "records": int(b.provenance["records"]),
+                }
                 for _source, b in bundles
             ]
         },
     )
 
 
+def bundle_records(bundle: Bundle) -> list[NewRecord]:
+    """The records of a verified bundle, as ``Registry.write`` stores them (no tuned_at)."""
+    fps = {fp.digest: fp for fp in bundle.fingerprints}
+    return [
+        NewRecord(fps[digest], ns, key, record_value_json(value), scope)
+        for digest, scopes in sorted(bundle.records.items())
+        for scope, by_ns in sorted(scopes.items())
+        for ns, by_key in sorted(by_ns.items())
+        for key, value in sorted(by_key.items())
+    ]
+
+
 __all__ = [
     "FORMAT_VERSION",
     "Bundle",
     "BundleSummary",
+    "bundle_records",
     "import_bundles",
     "is_bundle",
     "parse_bundle_bytes",

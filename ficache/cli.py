@@ -62,6 +62,18 @@ def _fail(message: str) -> NoReturn:
 class _Group(click.Group):
     """Maps library errors to one line and exit code 1."""
 
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        given = list(args)  # the command line as given, for _first_non_utf8
+        ctx = super().make_context(info_name, args, parent=parent, **extra)
+        ctx.meta.setdefault(_ARGV_META, given)
+        return ctx
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
@@ -81,7 +93,27 @@ class _Group(click.Group):
         except Exception as exc:  # noqa: BLE001 - the last line of defence
             if _debug(ctx):
                 raise
+            not_utf8 = _first_non_utf8(ctx.meta.get(_ARGV_META, ()))
+            if isinstance(exc, UnicodeEncodeError) and not_utf8 is not None:
+                # Bytes that are not UTF-8 reached SQLite, which stores text as UTF-8.
+                _fail(
+                    f"argument {ascii(not_utf8)} is not valid UTF-8, and ficache stores "
+                    "names, keys and paths as UTF-8; pass it in UTF-8"
+                )
             _fail(f"unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)")
+
+
+_ARGV_META = "ficache.argv"
+
+
+def _first_non_utf8(args: Sequence[str]) -> str | None:
+    """The first argument holding bytes that are not UTF-8 (as surrogate escapes)."""
+    for arg in args:
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            return arg
+    return None
 
 
 def _debug(ctx: click.Context) -> bool:
@@ -332,8 +364,8 @@ def import_cmd(
         fp = _resolve_fingerprint(reg, fingerprint_ref) if fingerprint_ref else None
         result = reg.import_cache(parsed, fingerprint=fp, scope=scope)
     total = sum(len(c.entries) for _, c in parsed)
-    ignored_records = sum(len(c.records or {}) for _, c in parsed)
-    _report_import(fmt, result, total, len(parsed), "file", ignored_records, "_records namespace")
+    records = sum(len(c.record_rows) for _, c in parsed)
+    _report_import(fmt, result, total, len(parsed), "file", records)
 
 
 def _report_import(
@@ -342,10 +374,9 @@ def _report_import(
     entries: int,
     sources: int,
     source_noun: str,
-    ignored_records: int,
-    records_noun: str,
+    records: int,
 ) -> None:
-    """The report of one ``import`` commit, as text or JSON, and what it could not keep."""
+    """The report of one ``import`` commit (entries and namespaced records), as text or JSON."""
     if fmt == "json":
         _dump_json(
             {
@@ -355,7 +386,10 @@ def _report_import(
                 "added": result.added,
                 "replaced": result.replaced,
                 "unchanged": result.unchanged,
-                "ignored_record_namespaces": ignored_records,
+                "records": records,
+                "records_added": result.records_added,
+                "records_replaced": result.records_replaced,
+                "records_unchanged": result.records_unchanged,
             }
         )
     else:
@@ -364,15 +398,16 @@ def _report_import(
             if result.commit_id is not None
             else "nothing new, no commit"
         )
-        click.echo(
-            f"imported {entries} entries from {sources} {source_noun}(s): {result.added} added, "
-            f"{result.replaced} replaced, {result.unchanged} unchanged ({where})"
+        held = f"{entries} entries and {records} records" if records else f"{entries} entries"
+        record_counts = (
+            f"; records {result.records_added} added, {result.records_replaced} replaced, "
+            f"{result.records_unchanged} unchanged"
+            if records
+            else ""
         )
-    if ignored_records:
         click.echo(
-            f"warning: {ignored_records} {records_noun}(s) were not imported "
-            "(ficache stores tactics only)",
-            err=True,
+            f"imported {held} from {sources} {source_noun}(s): {result.added} added, "
+            f"{result.replaced} replaced, {result.unchanged} unchanged{record_counts} ({where})"
         )
 
 
@@ -571,8 +606,8 @@ def _import_bundles(
     with obj.registry() as reg:
         result = import_bundles(reg, bundles)
     total = sum(len(b.entries) for _, b in bundles)
-    ignored_records = sum(b.record_namespaces for _, b in bundles)
-    _report_import(fmt, result, total, len(bundles), "bundle", ignored_records, "record namespace")
+    records = sum(int(b.provenance["records"]) for _, b in bundles)
+    _report_import(fmt, result, total, len(bundles), "bundle", records)
 
 
 @cli.command("export")
@@ -719,8 +754,9 @@ def _export_bundle(
     with obj.registry(create=False) as reg:
         ids = None if all_fingerprints else [reg.fingerprint(ref).id for ref in fingerprint_refs]
         summary = write_bundle(reg, path, ids)
+    records = f" and {summary.records} records" if summary.records else ""
     click.echo(
-        f"wrote bundle {path}: {summary.entries} entries of {summary.fingerprints} "
+        f"wrote bundle {path}: {summary.entries} entries{records} of {summary.fingerprints} "
         f"fingerprint(s), {summary.size_bytes} bytes, sha256 {summary.digest}"
     )
 
@@ -746,6 +782,13 @@ def _export_bundle(
     help="Only entries of this scope ('shared' or '<layout>/rank<N>').",
 )
 @click.option("--limit", type=POSITIVE_ID, help="Show at most this many entries.")
+@click.option(
+    "--records",
+    "show_records",
+    is_flag=True,
+    help="List FlashInfer's namespaced records (_records) instead of entries.",
+)
+@click.option("--namespace", help="With --records: only records of this namespace.")
 @FORMAT
 @pass_ctx
 def list_cmd(
@@ -756,11 +799,20 @@ def list_cmd(
     fingerprint_ref: str | None,
     scope: str | None,
     limit: int | None,
+    show_records: bool,
+    namespace: str | None,
     fmt: str,
 ) -> None:
-    """List stored entries."""
+    """List stored entries, or with --records the namespaced records."""
+    if show_records and (op is not None or gpu is not None or flashinfer_version is not None):
+        raise click.UsageError("--records takes --fingerprint, --scope, --namespace and --limit")
+    if namespace is not None and not show_records:
+        raise click.UsageError("--namespace goes with --records")
     with obj.registry(create=False) as reg:
         ids = [reg.fingerprint(fingerprint_ref).id] if fingerprint_ref else None
+        if show_records:
+            _list_records(reg, ids, scope, namespace, limit, fmt)
+            return
         rows = reg.entries(
             fingerprint_ids=ids,
             op=op,
@@ -795,6 +847,39 @@ def list_cmd(
         )
 
 
+def _list_records(
+    reg: Any,
+    ids: list[int] | None,
+    scope: str | None,
+    namespace: str | None,
+    limit: int | None,
+    fmt: str,
+) -> None:
+    """``list --records``: one row per stored record."""
+    from ficache.records import list_records
+
+    rows = list_records(reg, fingerprint_ids=ids, scope=scope, namespace=namespace, limit=limit)
+    if fmt == "json":
+        _dump_json([r.as_json() for r in rows])
+        return
+    click.echo(
+        _table(
+            ["fingerprint", "scope", "namespace", "key", "value", "commit"],
+            (
+                (
+                    r.fingerprint_id,
+                    r.scope,
+                    r.namespace,
+                    r.key,
+                    r.value_json if len(r.value_json) <= 60 else r.value_json[:57] + "...",
+                    r.commit_id,
+                )
+                for r in rows
+            ),
+        )
+    )
+
+
 @cli.command("stats")
 @FORMAT
 @pass_ctx
@@ -819,12 +904,16 @@ def stats_cmd(obj: _Context, fmt: str) -> None:
                 ),
                 ("commits", stats.commits),
                 ("last commit", _when(stats.last_commit_at)),
+                *([("records", stats.records)] if stats.records else []),
             ],
         )
     )
     if stats.ops:
         click.echo()
         click.echo(_table(["op", "entries"], stats.ops))
+    if stats.record_namespaces:
+        click.echo()
+        click.echo(_table(["fingerprint", "namespace", "records"], stats.record_namespaces))
     if stats.last_served:
         click.echo()
         click.echo(
@@ -852,6 +941,8 @@ def log_cmd(obj: _Context, limit: int, fmt: str) -> None:
     if fmt == "json":
         _dump_json([c.as_json() for c in commits])
         return
+    # A records column (added/replaced/removed) only where a shown commit changed records.
+    with_records = any(c.records_added or c.records_replaced or c.records_removed for c in commits)
     click.echo(
         _table(
             [
@@ -862,6 +953,7 @@ def log_cmd(obj: _Context, limit: int, fmt: str) -> None:
                 "added",
                 "replaced",
                 "removed",
+                *(["records +/~/-"] if with_records else []),
                 "world",
                 "layout",
                 "message",
@@ -875,6 +967,11 @@ def log_cmd(obj: _Context, limit: int, fmt: str) -> None:
                     c.added,
                     c.replaced,
                     c.removed,
+                    *(
+                        [f"{c.records_added}/{c.records_replaced}/{c.records_removed}"]
+                        if with_records
+                        else []
+                    ),
                     c.world_size,
                     c.layout,
                     (c.message or "")[:60],
@@ -917,6 +1014,11 @@ def show_cmd(obj: _Context, commit_id: int, fmt: str) -> None:
             f"world: {c.world_size if c.world_size is not None else '-'}, layout: {c.layout or '-'}"
         )
     click.echo(f"changes: {c.added} added, {c.replaced} replaced, {c.removed} removed")
+    if details.record_changes:
+        click.echo(
+            f"record changes: {c.records_added} added, {c.records_replaced} replaced, "
+            f"{c.records_removed} removed"
+        )
     if c.provenance:
         click.echo("provenance:")
         for line in json.dumps(c.provenance, indent=2, sort_keys=True).splitlines():
@@ -943,6 +1045,24 @@ def show_cmd(obj: _Context, commit_id: int, fmt: str) -> None:
             rows,
         )
     )
+    if details.record_changes:
+        click.echo(
+            _table(
+                ["action", "fingerprint", "scope", "namespace", "key", "old", "new"],
+                (
+                    (
+                        r.action,
+                        r.fingerprint_id,
+                        r.scope,
+                        r.namespace,
+                        r.key,
+                        _change_value(r.old),
+                        _change_value(r.new),
+                    )
+                    for r in details.record_changes
+                ),
+            )
+        )
 
 
 # -- merge ---------------------------------------------------------------------------
@@ -1010,6 +1130,28 @@ def _echo_merge_plan(plan: Any) -> None:
             click.echo(
                 f"  ... and {plan.conflicting - SHOWN_CONFLICTS} more (--format json lists all)"
             )
+    records = plan.records
+    if records.candidates:
+        click.echo(
+            f"records: {records.added} added, {records.replaced} replaced, {records.removed} "
+            f"removed, {records.identical} identical, {len(records.conflicts)} conflicting"
+        )
+        for rc in records.conflicts[:SHOWN_CONFLICTS]:
+            where = (
+                rc.fingerprint_id if rc.fingerprint_id is not None else f"new {rc.fingerprint[:12]}"
+            )
+            held = ([f"target {rc.target}"] if rc.target is not None else []) + [
+                f"source {n} {v}" for n, v in rc.sources
+            ]
+            click.echo(
+                f"  record {where} {rc.scope} {rc.namespace} {rc.key}: {'; '.join(held)} "
+                f"-> {rc.resolution}"
+            )
+        if len(records.conflicts) > SHOWN_CONFLICTS:
+            click.echo(
+                f"  ... and {len(records.conflicts) - SHOWN_CONFLICTS} more record conflicts "
+                "(--format json lists all)"
+            )
     click.echo(f"total: {plan.totals_str}")
 
 
@@ -1058,16 +1200,16 @@ def merge_cmd(
         elif result is not None and commit_id is None:
             click.echo("nothing to change, no commit")
         elif result is not None:
+            records = (
+                f"; records {result.records_added} added, {result.records_replaced} replaced, "
+                f"{result.records_removed} removed"
+                if result.records_changed
+                else ""
+            )
             click.echo(
                 f"merged as commit {commit_id}: {result.added} added, "
-                f"{result.replaced} replaced, {result.removed} removed"
+                f"{result.replaced} replaced, {result.removed} removed{records}"
             )
-    ignored = sum(s.ignored_records for s in plan.sources)
-    if ignored:
-        click.echo(
-            f"warning: {ignored} record namespace(s) were not merged (ficache stores tactics only)",
-            err=True,
-        )
     plan.check()  # a refused plan: one error line, exit 1
 
 
@@ -1158,15 +1300,28 @@ def revert_cmd(obj: _Context, commit_id: int, dry_run: bool, yes: bool) -> None:
         if not found:
             raise NotFoundError(f"no commit {commit_id}; see `ficache log`")
         c = found[0]
+        records = (
+            f"; records: remove {c.records_added} added, restore {c.records_replaced} replaced, "
+            f"restore {c.records_removed} removed"
+            if c.records_added or c.records_replaced or c.records_removed
+            else ""
+        )
         click.echo(
             f"revert plan: commit {c.id} ({c.kind}, {_when(c.created_at)}, {c.host}): "
             f"remove {c.added} added, restore {c.replaced} replaced, restore {c.removed} removed"
+            + records
         )
         _confirm_or_stop(f"Revert commit {c.id}?", dry_run=dry_run, yes=yes)
         result = reg.revert(commit_id)
+    records = (
+        f"; records {result.records_removed} removed, {result.records_replaced} restored, "
+        f"{result.records_added} re-added"
+        if result.records_changed
+        else ""
+    )
     click.echo(
         f"reverted commit {commit_id} as commit {result.commit_id}: {result.removed} removed, "
-        f"{result.replaced} restored, {result.added} re-added"
+        f"{result.replaced} restored, {result.added} re-added{records}"
     )
 
 

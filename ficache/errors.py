@@ -73,3 +73,7 @@ class V2StoreError(FicacheError):
 
 class VllmCacheError(FicacheError):
     """A path given as vLLM's cache root cannot be searched for its autotune caches."""
+
+
+class RecordError(FicacheError):
+    """A namespaced record (FlashInfer ``_records``) is not one ficache can store."""

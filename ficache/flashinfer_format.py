@@ -21,6 +21,14 @@ Invariants:
   look up. Rendering never parses stored JSON again.
 - Files are published atomically: temp file in the target's directory,
   ``os.replace``, temp removed on any failure.
+- ``_records`` (FlashInfer's namespaced records) is validated as strictly
+  as entries: an object of namespaces (non-empty, not starting with ``_``,
+  as ``AutoTuner.publish_namespaced_records`` demands), each an object of
+  record keys to JSON values (finite numbers, at most ``MAX_RECORD_DEPTH``
+  levels, at most ``MAX_RECORD_CHARS`` of canonical JSON). A value is kept
+  as canonical JSON text (``record_value_json``) and rendered back spliced
+  in, so an export's ``_records`` holds the values FlashInfer saved
+  (object members in sorted order, which JSON does not make significant).
 - Bulk parsing is fast without being looser: entries of the common shape
   (a key as FlashInfer writes it, a JSON tactic and policy) take a fast path
   that decides exactly as the general checks do (tests compare the two on
@@ -52,6 +60,10 @@ GENERATION_KEYS = ("_generation", "_cache_generation")
 MAX_FILE_BYTES = 512 * 1024 * 1024
 MAX_KEY_CHARS = 16 * 1024
 MAX_TACTIC_DEPTH = 8
+#: Deepest nesting of one record value, its longest canonical JSON, longest namespace.
+MAX_RECORD_DEPTH = 32
+MAX_RECORD_CHARS = 4 * 1024 * 1024
+MAX_NAMESPACE_CHARS = 256
 
 
 Shapes = tuple[tuple[int, ...], ...]
@@ -165,6 +177,8 @@ class CacheFile:
     entries: tuple[FileEntry, ...]
     records: dict[str, Any] | None = None
     generation: str | None = None
+    #: ``records`` as ``(namespace, record key, canonical JSON value)``, sorted.
+    record_rows: tuple[tuple[str, str, str], ...] = ()
 
 
 def canonical_json(value: Any) -> str:
@@ -389,6 +403,72 @@ def _parse_key_general(key: str) -> KeyFields:
 
 
 # --------------------------------------------------------------------------
+# Namespaced records.
+
+
+def check_namespace(namespace: Any) -> str:
+    """``namespace`` when FlashInfer would publish it; ``ValueError`` otherwise."""
+    if not isinstance(namespace, str) or not namespace or namespace.startswith("_"):
+        raise ValueError(f"namespace {str(namespace)[:80]!r} is not a public identifier")
+    if len(namespace) > MAX_NAMESPACE_CHARS:
+        raise ValueError(f"namespace longer than {MAX_NAMESPACE_CHARS} characters")
+    return namespace
+
+
+def _check_record_value(value: Any, depth: int) -> None:
+    if depth > MAX_RECORD_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_RECORD_DEPTH} levels")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"an object key is a {type(k).__name__}, not a string")
+            _check_record_value(v, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _check_record_value(v, depth + 1)
+    elif isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError("holds a non-finite number")
+    elif not (value is None or isinstance(value, (bool, int, str))):
+        raise ValueError(f"holds a {type(value).__name__}, which JSON cannot carry")
+
+
+def record_value_json(value: Any) -> str:
+    """The canonical JSON text of one record value; ``ValueError`` for a value
+    JSON cannot carry exactly (a non-string object key, a non-finite number,
+    another type), nests too deeply or is too long."""
+    _check_record_value(value, 0)
+    text = canonical_json(value)
+    if len(text) > MAX_RECORD_CHARS:
+        raise ValueError(f"longer than {MAX_RECORD_CHARS} characters of JSON")
+    return text
+
+
+def record_rows(records: Any) -> tuple[tuple[str, str, str], ...]:
+    """``{namespace: {key: value}}`` as sorted ``(namespace, key, canonical JSON)``.
+
+    Raises ``ValueError`` naming the first problem.
+    """
+    if not isinstance(records, dict):
+        raise ValueError("must be an object of namespaces")
+    rows = []
+    for namespace, by_key in records.items():
+        check_namespace(namespace)
+        if not isinstance(by_key, dict):
+            raise ValueError(f"namespace {namespace[:80]!r} must be an object")
+        for key, value in by_key.items():
+            if not isinstance(key, str) or len(key) > MAX_KEY_CHARS:
+                raise ValueError(f"namespace {namespace[:80]!r} has a key that is too long")
+            try:
+                rows.append((namespace, key, record_value_json(value)))
+            except (ValueError, RecursionError) as exc:
+                detail = str(exc) if isinstance(exc, ValueError) else "nested too deeply"
+                raise ValueError(f"record {namespace[:80]!r}/{key[:80]!r}: {detail}") from None
+    rows.sort()
+    return tuple(rows)
+
+
+# --------------------------------------------------------------------------
 # Whole files.
 
 
@@ -465,6 +545,12 @@ def _parse_text(text: str, source: str) -> CacheFile:
     records = top.pop(RECORDS_KEY, None)
     if records is not None and not isinstance(records, dict):
         raise CacheFileError(f"{source}: _records must be an object")
+    rows: tuple[tuple[str, str, str], ...] = ()
+    if records is not None:
+        try:
+            rows = record_rows(records)
+        except ValueError as exc:
+            raise CacheFileError(f"{source}: _records invalid, nothing imported: {exc}") from None
     generation = None
     for gkey in GENERATION_KEYS:
         g = top.pop(gkey, None)
@@ -479,7 +565,7 @@ def _parse_text(text: str, source: str) -> CacheFile:
             f"{source}: {len(problems)} of {len(top)} entries invalid, nothing imported; "
             f"first: {problems[0]}"
         )
-    return CacheFile(metadata, tuple(entries), records, generation)
+    return CacheFile(metadata, tuple(entries), records, generation, rows)
 
 
 def _read_entries(top: dict[str, Any]) -> tuple[list[FileEntry], list[str]]:
@@ -579,16 +665,28 @@ _json_string = json.encoder.encode_basestring_ascii
 def render_cache(
     metadata: Mapping[str, str] | None,
     entries: Iterable[tuple[str, str, str, str | None]],
+    records: Mapping[str, Mapping[str, str]] | None = None,
 ) -> str:
     """Render ``(key, runner, tactic_json, policy_json)`` rows as a cache file.
 
-    ``_metadata`` comes first, then entries sorted by key, as FlashInfer
-    writes them. Stored JSON fragments are spliced in, not re-parsed.
+    ``_metadata`` comes first, then ``_records`` (``{namespace: {key: canonical
+    JSON}}``, namespaces and keys sorted; left out when empty), then entries
+    sorted by key, as FlashInfer writes them. Stored JSON fragments are
+    spliced in, not re-parsed.
     """
     quote = _json_string
     parts: list[str] = []
     if metadata is not None:
         parts.append(f'"{METADATA_KEY}": {json.dumps(dict(metadata), sort_keys=False)}')
+    if records:
+        namespaces = [
+            quote(ns)
+            + ": {"
+            + ", ".join(f"{quote(key)}: {value}" for key, value in sorted(by_key.items()))
+            + "}"
+            for ns, by_key in sorted(records.items())
+        ]
+        parts.append(f'"{RECORDS_KEY}": {{{", ".join(namespaces)}}}')
     for key, runner, tactic_json, policy_json in sorted(entries, key=lambda row: row[0]):
         if policy_json is None:
             parts.append(f"{quote(key)}: [{quote(runner)}, {tactic_json}]")

@@ -10,7 +10,9 @@ Invariants:
   the value it wrote (``new``: absent for ``removed``). Commits written
   before schema revision 0002 did not record the value they wrote; their
   ``new`` is None for every action, and ``new_known`` says so.
-- Changes are listed in a stable order: fingerprint id, scope, key.
+- Changes are listed in a stable order: fingerprint id, scope, key; the
+  commit's changes to namespaced records (``ficache.records``) follow in
+  ``record_changes``, by fingerprint id, scope, namespace, key.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ficache import schema
 from ficache.errors import NotFoundError
 from ficache.flashinfer_format import KeyFields, parse_key
 from ficache.models import ENTRY_CHANGES as H
+from ficache.records import RecordChange, record_changes
 from ficache.registry import CommitInfo, Registry
 
 ACTIONS = ("added", "replaced", "removed")
@@ -102,6 +105,7 @@ class CommitDetails:
 
     commit: CommitInfo
     changes: tuple[EntryChange, ...]
+    record_changes: tuple[RecordChange, ...] = ()
 
     def count(self, action: str) -> int:
         return sum(1 for c in self.changes if c.action == action)
@@ -110,6 +114,7 @@ class CommitDetails:
         return {
             "commit": self.commit.as_json(),
             "changes": [c.as_json() for c in self.changes],
+            "record_changes": [c.as_json() for c in self.record_changes],
         }
 
 
@@ -157,9 +162,10 @@ def commit_details(registry: Registry, commit_id: int) -> CommitDetails:
                 )
                 for r in conn.execute(query)
             )
+            records = record_changes(conn, commit_id)
     except DatabaseError as exc:
         raise schema.translate_operational_error(exc, registry.location) from None
-    return CommitDetails(found[0], changes)
+    return CommitDetails(found[0], changes, records)
 
 
 __all__ = ["ACTIONS", "CommitDetails", "EntryChange", "EntryValue", "commit_details"]

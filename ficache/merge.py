@@ -40,10 +40,16 @@ Invariants:
 - The commit's provenance names the policy and every source with its kind,
   entry count and digest: the sha256 of a file's bytes; for a registry,
   the sha256 of its content (``registry_digest``).
+- Namespaced records (``ficache.records``) merge under the same policies in
+  the same plan and commit: a conflict is one (fingerprint, scope,
+  namespace, record key) with different values (``MergePlan.records``).
+  ``newest`` compares their ``tuned_at`` (a file's mtime; bundles carry no
+  time, so a bundle's record loses to any dated one).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -77,6 +83,7 @@ from ficache.models import FINGERPRINTS as F
 from ficache.models import (
     SHARED_SCOPE,
 )
+from ficache.records import NewRecord, RecordMergePlan, plan_record_merge, record_values
 from ficache.registry import (
     ENTRY_VALUE_COLUMNS,
     NewEntry,
@@ -106,7 +113,7 @@ class SourceSummary:
     kind: str  # one of SOURCE_KINDS
     digest: str  # sha256 hex
     entries: int
-    ignored_records: int = 0  # FlashInfer ``_records`` namespaces / bundle record groups
+    records: int = 0  # namespaced records (``_records``)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -114,7 +121,7 @@ class SourceSummary:
             "kind": self.kind,
             "digest": self.digest,
             "entries": self.entries,
-            "ignored_records": self.ignored_records,
+            "records": self.records,
         }
 
 
@@ -126,12 +133,12 @@ class MergeSource:
     kind: str  # one of SOURCE_KINDS
     digest: str
     entries: tuple[NewEntry, ...] = field(repr=False)  # tuned_at set where known
-    ignored_records: int = 0
+    records: tuple[NewRecord, ...] = field(default=(), repr=False)
 
     @property
     def summary(self) -> SourceSummary:
         return SourceSummary(
-            self.name, self.kind, self.digest, len(self.entries), self.ignored_records
+            self.name, self.kind, self.digest, len(self.entries), len(self.records)
         )
 
 
@@ -190,7 +197,11 @@ def _open_source(text: str) -> MergeSource:
     if bundle is not None and bundle.is_bundle(path):
         read = bundle.read_bundle(path)
         return MergeSource(
-            str(path), "bundle", read.digest, tuple(read.entries), read.record_namespaces
+            str(path),
+            "bundle",
+            read.digest,
+            tuple(read.entries),
+            records=tuple(bundle.bundle_records(read)),
         )
     return _flashinfer_source(path)
 
@@ -223,12 +234,12 @@ def _flashinfer_source(path: Path) -> MergeSource:
         make(fp, e.key, e.runner, e.tactic_json, e.policy_json, SHARED_SCOPE, e.fields, tuned_at)
         for e in cache.entries
     )
+    records = tuple(
+        NewRecord(fp, ns, key, value, SHARED_SCOPE, tuned_at)
+        for ns, key, value in cache.record_rows
+    )
     return MergeSource(
-        str(path),
-        "flashinfer",
-        hashlib.sha256(data).hexdigest(),
-        entries,
-        len(cache.records or {}),
+        str(path), "flashinfer", hashlib.sha256(data).hexdigest(), entries, records=records
     )
 
 
@@ -243,12 +254,15 @@ def _interned(fp: Fingerprint) -> Fingerprint:
     return fp
 
 
-def registry_digest(entries: Sequence[NewEntry]) -> str:
-    """The sha256 of a registry's content: one canonical JSON line per entry.
+def registry_digest(entries: Sequence[NewEntry], records: Sequence[NewRecord] = ()) -> str:
+    """The sha256 of a registry's content: one canonical JSON line per entry and record.
 
-    Each line is ``[fingerprint digest, scope, key, runner, tactic, policy,
-    tuned_at]``, lines sorted; two registries holding the same entries have
-    the same digest, whatever their histories.
+    Each entry's line is ``[fingerprint digest, scope, key, runner, tactic,
+    policy, tuned_at]``, each record's ``["record", fingerprint digest, scope,
+    namespace, key, value, tuned_at]``, lines sorted; two registries holding
+    the same entries and records have the same digest, whatever their
+    histories (a registry without records has the digest it had before
+    records were stored).
     """
     lines = sorted(
         json.dumps(
@@ -265,6 +279,27 @@ def registry_digest(entries: Sequence[NewEntry]) -> str:
         )
         for e in entries
     )
+    if records:
+        lines = sorted(
+            [
+                *lines,
+                *(
+                    json.dumps(
+                        [
+                            "record",
+                            r.fingerprint.digest,
+                            r.scope,
+                            r.namespace,
+                            r.key,
+                            r.value_json,
+                            r.tuned_at,
+                        ],
+                        separators=(",", ":"),
+                    )
+                    for r in records
+                ),
+            ]
+        )
     digest = hashlib.sha256()
     for line in lines:
         digest.update(line.encode())
@@ -298,6 +333,7 @@ def _registry_source(spec: str) -> MergeSource:
             rows = conn.execute(
                 select(*ENTRY_VALUE_COLUMNS).order_by(E.c.fingerprint_id, E.c.scope, E.c.key)
             ).all()
+            stored_records = record_values(conn)
     except DatabaseError as exc:
         raise schema.translate_operational_error(exc, location) from None
     finally:
@@ -308,7 +344,13 @@ def _registry_source(spec: str) -> MergeSource:
         make(fps[fid], key, runner, tactic, policy, scope, None, tuned_at)
         for fid, scope, key, runner, tactic, policy, tuned_at in rows
     )
-    return MergeSource(name, "registry", registry_digest(entries), entries)
+    records = tuple(
+        NewRecord(fps[fid], ns, key, value, scope, tuned_at)
+        for fid, scope, ns, key, value, tuned_at in stored_records
+    )
+    return MergeSource(
+        name, "registry", registry_digest(entries, records), entries, records=records
+    )
 
 
 # --------------------------------------------------------------------------
@@ -371,6 +413,7 @@ class MergePlan:
     removals: tuple[Identity, ...] = field(repr=False)
     # The commit that wrote each written or removed entry's value when planned (None: absent).
     expected: tuple[tuple[Identity, int | None], ...] = field(repr=False)
+    records: RecordMergePlan = field(default_factory=RecordMergePlan)
 
     def _total(self, name: str) -> int:
         return sum(getattr(g, name) for g in self.groups)
@@ -398,12 +441,12 @@ class MergePlan:
     @property
     def is_empty(self) -> bool:
         """True when executing would change nothing (and make no commit)."""
-        return not self.writes and not self.removals
+        return not self.writes and not self.removals and self.records.write.is_empty
 
     @property
     def refused(self) -> bool:
-        """True when the policy is ``fail`` and there are conflicts."""
-        return self.policy == "fail" and bool(self.conflicts)
+        """True when the policy is ``fail`` and there are conflicts (entries or records)."""
+        return self.policy == "fail" and bool(self.conflicts or self.records.conflicts)
 
     @property
     def totals_str(self) -> str:
@@ -430,14 +473,20 @@ class MergePlan:
                 "conflicting": self.conflicting,
             },
             "conflicts": [c.as_json() for c in self.conflicts],
+            "records": self.records.as_json(),
         }
 
     def check(self) -> None:
         """Raise ``MergeConflictError`` when the plan is refused (``fail`` with conflicts)."""
         if self.refused:
+            records = (
+                f" and {len(self.records.conflicts)} conflicting records"
+                if self.records.conflicts
+                else ""
+            )
             raise MergeConflictError(
-                f"{self.conflicting} conflicting entries; nothing merged; choose how to resolve "
-                "them with --on-conflict keep|theirs|newest|vote|drop"
+                f"{self.conflicting} conflicting entries{records}; nothing merged; choose how to "
+                "resolve them with --on-conflict keep|theirs|newest|vote|drop"
             )
 
     def execute(self, registry: Registry) -> WriteResult:
@@ -453,7 +502,9 @@ class MergePlan:
                 f"this plan was made for {self.target}, not {registry.location.display}"
             )
         if self.is_empty:
-            return WriteResult(None, unchanged=self.identical)
+            return WriteResult(
+                None, unchanged=self.identical, records_unchanged=self.records.identical
+            )
         names = ", ".join(s.name for s in self.sources)
         with paused_gc():
             return registry.write(
@@ -463,6 +514,7 @@ class MergePlan:
                 provenance=self.provenance,
                 removals=self.removals,
                 expected=self.expected,  # pairs: no dict to build (and hash) per entry
+                records=self.records.write,
             )
 
 
@@ -480,16 +532,21 @@ _DROP = "dropped"
 
 def _resolve(
     policy: str,
-    target: tuple[_Value, float | None] | None,
-    candidates: list[tuple[int, NewEntry]],
-) -> str | tuple[int, NewEntry]:
-    """The winner of a conflict: ``_TARGET``, ``_DROP``, "unresolved" or a candidate."""
+    target: tuple[Any, float | None] | None,
+    candidates: list[tuple[int, Any]],
+    value: Any = _value,
+) -> str | tuple[int, Any]:
+    """The winner of a conflict: ``_TARGET``, ``_DROP``, "unresolved" or a candidate.
+
+    Candidates are ``(source number, NewEntry)``, or anything with a
+    ``tuned_at`` whose value ``value(candidate)`` gives (records).
+    """
     if policy == "keep":
         return _TARGET if target is not None else candidates[0]
     if policy == "theirs":
         return candidates[-1]
     if policy == "newest":
-        best: str | tuple[int, NewEntry] = _TARGET if target is not None else candidates[0]
+        best: str | tuple[int, Any] = _TARGET if target is not None else candidates[0]
         best_at = _tuned(target[1]) if target is not None else _tuned(candidates[0][1].tuned_at)
         for cand in candidates:
             at = _tuned(cand[1].tuned_at)
@@ -497,15 +554,15 @@ def _resolve(
                 best, best_at = cand, at
         return best
     if policy == "vote":
-        votes: dict[_Value, int] = {}
+        votes: dict[Any, int] = {}
         for _n, e in candidates:
-            v = _value(e)
+            v = value(e)
             votes[v] = votes.get(v, 0) + 1
         top = max(votes.values())
         tied = {v for v, n in votes.items() if n == top}
         if len(tied) > 1 and target is not None:
             return _TARGET
-        return next(c for c in candidates if _value(c[1]) in tied)
+        return next(c for c in candidates if value(c[1]) in tied)
     if policy == "drop":
         return _DROP
     return "unresolved"
@@ -518,7 +575,32 @@ def plan_merge(
     if policy not in POLICIES:
         raise ValueError(f"unknown merge policy {policy!r}; expected one of {', '.join(POLICIES)}")
     with paused_gc():
-        return _plan(registry, sources, policy)
+        plan = _plan(registry, sources, policy)
+    if not any(s.records for s in sources):
+        return plan
+    try:
+        with registry.engine.connect() as conn:
+            records = plan_record_merge(
+                conn,
+                [s.records for s in sources],
+                policy,
+                _resolve_record,
+                target_word=_TARGET,
+                drop_word=_DROP,
+            )
+    except DatabaseError as exc:
+        raise schema.translate_operational_error(exc, registry.location) from None
+    return dataclasses.replace(plan, records=records)
+
+
+def _record_value(r: NewRecord) -> str:
+    return r.value_json
+
+
+def _resolve_record(
+    policy: str, target: tuple[str, float | None] | None, candidates: list[tuple[int, NewRecord]]
+) -> str | tuple[int, Any]:
+    return _resolve(policy, target, candidates, _record_value)
 
 
 def _plan(registry: Registry, sources: Sequence[MergeSource], policy: str) -> MergePlan:

@@ -11,11 +11,21 @@ Tables:
 - ``entry_changes``: what each commit did to each entry (added, replaced,
   removed) with the value it replaced and the value it wrote, so every
   commit can be shown and reverted and nothing stored is lost silently.
+- ``records``: FlashInfer's namespaced records (a cache file's ``_records``:
+  ``{namespace: {record key: JSON value}}``), one row per (fingerprint,
+  scope, namespace, record key); ``value`` is canonical JSON text
+  (``flashinfer_format.record_value_json``). ``record_changes`` is their
+  change log, as ``entry_changes`` is the entries' (``ficache.records``).
 
 Invariants:
-- ``(fingerprint_id, scope, key)`` is unique in ``entries``.
-- Every ``entries`` row names the commit that wrote its current value, and
-  that commit has an ``entry_changes`` row for it.
+- ``(fingerprint_id, scope, key)`` is unique in ``entries``;
+  ``(fingerprint_id, scope, namespace, key)`` is unique in ``records``.
+- A commit's ``added``/``replaced``/``removed`` count its entry changes,
+  ``records_added``/``records_replaced``/``records_removed`` its record
+  changes; every commit has at least one change of either kind.
+- Every ``entries`` (``records``) row names the commit that wrote its
+  current value, and that commit has an ``entry_changes``
+  (``record_changes``) row for it.
 - ``scope`` is ``"shared"`` (valid on every rank) or ``"<layout>/rank<N>"``.
 - Times are UNIX seconds (UTC) as floats: cheap to write in bulk, simple to
   compare for pruning by age. ``entries.updated_at`` is when this registry
@@ -31,7 +41,17 @@ from __future__ import annotations
 
 from typing import cast
 
-from sqlalchemy import Float, ForeignKey, Index, Integer, String, Table, Text, UniqueConstraint
+from sqlalchemy import (
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 SHARED_SCOPE = "shared"
@@ -75,6 +95,9 @@ class CommitRow(Base):
     removed: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     provenance: Mapped[str | None] = mapped_column(Text)  # JSON object
     reverts_commit_id: Mapped[int | None] = mapped_column(ForeignKey("commits.id"))
+    records_added: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    records_replaced: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    records_removed: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
 
     __table_args__ = (Index("ix_commits_created_at", "created_at"),)
 
@@ -125,9 +148,54 @@ class EntryChangeRow(Base):
     __table_args__ = (Index("ix_entry_changes_commit_id", "commit_id"),)
 
 
+class RecordRow(Base):
+    __tablename__ = "records"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    fingerprint_id: Mapped[int] = mapped_column(ForeignKey("fingerprints.id"), nullable=False)
+    scope: Mapped[str] = mapped_column(String(64), nullable=False)
+    namespace: Mapped[str] = mapped_column(Text, nullable=False)
+    key: Mapped[str] = mapped_column(Text, nullable=False)
+    value: Mapped[str] = mapped_column(Text, nullable=False)  # canonical JSON
+    commit_id: Mapped[int] = mapped_column(ForeignKey("commits.id"), nullable=False)
+    updated_at: Mapped[float] = mapped_column(Float, nullable=False)
+    tuned_at: Mapped[float] = mapped_column(Float, nullable=False)
+
+    __table_args__ = (
+        UniqueConstraint(
+            "fingerprint_id",
+            "scope",
+            "namespace",
+            "key",
+            name="uq_records_fingerprint_scope_namespace_key",
+        ),
+        Index("ix_records_commit_id", "commit_id"),
+    )
+
+
+class RecordChangeRow(Base):
+    __tablename__ = "record_changes"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    commit_id: Mapped[int] = mapped_column(ForeignKey("commits.id"), nullable=False)
+    fingerprint_id: Mapped[int] = mapped_column(ForeignKey("fingerprints.id"), nullable=False)
+    scope: Mapped[str] = mapped_column(String(64), nullable=False)
+    namespace: Mapped[str] = mapped_column(Text, nullable=False)
+    key: Mapped[str] = mapped_column(Text, nullable=False)
+    action: Mapped[str] = mapped_column(String(8), nullable=False)  # added/replaced/removed
+    old_value: Mapped[str | None] = mapped_column(Text)
+    old_commit_id: Mapped[int | None] = mapped_column(Integer)
+    old_tuned_at: Mapped[float | None] = mapped_column(Float)
+    new_value: Mapped[str | None] = mapped_column(Text)  # NULL for removed
+
+    __table_args__ = (Index("ix_record_changes_commit_id", "commit_id"),)
+
+
 # The tables as SQLAlchemy Core objects, for the bulk queries of the modules
-# that read and write many rows at once (registry, merge, history, verify).
+# that read and write many rows at once (registry, merge, history, verify, records).
 FINGERPRINTS = cast(Table, FingerprintRow.__table__)
 ENTRIES = cast(Table, EntryRow.__table__)
 COMMITS = cast(Table, CommitRow.__table__)
 ENTRY_CHANGES = cast(Table, EntryChangeRow.__table__)
+RECORDS = cast(Table, RecordRow.__table__)
+RECORD_CHANGES = cast(Table, RecordChangeRow.__table__)

@@ -17,6 +17,9 @@ Invariants:
   differs: a plan is never applied to a state it was not made from.
 - ``revert`` refuses (``ConflictError``) when a later commit changed an entry
   the reverted commit touched; it never overwrites later work.
+- Namespaced records (``ficache.records``) ride in the same commits: ``write``
+  stores ``records`` with its entries in its one transaction and commit,
+  ``revert`` undoes both, exports carry them as ``_records``.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from sqlalchemy import (
 from sqlalchemy import text as sql_text
 from sqlalchemy.exc import DatabaseError, IntegrityError, OperationalError
 
+from ficache import records as rec
 from ficache import schema
 from ficache._gcpause import paused_gc
 from ficache.errors import (
@@ -212,6 +216,9 @@ class CommitInfo:
     removed: int
     provenance: dict[str, Any]
     reverts_commit_id: int | None
+    records_added: int = 0
+    records_replaced: int = 0
+    records_removed: int = 0
 
     def as_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -225,10 +232,19 @@ class WriteResult:
     removed: int = 0
     unchanged: int = 0
     kept: int = 0  # values not written: the entry held another one (``keep_existing``)
+    records_added: int = 0
+    records_replaced: int = 0
+    records_removed: int = 0
+    records_unchanged: int = 0
+    records_kept: int = 0
 
     @property
     def changed(self) -> int:
         return self.added + self.replaced + self.removed
+
+    @property
+    def records_changed(self) -> int:
+        return self.records_added + self.records_replaced + self.records_removed
 
 
 @dataclass(frozen=True)
@@ -274,11 +290,18 @@ class Stats:
     size_bytes: int | None
     #: ``(fingerprint id, last served at)``; None: never served by a warm start.
     last_served: tuple[tuple[int, float | None], ...] = ()
+    records: int = 0
+    #: ``(fingerprint id, namespace, records)`` of every stored record namespace.
+    record_namespaces: tuple[tuple[int, str, int], ...] = ()
 
     def as_json(self) -> dict[str, Any]:
         data = {k: getattr(self, k) for k in self.__dataclass_fields__}
         data["ops"] = dict(self.ops)
         data["last_served"] = {str(fid): served for fid, served in self.last_served}
+        data["record_namespaces"] = [
+            {"fingerprint": fid, "namespace": ns, "records": n}
+            for fid, ns, n in self.record_namespaces
+        ]
         return data
 
 
@@ -611,7 +634,19 @@ class Registry:
         info = self.fingerprint(fingerprint_id)
         scopes = [SHARED_SCOPE] if scope == SHARED_SCOPE else [SHARED_SCOPE, scope]
         rows = self.slice_rows([info.id], scopes)
-        return render_cache(info.fingerprint.flashinfer_metadata(), rows.values()), len(rows)
+        records = self.slice_records([info.id], scopes)
+        return render_cache(info.fingerprint.flashinfer_metadata(), rows.values(), records), len(
+            rows
+        )
+
+    def slice_records(self, fingerprint_ids: Sequence[int], scopes: Sequence[str]) -> rec.RecordMap:
+        """``{namespace: {key: canonical JSON}}`` as one rank loads it (``slice_rows``'s order)."""
+
+        def run() -> rec.RecordMap:
+            with self._read() as conn:
+                return rec.slice_records(conn, fingerprint_ids, scopes)
+
+        return self._guard(run)
 
     def export_for(self, current: Fingerprint, *, scope: str = SHARED_SCOPE) -> tuple[str, int]:
         """The cache file the environment ``current`` should load, and its size.
@@ -627,7 +662,8 @@ class Registry:
             )
         scopes = [SHARED_SCOPE] if scope == SHARED_SCOPE else [SHARED_SCOPE, scope]
         rows = self.slice_rows([i.id for i in infos], scopes)
-        return render_cache(current.flashinfer_metadata(), rows.values()), len(rows)
+        records = self.slice_records([i.id for i in infos], scopes)
+        return render_cache(current.flashinfer_metadata(), rows.values(), records), len(rows)
 
     def log(self, limit: int | None = 20, *, commit_id: int | None = None) -> list[CommitInfo]:
         query = select(C).order_by(C.c.id.desc())
@@ -653,6 +689,9 @@ class Registry:
                         r.removed,
                         json.loads(r.provenance) if r.provenance else {},
                         r.reverts_commit_id,
+                        r.records_added,
+                        r.records_replaced,
+                        r.records_removed,
                     )
                     for r in conn.execute(query)
                 ]
@@ -686,6 +725,7 @@ class Registry:
                     )
                 )
                 n_commits, last = conn.execute(select(func.count(), func.max(C.c.created_at))).one()
+                record_namespaces = rec.record_counts(conn)
                 revision = schema.current_revision(conn)
                 size = None
                 if conn.dialect.name == "postgresql":
@@ -715,6 +755,8 @@ class Registry:
                 self.location.display,
                 size,
                 last_served,
+                sum(n for _fid, _ns, n in record_namespaces),
+                record_namespaces,
             )
 
         return self._guard(run)
@@ -770,7 +812,15 @@ class Registry:
                 host=socket.gethostname(),
                 user=user,
                 provenance=json.dumps(provenance, sort_keys=True) if provenance else None,
-                **{"added": 0, "replaced": 0, "removed": 0, **values},
+                **{
+                    "added": 0,
+                    "replaced": 0,
+                    "removed": 0,
+                    "records_added": 0,
+                    "records_replaced": 0,
+                    "records_removed": 0,
+                    **values,
+                },
             )
         )
         return _inserted_id(result)
@@ -787,6 +837,7 @@ class Registry:
         removals: Iterable[tuple[Fingerprint, str, str]] = (),
         expected: _Expected | None = None,
         keep_existing: bool = False,
+        records: rec.RecordWrite | Iterable[rec.NewRecord] = (),
     ) -> WriteResult:
         """Store ``entries`` (insert or replace) and delete ``removals`` as one commit.
 
@@ -802,7 +853,16 @@ class Registry:
         ``keep_existing=True``: an entry that already holds another value
         keeps it, decided inside the transaction (under the write lock); the
         new value is not written and is counted in ``WriteResult.kept``.
+        ``records`` (``NewRecord``s, or a ``RecordWrite`` with removals and
+        expected commits) are written in the same transaction and commit,
+        under the same rules (``ficache.records``); a write that changes
+        only records is a commit too. Invalid records raise ``RecordError``
+        before anything is written.
         """
+        record_write = (
+            records if isinstance(records, rec.RecordWrite) else rec.RecordWrite(tuple(records))
+        )
+        record_write.validate()
         with paused_gc():  # a large write allocates many small objects, no cycles
             return self._write_entries(
                 entries,
@@ -814,6 +874,7 @@ class Registry:
                 removals=removals,
                 expected=expected,
                 keep_existing=keep_existing,
+                record_write=record_write,
             )
 
     def _write_entries(
@@ -828,6 +889,7 @@ class Registry:
         removals: Iterable[tuple[Fingerprint, str, str]],
         expected: _Expected | None,
         keep_existing: bool,
+        record_write: rec.RecordWrite = rec.RecordWrite(),  # noqa: B008 - frozen, never mutated
     ) -> WriteResult:
         """``write``'s body, run with the garbage collector paused."""
         # Entries keyed by (fingerprint index, scope, key); a later duplicate wins.
@@ -856,7 +918,7 @@ class Registry:
             if fp in fingerprints and (fingerprints[fp], scope, key) in wanted:
                 raise ValueError(f"entry {key[:80]!r} is both written and removed")
             removal_ids.add((fp, scope, key))
-        if not wanted and not removal_ids:
+        if not wanted and not removal_ids and record_write.is_empty:
             return WriteResult(None)
         # Parse keys before the transaction (the lock is held for SQL only):
         # those of entries that do not carry their parsed key already.
@@ -880,6 +942,22 @@ class Registry:
                 if created:
                     new_fids.add(fid)
             fid_of = dict(zip(fingerprints, fp_ids, strict=True))
+
+            def record_fingerprint_id(fp: Fingerprint, create: bool) -> int | None:
+                found = fid_of.get(fp)
+                if found is None:
+                    if create:
+                        found, _created = self._fingerprint_id(conn, fp, now)
+                    else:
+                        row = conn.execute(
+                            select(F.c.id).where(F.c.digest == fp.digest)
+                        ).scalar_one_or_none()
+                        found = int(row) if row is not None else None
+                    if found is not None:
+                        record_fids[fp] = found
+                return found
+
+            record_fids: dict[Fingerprint, int] = {}
             scopes_by_fid = {fid: set(scopes_by_fp[i]) for i, fid in enumerate(fp_ids)}
             for fp, scope, _key in removal_ids:
                 if fp not in fid_of:  # looked up, never created: nothing of it to remove
@@ -950,8 +1028,19 @@ class Registry:
                         kept += 1
                     else:
                         replaced.append((fid, scope, key, entry, old))
-            if not added and not replaced and not removed:
-                raise _NothingToWrite(WriteResult(None, unchanged=unchanged, kept=kept))
+            staged = rec.stage(
+                conn, record_write, record_fingerprint_id, keep_existing=keep_existing
+            )
+            if not added and not replaced and not removed and not staged.changed:
+                raise _NothingToWrite(
+                    WriteResult(
+                        None,
+                        unchanged=unchanged,
+                        kept=kept,
+                        records_unchanged=staged.unchanged,
+                        records_kept=staged.kept,
+                    )
+                )
             commit_id = self._new_commit(
                 conn,
                 now,
@@ -963,7 +1052,11 @@ class Registry:
                 added=len(added),
                 replaced=len(replaced),
                 removed=len(removed),
+                records_added=len(staged.added),
+                records_replaced=len(staged.replaced),
+                records_removed=len(staged.removed),
             )
+            rec.apply(conn, commit_id, staged, now)
             rows = [
                 (
                     fid,
@@ -1063,6 +1156,11 @@ class Registry:
                 removed=len(removed),
                 unchanged=unchanged,
                 kept=kept,
+                records_added=len(staged.added),
+                records_replaced=len(staged.replaced),
+                records_removed=len(staged.removed),
+                records_unchanged=staged.unchanged,
+                records_kept=staged.kept,
             )
 
         try:
@@ -1088,8 +1186,31 @@ class Registry:
         validate_scope(scope)
         with paused_gc():  # one NewEntry per entry: many small objects, no cycles
             new = self._entries_of_files(files, fingerprint, scope)
+            records = [
+                r
+                for source, cache in files
+                if cache.record_rows
+                for r in rec.records_of_file(
+                    self._file_fingerprint(source, cache, fingerprint), cache.record_rows, scope
+                )
+            ]
             message = ", ".join(source for source, _ in files)
-            return self.write(new, kind=kind, message=message[:2000], provenance=provenance)
+            return self.write(
+                new, kind=kind, message=message[:2000], provenance=provenance, records=records
+            )
+
+    @staticmethod
+    def _file_fingerprint(
+        source: str, cache: CacheFile, fingerprint: Fingerprint | None
+    ) -> Fingerprint:
+        if cache.metadata is not None:
+            return Fingerprint.from_flashinfer_metadata(cache.metadata)
+        if fingerprint is not None:
+            return fingerprint
+        raise FingerprintError(
+            f"{source} has no _metadata, so its environment is unknown; "
+            "import it with --fingerprint ID|current"
+        )
 
     @staticmethod
     def _entries_of_files(
@@ -1097,15 +1218,7 @@ class Registry:
     ) -> list[NewEntry]:
         new: list[NewEntry] = []
         for source, cache in files:
-            if cache.metadata is not None:
-                fp = Fingerprint.from_flashinfer_metadata(cache.metadata)
-            elif fingerprint is not None:
-                fp = fingerprint
-            else:
-                raise FingerprintError(
-                    f"{source} has no _metadata, so its environment is unknown; "
-                    "import it with --fingerprint ID|current"
-                )
+            fp = Registry._file_fingerprint(source, cache, fingerprint)
             make = bulk_new_entry
             new.extend(
                 make(fp, e.key, e.runner, e.tactic_json, e.policy_json, scope, e.fields, None)
@@ -1273,6 +1386,12 @@ class Registry:
                     f"{conflicts} of {len(changes)} entries of commit {commit_id} changed in later commits; "
                     "revert those first (ficache log)"
                 )
+            record_plan = rec.plan_revert(conn, commit_id)
+            if record_plan.conflicts:
+                raise ConflictError(
+                    f"{record_plan.conflicts} of {len(record_plan.changes)} records of commit "
+                    f"{commit_id} changed in later commits; revert those first (ficache log)"
+                )
             now = time.time()
             new_id = self._new_commit(
                 conn,
@@ -1350,12 +1469,28 @@ class Registry:
                         for ch, action, old in history
                     ],
                 )
+            r_added, r_replaced, r_removed = rec.apply_revert(conn, record_plan, new_id, now)
             conn.execute(
                 update(C)
                 .where(C.c.id == new_id)
-                .values(added=added, replaced=replaced, removed=removed)
+                .values(
+                    added=added,
+                    replaced=replaced,
+                    removed=removed,
+                    records_added=r_added,
+                    records_replaced=r_replaced,
+                    records_removed=r_removed,
+                )
             )
-            return WriteResult(new_id, added=added, replaced=replaced, removed=removed)
+            return WriteResult(
+                new_id,
+                added=added,
+                replaced=replaced,
+                removed=removed,
+                records_added=r_added,
+                records_replaced=r_replaced,
+                records_removed=r_removed,
+            )
 
         return self._write(body)
 

@@ -9,6 +9,14 @@ running environment's ``_metadata`` so FlashInfer accepts it. Precedence is
 rank-scoped entry wins over a shared one.
 
 Invariants:
+- Namespaced records (``ficache.records``) ride in the same texts as
+  ``_records``: the base holds the shared records, and a rank whose records
+  differ (its scoped ones) gets an overlay holding all of its records,
+  because FlashInfer's ``load_configs`` replaces the records it holds with
+  the file's. Records are symmetric too (a record hit on one rank and a miss
+  on another would desynchronize tuning the same way): when the ranks'
+  record keys differ, every rank gets the shared records only, with a
+  warning.
 - Slices are symmetric or shared-only. FlashInfer's synchronized tuning
   deadlocks when one rank hits where another misses, so when the ranks'
   slices differ in size (a rank's scoped entries were pruned, say) every
@@ -49,10 +57,10 @@ from sqlalchemy.exc import DatabaseError
 from ficache import schema
 from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import render_cache
-from ficache.models import SHARED_SCOPE, CommitRow, EntryRow
+from ficache.models import SHARED_SCOPE, CommitRow, EntryRow, RecordRow
 from ficache.registry import Registry, rank_scope
 
-FORMAT = 1
+FORMAT = 2
 MAGIC = b"FICACHE-SLICES"
 
 #: ``(last commit id, last commit time, entry count, last entry id, last entry update)``.
@@ -76,6 +84,7 @@ class RankSlices:
     state: State
     cache: str = "off"  # "hit", "miss" or "off"
     warnings: tuple[str, ...] = field(default=())
+    record_counts: tuple[int, ...] = ()  # namespaced records each rank then holds
 
     @property
     def uniform(self) -> bool:
@@ -92,7 +101,9 @@ _STATE_SQL = (
     "SELECT (SELECT max(version_num) FROM alembic_version), "
     f"(SELECT max(id) FROM {CommitRow.__tablename__}), (SELECT max(created_at) FROM {CommitRow.__tablename__}), "
     f"(SELECT count(*) FROM {EntryRow.__tablename__}), (SELECT max(id) FROM {EntryRow.__tablename__}), "
-    f"(SELECT max(updated_at) FROM {EntryRow.__tablename__})"
+    f"(SELECT max(updated_at) FROM {EntryRow.__tablename__}), "
+    f"(SELECT count(*) FROM {RecordRow.__tablename__}), (SELECT max(id) FROM {RecordRow.__tablename__}), "
+    f"(SELECT max(updated_at) FROM {RecordRow.__tablename__})"
 )
 
 
@@ -204,6 +215,7 @@ def _read_cache(path: Path, header_want: dict[str, Any]) -> RankSlices | None:
             tuple(header["state"]),
             "hit",
             tuple(header.get("warnings", ())),
+            tuple(int(n) for n in header["record_counts"]),
         )
     except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError):
         return None
@@ -225,6 +237,7 @@ def _write_cache(path: Path, header_base: dict[str, Any], slices: RankSlices) ->
         "overlays": overlays,
         "segments": [[len(s), hashlib.sha256(s).hexdigest()] for s in segments],
         "warnings": list(slices.warnings),
+        "record_counts": list(slices.record_counts),
     }
     tmp = None
     try:
@@ -281,27 +294,63 @@ def _export(
     metadata = current.flashinfer_metadata()
     ids = tuple(info.id for info in reg.serving(current))
     if not ids:
-        return RankSlices(render_cache(metadata, ()), (None,) * world, (0,) * world, ids, state)
-    shared = reg.slice_rows(ids, [SHARED_SCOPE])
-    base = render_cache(metadata, shared.values())
-    scopes = [rank_scope(layout, r) for r in range(world)]
-    if not any(reg.slice_rows(ids, [scope]) for scope in scopes):
-        return RankSlices(base, (None,) * world, (len(shared),) * world, ids, state)
-    per_rank = [reg.slice_rows(ids, [SHARED_SCOPE, scope]) for scope in scopes]
-    counts = [len(rows) for rows in per_rank]
-    if symmetric and len(set(counts)) > 1:
-        warning = (
-            f"rank-scoped entries of layout {layout!r} differ in number between ranks "
-            f"({', '.join(map(str, counts))}); loading shared entries only, so that every rank "
-            "tunes the same keys"
-        )
         return RankSlices(
-            base, (None,) * world, (len(shared),) * world, ids, state, warnings=(warning,)
-        )
+            render_cache(metadata, ()), (None,) * world, (0,) * world, ids, state,
+            record_counts=(0,) * world,
+        )  # fmt: skip
+    shared = reg.slice_rows(ids, [SHARED_SCOPE])
+    shared_records = reg.slice_records(ids, [SHARED_SCOPE])
+    base = render_cache(metadata, shared.values(), shared_records)
+    scopes = [rank_scope(layout, r) for r in range(world)]
+    scoped_entries = any(reg.slice_rows(ids, [scope]) for scope in scopes)
+    scoped_records = any(reg.slice_records(ids, [scope]) for scope in scopes)
+    if not scoped_entries and not scoped_records:
+        return RankSlices(
+            base, (None,) * world, (len(shared),) * world, ids, state,
+            record_counts=(_record_count(shared_records),) * world,
+        )  # fmt: skip
+    warnings: list[str] = []
+    per_rank = [shared] * world
+    if scoped_entries:
+        per_rank = [reg.slice_rows(ids, [SHARED_SCOPE, scope]) for scope in scopes]
+        counts = [len(rows) for rows in per_rank]
+        if symmetric and len(set(counts)) > 1:
+            warnings.append(
+                f"rank-scoped entries of layout {layout!r} differ in number between ranks "
+                f"({', '.join(map(str, counts))}); loading shared entries only, so that every "
+                "rank tunes the same keys"
+            )
+            per_rank = [shared] * world
+    rank_records = [shared_records] * world
+    if scoped_records:
+        rank_records = [reg.slice_records(ids, [SHARED_SCOPE, scope]) for scope in scopes]
+        keys = {frozenset((ns, k) for ns, by in recs.items() for k in by) for recs in rank_records}
+        if symmetric and len(keys) > 1:
+            warnings.append(
+                f"rank-scoped records of layout {layout!r} differ in their keys between ranks; "
+                "loading shared records only, so that every rank tunes the same keys"
+            )
+            rank_records = [shared_records] * world
     overlays: list[str | None] = []
-    for rows in per_rank:
+    for rows, records in zip(per_rank, rank_records, strict=True):
         # A rank's slice holds every shared key (more scopes only add candidates),
-        # so base + overlay is exactly the slice.
+        # so base + overlay is exactly the slice. The overlay carries all of the
+        # rank's records: loading it replaces the base's.
         differ = [row for key, row in rows.items() if shared.get(key) != row]
-        overlays.append(render_cache(metadata, differ) if differ else None)
-    return RankSlices(base, tuple(overlays), tuple(counts), ids, state)
+        if differ or records != shared_records:
+            overlays.append(render_cache(metadata, differ, records))
+        else:
+            overlays.append(None)
+    return RankSlices(
+        base,
+        tuple(overlays),
+        tuple(len(rows) for rows in per_rank),
+        ids,
+        state,
+        warnings=tuple(warnings),
+        record_counts=tuple(_record_count(records) for records in rank_records),
+    )
+
+
+def _record_count(records: dict[str, dict[str, str]]) -> int:
+    return sum(len(by_key) for by_key in records.values())

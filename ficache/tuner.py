@@ -28,6 +28,11 @@ Invariants:
   ``_profiling_cache_policies`` (the measurement policy ``save_configs``
   writes as the third element), read-only; a test checks that ``tuned``
   agrees with ``entries`` so a FlashInfer change is caught.
+- ``records`` is every namespaced record the tuner holds (loaded or
+  published since), ``{namespace: {key: value}}`` as
+  ``get_namespaced_records`` returns them (copies); the namespaces are read
+  from the private ``_namespaced_records``, read-only. It is optional for
+  other tuners (``ficache.sync`` treats a tuner without it as holding none).
 - ``set_process_group`` is ``set_autotune_process_group``: while a group is
   set, FlashInfer all-reduces every per-tactic timing over it, so every rank
   of the group must profile the same sequence (see ``ficache.sync``).
@@ -153,6 +158,13 @@ class FlashInferTuner:
             return {e.key: (e.runner, e.tactic_json, e.policy_json) for e in parsed.entries}
         finally:
             shutil.rmtree(directory, ignore_errors=True)
+
+    def records(self) -> dict[str, dict[str, Any]]:
+        held = getattr(self.autotuner, "_namespaced_records", None)
+        if not held:
+            return {}
+        get = self.autotuner.get_namespaced_records
+        return {ns: get(ns) for ns in list(held) if isinstance(ns, str) and ns and ns[0] != "_"}
 
     def tuned(self) -> dict[str, Row]:
         cache = self.autotuner.profiling_cache

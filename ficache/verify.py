@@ -91,6 +91,20 @@ Rows (SQL joins for orphans, the rest in Python over the bulk reads)
 - ``entry_lost``: every entry the replay ends with exists (nothing is removed
   without a ``removed`` change).
 
+Namespaced records (``ficache.records.check``, the same rules for the
+``records`` and ``record_changes`` tables)
+- ``orphan_record``: every record and record change names an existing
+  fingerprint and commit.
+- ``bad_record``: scopes are ``validate_scope``'s form, namespaces
+  FlashInfer's, values canonical JSON (``records.canonical_value``).
+- ``record_counts``: a commit's ``records_added``/``records_replaced``/
+  ``records_removed`` equal its record change rows per action (a commit
+  with record changes only is not empty).
+- ``record_unlogged``: replaying the record changes in id order, each follows
+  the log (an added record was absent, a replaced or removed one held the
+  old value and commit the change names), and the replay ends with exactly
+  the stored records, each the value its commit wrote.
+
 Cost: one snapshot; SQLite's ``integrity_check``; four bulk SELECTs (every
 row of every table, fetched in batches as the driver's tuples) and five
 orphan joins; one pass over the changes in id order (the replay) and one
@@ -124,6 +138,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import DatabaseError
 from sqlalchemy.pool import NullPool
 
+from ficache import records as rec
 from ficache import schema
 from ficache.errors import FingerprintError, RegistryError
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
@@ -158,6 +173,7 @@ KINDS: dict[str, str] = {
     "entry_unlogged": "an entry is not what the change log last wrote",
     "entry_value": "an entry's value differs from the value the log wrote",
     "entry_lost": "the change log holds an entry the entries table lacks",
+    **rec.PROBLEM_KINDS,
 }
 
 #: Foreign keys the orphan checks cover: ``(table, parent table)``.
@@ -167,8 +183,12 @@ _ORPHAN_CHECKED = {
     ("entry_changes", "commits"),
     ("entry_changes", "fingerprints"),
     ("commits", "commits"),
+    ("records", "fingerprints"),
+    ("records", "commits"),
+    ("record_changes", "commits"),
+    ("record_changes", "fingerprints"),
 }
-_TABLES = ("fingerprints", "commits", "entries", "entry_changes")
+_TABLES = ("fingerprints", "commits", "entries", "entry_changes", "records", "record_changes")
 _BATCH = 10_000  # rows fetched at a time
 _Ident = tuple[int, str, str]  # (fingerprint id, scope, key): one entry
 _KeyColumns = tuple[str, str, str, str]  # (op, runner, shapes, extras) as entries store them
@@ -347,6 +367,7 @@ class _Verifier:
         self._good_scopes: set[str] = set()
         self._good_tactics: set[str] = set()
         self._good_policies: set[str] = set()
+        self._record_commits: set[int] = set()  # commits with record changes
 
     def problem(
         self, kind: str, message: str, table: str | None = None, row_id: int | None = None
@@ -625,6 +646,7 @@ class _Verifier:
         )
         self._fingerprints(fingerprints)
         reverts = self._commits(commits)
+        self._record_commits = rec.commits_with_record_changes(self.conn)
         changes = self._stream(
             select(
                 H.c.id,
@@ -659,6 +681,8 @@ class _Verifier:
             ).order_by(E.c.id)
         )
         n_entries = self._entries(entries, state)
+        for kind, message, table, row_id in rec.check(self.conn):
+            self.problem(kind, message, table, row_id)
         return Checked(len(fingerprints), n_entries, len(commits), n_changes)
 
     def _fingerprints(self, rows: Iterable[tuple[Any, ...]]) -> None:
@@ -877,7 +901,11 @@ class _Verifier:
 
         has_changes = {cid for cid, _action in counts}
         for cid, _kind, added, replaced, removed, _provenance, _target in commits:
-            if cid not in has_changes and added == replaced == removed == 0:
+            if (
+                cid not in has_changes
+                and cid not in self._record_commits
+                and added == replaced == removed == 0
+            ):
                 self.problem("empty_commit", f"commit {cid} has no changes", "commits", cid)
                 continue
             stored = {"added": added, "replaced": replaced, "removed": removed}

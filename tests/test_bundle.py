@@ -287,7 +287,10 @@ def test_import_twice_makes_one_commit_naming_the_bundle(
         "added": 0,
         "replaced": 0,
         "unchanged": 4,
-        "ignored_record_namespaces": 0,
+        "records": 0,
+        "records_added": 0,
+        "records_replaced": 0,
+        "records_unchanged": 0,
     }
     assert dump_db(target) == after_first
     with Registry.open(str(target), create=False) as reg:
@@ -304,6 +307,7 @@ def test_import_twice_makes_one_commit_naming_the_bundle(
                 "digest": hashlib.sha256(bundle_file.read_bytes()).hexdigest(),
                 "entries": 4,
                 "format_version": 1,
+                "records": 0,
             }
         ]
     }
@@ -325,9 +329,7 @@ def test_import_recognises_content_not_names(
     assert is_bundle(named_json)
 
 
-def test_records_are_read_and_reported_as_not_imported(
-    cli, target: Path, tmp_path: Path, dump_db
-) -> None:
+def test_records_are_read_and_imported(cli, target: Path, tmp_path: Path, dump_db) -> None:
     path = tmp_path / "records.bundle"
     records = {FP_H200.digest: {"shared": {"trtllm_moe_da": {"k1": [1, 2], "k2": {"a": None}}}}}
     path.write_bytes(
@@ -345,11 +347,15 @@ def test_records_are_read_and_reported_as_not_imported(
     assert bundle.fingerprints == tuple(sorted((FP_H200, FP_B200), key=lambda fp: fp.digest))
     assert bundle.provenance["records"] == 2
     assert result.stdout == (
-        "imported 1 entries from 1 bundle(s): 1 added, 0 replaced, 0 unchanged (commit 2)\n"
+        "imported 1 entries and 2 records from 1 bundle(s): 1 added, 0 replaced, 0 unchanged; "
+        "records 2 added, 0 replaced, 0 unchanged (commit 2)\n"
     )
-    assert result.stderr == (
-        "warning: 1 record namespace(s) were not imported (ficache stores tactics only)\n"
-    )
+    assert result.stderr == ""
+    with Registry.open(str(target), create=False) as reg:
+        h200 = next(i.id for i in reg.fingerprints() if i.fingerprint == FP_H200)
+        assert reg.slice_records([h200], ["shared"]) == {
+            "trtllm_moe_da": {"k1": "[1,2]", "k2": '{"a":null}'}
+        }
 
 
 def test_import_refuses_mixed_bundles_and_cache_files(
@@ -694,7 +700,8 @@ def test_a_record_json_cannot_carry_is_refused(bundle_file: Path, tmp_path: Path
         read_bundle(path)
 
     assert str(caught.value) == (
-        f"{path}: invalid bundle (records hold a value JSON cannot carry); {AGAIN}"
+        f"{path}: invalid bundle (records of {FP_H200.digest[:12]} shared: record 'k': holds a "
+        f"non-finite number); {AGAIN}"
     )
 
 

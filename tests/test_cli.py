@@ -207,22 +207,31 @@ def test_import_replaces_and_reports_json(cli, populated: str, cache_file) -> No
         "added": 1,
         "replaced": 1,
         "unchanged": 0,
-        "ignored_record_namespaces": 0,
+        "records": 0,
+        "records_added": 0,
+        "records_replaced": 0,
+        "records_unchanged": 0,
     }
 
 
-def test_import_warns_about_records_it_does_not_keep(cli, cache_file) -> None:
+def test_import_keeps_records_and_empty_namespaces_hold_none(cli, cache_file) -> None:
     path = cache_file(
-        "r.json", {"_records": {"vllm": {}, "sglang": {}}, K16: ["Runner", 1]}, metadata=META
+        "r.json",
+        {"_records": {"vllm": {}, "sglang": {"k": [1, {"b": 2, "a": 1.5}]}}, K16: ["Runner", 1]},
+        metadata=META,
     )
 
     result = cli("import", path)
 
-    assert result.exit_code == 0
-    assert (
-        result.stderr
-        == "warning: 2 _records namespace(s) were not imported (ficache stores tactics only)\n"
+    assert (result.exit_code, result.stderr) == (0, "")
+    assert result.stdout == (
+        "imported 1 entries and 1 records from 1 file(s): 1 added, 0 replaced, 0 unchanged; "
+        "records 1 added, 0 replaced, 0 unchanged (commit 1)\n"
     )
+    assert cli("list", "--records").stdout.splitlines() == [
+        "fingerprint  scope   namespace  key  value                commit",
+        '1            shared  sglang     k    [1,{"a":1.5,"b":2}]  1',
+    ]
 
 
 @both_backends
@@ -389,7 +398,7 @@ def test_stats(cli, populated: str) -> None:
 
     assert result.stdout.splitlines() == [
         f"registry         {schema.resolve(str(populated)).display}",
-        "schema revision  0002_fleet",
+        "schema revision  0003_records",
         f"size             {stats.size_bytes} bytes",
         "fingerprints     1",
         "entries          2 (2 shared, 0 rank-scoped)",
@@ -673,15 +682,16 @@ def test_revert_dry_run_and_conflict(cli, populated: str, cache_file, dump_db) -
 
 @both_backends
 def test_db_commands(cli, populated: str, tmp_path: Path) -> None:
-    assert cli("db", "current").stdout == "0002_fleet (head 0002_fleet: up to date)\n"
+    assert cli("db", "current").stdout == "0003_records (head 0003_records: up to date)\n"
     assert cli("db", "history", db=None).stdout.splitlines() == [
         "revision       down           title",
         "0001_registry                 ficache 0.1: fingerprints, entries, commits and the entry change log.",
         "0002_fleet     0001_registry  ficache 0.2: tuned times, last served times, new values in the change log.",
+        "0003_records   0002_fleet     ficache 0.3: FlashInfer's namespaced records and their change log.",
     ]
     dry = cli("db", "downgrade", "base", "--dry-run")
     assert dry.stdout.splitlines() == [
-        f"downgrade plan: {schema.resolve(str(populated)).display} from 0002_fleet to base "
+        f"downgrade plan: {schema.resolve(str(populated)).display} from 0003_records to base "
         "(drops all stored entries)",
         "dry run: nothing changed",
     ]
@@ -876,7 +886,7 @@ def test_a_newer_schema_is_refused(cli, populated: Path, cache_file) -> None:
     one_error_line(
         result,
         f"registry {populated} has schema revision '0099_future', newer than this ficache knows "
-        "(head '0002_fleet'); upgrade ficache (pip install -U ficache)",
+        "(head '0003_records'); upgrade ficache (pip install -U ficache)",
     )
     assert populated.read_bytes() == before
 

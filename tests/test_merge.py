@@ -165,7 +165,7 @@ def test_each_policy_resolves_and_merging_again_changes_nothing(
                 "kind": "flashinfer",
                 "digest": sha256(p),
                 "entries": n,
-                "ignored_records": 0,
+                "records": 0,
             }
             for p, n in zip(sources, [3, 2, 1, 1], strict=True)
         ],
@@ -405,7 +405,7 @@ def test_a_registry_source_is_named_by_the_digest_of_its_content(
         "kind": "registry",
         "digest": registry_digest([e16, e64]),
         "entries": 2,
-        "ignored_records": 0,
+        "records": 0,
     }
     assert (s2["source"], s2["digest"]) == (str(two), s1["digest"])
     assert len(s1["digest"]) == 64
@@ -449,7 +449,7 @@ def test_a_bundle_source_keeps_scope_and_tuned_at(cli, target, tmp_path: Path) -
             "kind": "bundle",
             "digest": sha256(bundle),
             "entries": 2,
-            "ignored_records": 0,
+            "records": 0,
         }
     ]
     assert [c["resolution"] for c in report["conflicts"]] == ["source 1"]
@@ -538,7 +538,7 @@ def test_the_json_report(cli, sources: list[Path], registry_path: Path) -> None:
                 "kind": "flashinfer",
                 "digest": sha256(sources[0]),
                 "entries": 3,
-                "ignored_records": 0,
+                "records": 0,
             }
         ],
         "groups": [
@@ -567,6 +567,14 @@ def test_the_json_report(cli, sources: list[Path], registry_path: Path) -> None:
                 "resolution": "source 1",
             }
         ],
+        "records": {
+            "added": 0,
+            "replaced": 0,
+            "removed": 0,
+            "identical": 0,
+            "conflicting": 0,
+            "conflicts": [],
+        },
         "dry_run": False,
         "commit": 2,
     }

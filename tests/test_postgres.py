@@ -40,7 +40,15 @@ if not pg_server.enabled():  # one skip line for the module, with its reason
     pytest.skip(str(pg_server.unavailable_reason()), allow_module_level=True)
 
 HEAD = schema.head_revision()
-TABLES = {"alembic_version", "fingerprints", "commits", "entries", "entry_changes"}
+TABLES = {
+    "alembic_version",
+    "fingerprints",
+    "commits",
+    "entries",
+    "entry_changes",
+    "records",
+    "record_changes",
+}
 REPO = Path(__file__).resolve().parent.parent
 FROZEN_0001 = Path(__file__).parent / "data" / "registry-0001_registry.db"
 K16 = "('mm', 'Runner', ((16, 64),), (torch.bfloat16,))"
@@ -111,6 +119,28 @@ def test_migrations_up_to_head_down_to_base_and_up_again(
     assert cli("list", "--format", "json", db=postgres_url).stdout == "[\n]\n"
     again = cli("import", data, db=postgres_url)
     assert again.stdout.startswith("imported 1 entries from 1 file(s): 1 added")
+
+
+def test_records_down_to_0002_and_up_again(cli, postgres_url: str, cache_file) -> None:
+    both = cache_file(
+        "both.json", {"_records": {"ns": {"a": 1}}, K16: ["Runner", 1]}, metadata=META
+    )
+    only = cache_file("only.json", {"_records": {"ns": {"b": [2]}}}, metadata=META)
+    assert cli("import", both, db=postgres_url).exit_code == 0
+    assert cli("import", only, db=postgres_url).exit_code == 0
+    assert cli("revert", "2", "--yes", db=postgres_url).exit_code == 0
+
+    down = cli("db", "downgrade", "0002_fleet", "--yes", db=postgres_url)
+
+    assert down.exit_code == 0, down.stderr
+    assert tables(postgres_url) == TABLES - {"records", "record_changes"}
+    assert sql(postgres_url, "SELECT id, added FROM commits") == [(1, 1)]
+    assert cli("db", "upgrade", db=postgres_url).exit_code == 0
+    assert tables(postgres_url) == TABLES
+    assert cli("verify", db=postgres_url).stdout.endswith("ok: no problems\n")
+    again = cli("import", both, db=postgres_url)
+    assert again.stdout.startswith("imported 1 entries and 1 records from 1 file(s): 0 added")
+    assert sql(postgres_url, "SELECT namespace, key, value FROM records") == [("ns", "a", "1")]
 
 
 def test_models_and_migrations_do_not_drift(postgres_url: str) -> None:

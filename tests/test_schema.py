@@ -25,7 +25,15 @@ from ficache.models import Base
 from ficache.registry import Registry
 
 HEAD = schema.head_revision()
-TABLES = {"alembic_version", "fingerprints", "commits", "entries", "entry_changes"}
+TABLES = {
+    "alembic_version",
+    "fingerprints",
+    "commits",
+    "entries",
+    "entry_changes",
+    "records",
+    "record_changes",
+}
 DATA = Path(__file__).parent / "data"
 FROZEN = sorted(DATA.glob("registry-*.db"))
 REPO = Path(__file__).resolve().parent.parent
@@ -261,7 +269,9 @@ def test_a_frozen_registry_upgrades_to_head_and_keeps_its_data(
         ]
         text, n = reg.export_text(infos[h200].id, scope="tp2/rank1")
         assert n == 3
-        assert json.loads(text) == {
+        exported = json.loads(text)
+        exported.pop("_records", None)  # checked below, for the registries that hold records
+        assert exported == {
             "_metadata": h200.flashinfer_metadata(),
             _frozen_key(16): ["CutlassFp4Runner", 9],
             _frozen_key(32): ["CutlassFp4Runner", 6],
@@ -300,6 +310,47 @@ def test_a_frozen_registry_upgrades_to_head_and_keeps_its_data(
         key=repr,
     )
     assert untimed == (0,)
+    if frozen.name >= "registry-0003":  # records are frozen from 0003_records on
+        with Registry.open(str(path)) as reg:
+            text, _n = reg.export_text(infos[h200].id, scope="tp2/rank1")
+            shared, _n = reg.export_text(infos[h200].id)
+        assert json.loads(text)["_records"] == {
+            "trtllm_moe_da": {'{"num_tokens":16}': {"schema": 1, "bodies": [{"tile_n": 16}]}}
+        }
+        assert json.loads(shared)["_records"] == {
+            "trtllm_moe_da": {'{"num_tokens":16}': {"schema": 1, "bodies": [{"tile_n": 8}]}}
+        }
+    else:  # older registries upgrade to an empty records table
+        assert query(path, "SELECT count(*) FROM records") == [(0,)]
+
+
+def test_downgrading_below_0003_drops_records_and_their_commits_only(
+    cli, cache_file, registry_path: Path
+) -> None:
+    key = str(("flashinfer::mm_fp4", "CutlassRunner", ((16, 4096),), ("torch.bfloat16",)))
+    meta = {"gpu": "NVIDIA H200"}
+    both = cache_file(
+        "both.json", {"_records": {"ns": {"a": 1}}, key: ["CutlassRunner", 1]}, metadata=meta
+    )
+    only = cache_file("only.json", {"_records": {"ns": {"b": [2]}}}, metadata=meta)
+    assert cli("import", both).exit_code == 0
+    assert cli("import", only).exit_code == 0
+    assert cli("revert", "2", "--yes").exit_code == 0  # a commit of records only, reverted
+    assert [r[0] for r in query(registry_path, "SELECT id FROM commits ORDER BY id")] == [1, 2, 3]
+
+    down = cli("db", "downgrade", "0002_fleet", "--yes")
+
+    assert down.exit_code == 0, down.stderr
+    assert revision(registry_path) == [("0002_fleet",)]
+    assert tables(registry_path) == TABLES - {"records", "record_changes"}
+    # The import of entries and records keeps its entries; the records-only ones are gone.
+    assert query(registry_path, "SELECT id, added FROM commits") == [(1, 1)]
+    assert cli("verify").exit_code == 1  # stale (0002), and says so
+    assert cli("db", "upgrade").exit_code == 0
+    assert cli("verify").stdout.endswith("ok: no problems\n")
+    assert query(registry_path, "SELECT count(*) FROM records") == [(0,)]
+    again = cli("import", both)
+    assert again.stdout.startswith("imported 1 entries and 1 records from 1 file(s): 0 added")
 
 
 _FROZEN_FIELDS = {

@@ -5,8 +5,8 @@ Run once per schema revision, with the ficache release that adds it:
     python tests/data/make_frozen_registry.py
 
 It writes ``tests/data/registry-<revision>.db`` through the public API (two
-fingerprints, shared and rank-scoped entries, policies, nested tactics, and
-import, replace and prune commits), then pins times and hosts so the file is
+fingerprints, shared and rank-scoped entries, policies, nested tactics,
+namespaced records from 0003 on, and import, replace and prune commits), then pins times and hosts so the file is
 reproducible, and leaves it as one self-contained file (no WAL).
 ``tests/test_schema.py`` copies each frozen file, opens it with the current
 code (which upgrades it to head) and reads its data back through the API.
@@ -42,8 +42,14 @@ def key(m: int, extras: str = "(torch.bfloat16, 1)") -> str:
     return f"('flashinfer::mm_fp4', 'CutlassFp4Runner', (({m}, 4096), (4096, 2048)), {extras})"
 
 
-def cache(metadata: dict[str, str], entries: dict[str, list]) -> bytes:
-    return json.dumps({"_metadata": metadata, **entries}).encode()
+#: FlashInfer ``_records`` of the frozen files (stored from revision 0003_records on).
+RECORDS = {"trtllm_moe_da": {'{"num_tokens":16}': {"schema": 1, "bodies": [{"tile_n": 8}]}}}
+RANK1_RECORDS = {"trtllm_moe_da": {'{"num_tokens":16}': {"schema": 1, "bodies": [{"tile_n": 16}]}}}
+
+
+def cache(metadata: dict[str, str], entries: dict[str, list], records: dict | None = None) -> bytes:
+    extra = {"_records": records} if records else {}
+    return json.dumps({"_metadata": metadata, **extra, **entries}).encode()
 
 
 def build(path: Path) -> None:
@@ -64,6 +70,7 @@ def build(path: Path) -> None:
                                     -1,
                                 ],
                             },
+                            RECORDS,
                         )
                     ),
                 ),
@@ -75,7 +82,9 @@ def build(path: Path) -> None:
             [
                 (
                     "tp2-rank1.json",
-                    parse_cache_bytes(cache(H200, {key(16): ["CutlassFp4Runner", 9]})),
+                    parse_cache_bytes(
+                        cache(H200, {key(16): ["CutlassFp4Runner", 9]}, RANK1_RECORDS)
+                    ),
                 )
             ],
             scope="tp2/rank1",
@@ -101,10 +110,19 @@ def build(path: Path) -> None:
             "UPDATE commits SET created_at = 1767225600 + id, host = 'frozen-host', user = 'frozen'"
         )
         conn.execute("UPDATE entries SET updated_at = 1767225600 + commit_id")
+        if head_has_records():
+            conn.execute(
+                "UPDATE records SET updated_at = 1767225600 + commit_id, "
+                "tuned_at = 1767225600 + commit_id"
+            )
         conn.execute("UPDATE fingerprints SET created_at = 1767225600")
     conn.execute("PRAGMA journal_mode = DELETE")
     conn.execute("VACUUM")
     conn.close()
+
+
+def head_has_records() -> bool:
+    return any(rev == "0003_records" for rev, _down, _title in schema.history())
 
 
 def main() -> None:
