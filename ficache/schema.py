@@ -107,13 +107,31 @@ def resolve(db: str | os.PathLike[str] | None = None) -> Location:
 
 
 def _local_path(text: str) -> Path:
-    """``text`` as an absolute path, ``~`` and ``~user`` expanded."""
+    """``text`` as an absolute path, ``~`` and ``~user`` expanded.
+
+    SQLite takes file names as UTF-8, so a name that is not (bytes Python
+    decoded with surrogateescape) is refused here, as is a path the file
+    system cannot look up at all (too long, a file used as a directory...).
+    """
     try:
-        return Path(text).expanduser().resolve()
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RegistryError(
+            f"registry path {ascii(text)} is not valid UTF-8, which SQLite needs; "
+            "rename the file or give another --db"
+        ) from None
+    try:
+        path = Path(text).expanduser().resolve()
+        path.exists()  # raises for names the file system cannot look up
     except RuntimeError as exc:  # ~user without a home directory; a symlink loop
         raise RegistryError(
             f"cannot use registry path {text!r} ({exc}); give another --db"
         ) from None
+    except OSError as exc:
+        raise RegistryError(
+            f"cannot use registry path {text!r}: {exc.strerror or exc}; give another --db"
+        ) from None
+    return path
 
 
 def _check_sqlite_file(path: Path) -> bool:
@@ -131,8 +149,16 @@ def _check_sqlite_file(path: Path) -> bool:
         raise NotARegistryError(
             f"{path} is not a SQLite database; pass another --db or move the file away"
         )
-    # os.access says yes to root for any file; a file without write bits
-    # (chmod a-w) is read-only for everyone, root included.
+    return is_read_only_file(path)
+
+
+def is_read_only_file(path: Path) -> bool:
+    """True when ficache may only read the existing registry file ``path``.
+
+    os.access says yes to root for any file; a file without write bits
+    (chmod a-w) is read-only for everyone, root included. A read-only mount
+    or directory makes it read-only too (SQLite writes its WAL beside it).
+    """
     has_write_bits = bool(path.stat().st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
     writable = has_write_bits and os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)
     return not writable
@@ -340,7 +366,33 @@ def translate_operational_error(exc: DatabaseError, location: Location) -> Regis
         return RegistryError(
             f"disk full while writing registry {location.display}; free space and retry"
         )
+    if "disk i/o error" in lowered:
+        # SQLite reports a full disk as an I/O error where it cannot grow its
+        # shared-memory file (SQLITE_IOERR_SHMSIZE): WAL needs it to open at all.
+        code = getattr(getattr(exc, "orig", None), "sqlite_errorname", None) or "SQLITE_IOERR"
+        free = _free_bytes(location.path.parent) if location.path is not None else None
+        if free is not None and free < LOW_DISK_BYTES:
+            return RegistryError(
+                f"disk full while writing registry {location.display}; free space and retry"
+            )
+        return RegistryError(
+            f"disk I/O error on registry {location.display} ({code}); "
+            "check the disk and its free space, then retry"
+        )
     return RegistryError(f"registry {location.display}: {first_line}")
+
+
+#: Below this much free space, a SQLite I/O error is reported as a full disk.
+LOW_DISK_BYTES = 1 << 20
+
+
+def _free_bytes(directory: Path) -> int | None:
+    """Bytes an unprivileged writer may still use in ``directory``'s filesystem (None: unknown)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def check_revision(connection: Connection, location: Location) -> str | None:

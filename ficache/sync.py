@@ -67,6 +67,20 @@ Decisions:
   that differ, or a key only some ranks produced) is stored once per rank
   that produced it, scoped to that rank of ``layout``. Entries of a start
   that was not synchronized (``synchronize=False``) are never stored shared.
+- Namespaced records (FlashInfer's ``_records``, ``ficache.records``) travel
+  like entries: the slices carry them (``ficache.slices``), so every rank's
+  ``get_namespaced_records`` returns them after the load, and the records a
+  rank holds at exit that differ from what it loaded (published during the
+  block) are gathered with its new entries and committed by rank 0 in the
+  same startup commit. A record (namespace, key) with the same value on
+  every rank of a synchronized start is stored shared; every other one
+  (values that differ, or a key only some ranks published) is stored once
+  per rank that published it, scoped to that rank of ``layout``, and that
+  rank gets it back in its overlay. A start only adds records: as for
+  entries, the value already stored wins (``keep_existing``), so a record
+  republished with another value is not stored and is counted in
+  ``report.kept`` (replace stored records with ``ficache import`` or
+  ``merge``). A record JSON cannot carry exactly is skipped, with a warning.
 - The tuning group. FlashInfer's all-reduces run on a dedicated gloo group
   (one per process and caller group, created collectively with
   ``torch.distributed.new_group`` the first time and reused), not on
@@ -111,7 +125,14 @@ from sqlalchemy import event
 from ficache import schema
 from ficache.errors import FicacheError, RegistryBusyError, RegistryReadOnlyError, TunerError
 from ficache.fingerprint import ALL_FIELDS, Fingerprint, collect
-from ficache.flashinfer_format import canonical_json, parse_key
+from ficache.flashinfer_format import (
+    RECORDS_KEY,
+    canonical_json,
+    check_namespace,
+    parse_key,
+    record_value_json,
+)
+from ficache.records import NewRecord
 from ficache.registry import SHARED_SCOPE, NewEntry, Registry, rank_scope
 from ficache.slices import cached_slices, export_slices
 from ficache.tuner import FlashInferTuner, Row, Tuner
@@ -126,6 +147,23 @@ DEFAULT_TIMEOUT_S = 1800.0
 
 # caller group id -> (caller group, its dedicated tuning group)
 _TUNING_GROUPS: dict[int, tuple[Any, Any]] = {}
+
+
+def _records_of_text(text: str) -> dict[str, dict[str, str]]:
+    """The ``_records`` of a slice text ``render_cache`` wrote, as canonical JSON values.
+
+    ``render_cache`` writes ``_records`` on one line of its own, right after
+    ``_metadata``: only that line is parsed, not the entries.
+    """
+    prefix = f'"{RECORDS_KEY}": '
+    for line in text.split("\n", 3)[1:3]:
+        if line.startswith(prefix):
+            parsed = json.loads(line[len(prefix) :].rstrip(","))
+            return {
+                ns: {key: record_value_json(value) for key, value in by_key.items()}
+                for ns, by_key in parsed.items()
+            }
+    return {}
 
 
 def _one_line(exc: BaseException) -> str:
@@ -153,6 +191,9 @@ class WarmStartReport:
     scoped: int = 0  # new rows stored scoped to one rank of the layout
     disagreements: int = 0  # new keys whose value differed between ranks
     kept: int = 0  # new values not committed: another server had committed another value first
+    records_loaded: int = 0  # namespaced records this rank loaded
+    records_tuned: int = 0  # namespaced records this rank published that differ from the loaded
+    records_committed: int = 0  # record rows this start added or replaced (all ranks)
     synchronized: bool = False  # tuning all-reduced over every rank, from matching caches
     slice_cache: str = "off"  # rank 0's slice cache: "hit", "miss" or "off"
     loaded_by_rank: list[int] = field(default_factory=list)
@@ -372,7 +413,11 @@ class WarmStart:
     """A warm start of FlashInfer's autotuner, entered by every rank of ``group``.
 
     ``group`` is a gloo process group (None: the default group, or a single
-    process when torch.distributed is not initialized). Only rank 0 reads
+    process when torch.distributed is not initialized). Ranks are ranks
+    within ``group`` (``dist.get_rank(group)``), never global ranks: with
+    groups smaller than the world (vLLM's TP groups under pipeline
+    parallelism), each group's rank 0 reads and commits, rank scopes name
+    the rank within the group, and no collective leaves the group. Only rank 0 reads
     ``db`` (a path or SQLAlchemy URL; None: ``FICACHE_DB``, then the default
     registry). ``layout`` names the rank layout for rank-scoped entries
     (default ``f"world{N}"``). ``tuner=None`` is FlashInfer's ``AutoTuner``.
@@ -457,6 +502,11 @@ class WarmStart:
         self._started = t = time.perf_counter()
         if dist.is_available() and dist.is_initialized():
             rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+            if rank < 0:  # torch's answer for a process outside ``group``
+                raise ValueError(
+                    "this process is not a member of the warm start's group: only the ranks "
+                    "of that group call warm_start on it"
+                )
         else:
             rank, world = 0, 1
         layout = self._layout or f"world{world}"
@@ -563,6 +613,10 @@ class WarmStart:
         else:
             report.loaded_by_rank = [int(v[1]) for v in vectors]
         report.loaded = loaded
+        counts = mine.get("record_counts") or []
+        report.records_loaded = (
+            int(counts[rank]) if self._uncached is None and rank < len(counts) else 0
+        )
         t = self._phase("confirm", t)
 
         # 6. the tuning group
@@ -609,8 +663,13 @@ class WarmStart:
         fast = cached_slices(self.db, self._fp, layout, world) if self.slice_cache else None
         if fast is not None:
             slices, payload["registry"] = fast
-            # The warm path opened no registry: mark the SQLite file directly.
-            mark_served(schema.resolve(self.db), slices.fingerprint_ids)
+            # The warm path opened no registry: mark the SQLite file directly,
+            # and tell a read-only file as ``Registry.open`` would.
+            location = schema.resolve(self.db)
+            mark_served(location, slices.fingerprint_ids)
+            with suppress(OSError):
+                path = location.path
+                payload["readonly"] = path is not None and schema.is_read_only_file(path)
         else:
             try:
                 with self._registry() as reg:
@@ -629,6 +688,7 @@ class WarmStart:
             overlays=list(slices.overlays),
             cache=slices.cache,
             warnings=list(slices.warnings),
+            record_counts=list(slices.record_counts),
         )
         if payload["readonly"]:
             payload["warnings"].append(
@@ -724,18 +784,29 @@ class WarmStart:
             self._release()
 
         new: dict[str, Row] = {}
+        new_records: dict[str, dict[str, str]] = {}
         tuner_error = None
         try:
             new = self._new_entries()
+            new_records, skipped_records = self._new_records()
+            if skipped_records:
+                self._warn(
+                    f"rank {report.rank}: {skipped_records} namespaced records JSON cannot carry "
+                    "exactly; not stored"
+                )
         except Exception as exc2:  # noqa: BLE001
             tuner_error = f"rank {report.rank} could not read its tuner: {_one_line(exc2)}"
         report.tuned = len(new)
+        report.records_tuned = sum(len(by_key) for by_key in new_records.values())
 
-        # 8. everyone's status
+        # 8. everyone's status. A block that raised because a tuning collective
+        # waited out the timeout has waited for its peers once already: wait
+        # only release_grace more, so a stalled peer costs the timeout once.
+        waited_out = exc is not None and "timed out" in str(exc).lower()
         statuses = channel.exchange(
-            [int(raised), len(new), int(tuner_error is not None)],
+            [int(raised), len(new), int(tuner_error is not None), report.records_tuned],
             self.release_grace,
-            self.timeout,
+            self.release_grace if waited_out else self.timeout,
             self._release,
         )
         t = self._phase("exchange", t)
@@ -767,20 +838,30 @@ class WarmStart:
                 )
                 self._no_commit = self._no_commit or first + more
             # 9. commit what was tuned
-            if any(s[1] for s in statuses):
-                outcome = self._commit_phase(new, statuses)
+            if any(s[1] or s[3] for s in statuses):
+                outcome = self._commit_phase(new, statuses, new_records)
         self._finish(outcome, exc)
 
-    def _commit_phase(self, new: dict[str, Row], statuses: list[list[int]]) -> dict[str, Any]:
+    def _commit_phase(
+        self,
+        new: dict[str, Row],
+        statuses: list[list[int]],
+        new_records: dict[str, dict[str, str]] | None = None,
+    ) -> dict[str, Any]:
         channel, report = self._channel, self.report
         t = time.perf_counter()
-        gathered = channel.gather(new)
+        gathered = channel.gather((new, new_records or {}))
         t = self._phase("gather", t)
         outcome = None
         if report.rank == 0 and gathered is not None:
-            outcome = self._commit(gathered)
+            pairs = [g if isinstance(g, tuple) and len(g) == 2 else (None, None) for g in gathered]
+            outcome = self._commit([p[0] for p in pairs], [p[1] for p in pairs])
             t = self._phase("commit", t)
         mine = channel.broadcast(outcome)
+        if report.rank == 0 and isinstance(outcome, dict) and not isinstance(mine, dict):
+            # The commit is made (or failed) whatever a peer heard of it: report it as it is.
+            self._warn(f"the outcome did not reach every rank: {channel.error}")
+            mine = outcome
         if not isinstance(mine, dict):
             self._no_commit = self._no_commit or channel.error or "no outcome received"
             return {}
@@ -793,7 +874,11 @@ class WarmStart:
         self._phase("final", t)
         return mine
 
-    def _commit(self, gathered: list[dict[str, Row] | None]) -> dict[str, Any]:
+    def _commit(
+        self,
+        gathered: list[dict[str, Row] | None],
+        gathered_records: list[dict[str, dict[str, str]] | None] | None = None,
+    ) -> dict[str, Any]:
         """Rank 0: classify, commit once, export the final slices. Never raises.
 
         Concurrent servers: the value already committed wins. When another
@@ -848,10 +933,11 @@ class WarmStart:
             result["warnings"].append(
                 f"{invalid} tuned entries had keys or tactics ficache cannot store; skipped"
             )
+        records = self._classify_records(gathered_records or [], synchronized, result)
         result["shared"], result["scoped"] = len(shared), len(scoped)
         if self._no_commit is None and self._readonly:
             self._no_commit = f"registry {report.registry} is read-only"
-        if self._no_commit is None and self._fp is not None and (shared or scoped):
+        if self._no_commit is None and self._fp is not None and (shared or scoped or records):
             fp = self._fp
             entries = [NewEntry(fp, k, v[0], v[1], v[2], SHARED_SCOPE) for k, v in shared]
             entries += [
@@ -869,6 +955,8 @@ class WarmStart:
                 "disagreements": result["disagreements"],
                 "synchronized": synchronized,
             }
+            if records:
+                provenance["records"] = len(records)
             try:
                 with self._registry() as reg:
                     if reg.readonly:
@@ -879,11 +967,22 @@ class WarmStart:
                         world_size=world,
                         layout=layout,
                         provenance=provenance,
-                        message=f"warm start on {world} rank(s) ({layout}): {len(keys)} new keys",
+                        message=f"warm start on {world} rank(s) ({layout}): {len(keys)} new keys"
+                        + (f", {len(records)} new records" if records else ""),
                         keep_existing=True,
+                        records=[
+                            NewRecord(fp, ns, key, value, scope)
+                            for scope, ns, key, value in records
+                        ],
                     )
                     result["committed"] = written.added + written.replaced
-                    result["kept"] = written.kept
+                    result["records_committed"] = written.records_added + written.records_replaced
+                    if written.records_kept:
+                        result["warnings"].append(
+                            f"{written.records_kept} published records not stored: the registry "
+                            "holds other values for those keys; every rank loads the stored ones"
+                        )
+                    result["kept"] = written.kept + written.records_kept
                     if written.kept:
                         result["warnings"].append(
                             f"{written.kept} tuned values not stored: another server committed "
@@ -913,6 +1012,59 @@ class WarmStart:
             result["shared"] = result["scoped"] = 0
         return result
 
+    def _classify_records(
+        self,
+        gathered: list[dict[str, dict[str, str]] | None],
+        synchronized: bool,
+        result: dict[str, Any],
+    ) -> list[tuple[str, str, str, str]]:
+        """Rank 0: the new records as ``(scope, namespace, key, value)`` (module docstring)."""
+        world, layout = self.report.world_size, self.report.layout
+        per_rank = [g if isinstance(g, dict) else {} for g in gathered]
+        idents = sorted({(ns, key) for p in per_rank for ns, by in p.items() for key in by})
+        out: list[tuple[str, str, str, str]] = []
+        for ns, key in idents:
+            values = [p.get(ns, {}).get(key) for p in per_rank]
+            present = [v for v in values if v is not None]
+            if len(present) >= 2 and len(set(present)) > 1:
+                result["disagreements"] += 1
+            if synchronized and len(present) == world and len(set(present)) == 1:
+                out.append((SHARED_SCOPE, ns, key, present[0]))
+            else:
+                out.extend(
+                    (rank_scope(layout, r), ns, key, v)
+                    for r, v in enumerate(values)
+                    if v is not None
+                )
+        return out
+
+    def _new_records(self) -> tuple[dict[str, dict[str, str]], int]:
+        """Records the tuner holds that differ from what this rank loaded, as canonical
+        JSON, and how many it holds that JSON cannot carry exactly (skipped)."""
+        read = getattr(self.tuner, "records", None)
+        held = read() if read is not None else {}
+        if not held:
+            return {}, 0
+        loaded = _records_of_text(self._loaded_texts[-1]) if self._loaded_texts else {}
+        new: dict[str, dict[str, str]] = {}
+        skipped = 0
+        for ns, by_key in held.items():
+            if not isinstance(by_key, dict):
+                skipped += 1
+                continue
+            for key, value in by_key.items():
+                try:
+                    check_namespace(ns)
+                    if not isinstance(key, str) or not key:
+                        raise ValueError("a record key is not a non-empty string")
+                    text = record_value_json(value)
+                except (ValueError, RecursionError):
+                    skipped += 1
+                    continue
+                if loaded.get(ns, {}).get(key) != text:
+                    new.setdefault(ns, {})[key] = text
+        return new, skipped
+
     def _finish(self, outcome: dict[str, Any], exc: BaseException | None) -> None:
         report = self.report
         if outcome:
@@ -922,10 +1074,11 @@ class WarmStart:
             report.scoped = int(outcome.get("scoped", 0))
             report.disagreements = int(outcome.get("disagreements", 0))
             report.kept = int(outcome.get("kept", 0))
+            report.records_committed = int(outcome.get("records_committed", 0))
             for warning in outcome.get("warnings", ()):
                 self._warn(warning)
             self._no_commit = outcome.get("reason") or self._no_commit
-        tuned_any = any(report.tuned_by_rank) or report.tuned > 0
+        tuned_any = any(report.tuned_by_rank) or report.tuned > 0 or report.records_tuned > 0
         if self._uncached is not None:
             report.status = f"uncached: {self._uncached}"
             report.reason = self._uncached
