@@ -4,6 +4,7 @@ side by side with FlashInfer's own ``AutoTuner.load_configs`` of the same file
 
     python benchmarks/import_speed.py                  # 10k entries, 9 rounds
     python benchmarks/import_speed.py --entries 100000 --reps 3
+    python benchmarks/import_speed.py --selections     # values as FlashInfer 0.7.4 tunes them
 
 Each round times, in turn: ``json.load`` of the file; ``load_configs`` into a
 cleared AutoTuner, with the cyclic collector off and then on; ficache's
@@ -50,14 +51,25 @@ T = TypeVar("T")
 OPS = ("flashinfer::mm_bf16", "flashinfer::trtllm_fp8_block_scale_moe", "flashinfer::cudnn_gemm")
 
 
-def cache_file(n: int, metadata: dict[str, str]) -> str:
-    """A cache file of ``n`` entries with keys as FlashInfer writes them."""
+def cache_file(n: int, metadata: dict[str, str], selections: bool = False) -> str:
+    """A cache file of ``n`` entries with keys as FlashInfer writes them; with
+    ``selections``, each value ends with a selection, as FlashInfer 0.7.4's tuning saves it."""
     data: dict[str, object] = {"_metadata": metadata}
     for i in range(n):
         runner = f"Runner{i % 7}"
         shapes = ((1 << (i % 14), 4096 + i // 14), (4096 + i // 14, 7168))
         key = str((OPS[i % len(OPS)], runner, shapes, ("torch.bfloat16", i % 3)))
         data[key] = [runner, [i % 11, [i % 5, 2]], POLICY]
+        if selections:
+            time_ms = round(0.004 + i * 1.7e-6, 6)
+            runner_up = round(time_ms * 1.0731, 6)
+            selection = {
+                "time_ms": time_ms,
+                "runner_up_ms": runner_up,
+                "margin": round(runner_up / time_ms - 1.0, 6),
+                "candidates": 3 + i % 9,
+            }
+            data[key].append(selection)
     return json.dumps(data, indent=2)
 
 
@@ -83,13 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--entries", type=int, default=10_000)
     parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument(
+        "--selections", action="store_true", help="values with FlashInfer 0.7.4's fourth element"
+    )
     args = parser.parse_args(argv)
     logger.setLevel(logging.WARNING)  # load_configs logs each load at INFO
     tuner = AutoTuner.get()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         path = tmp / "cache.json"
-        path.write_text(cache_file(args.entries, dict(_collect_metadata())))
+        path.write_text(cache_file(args.entries, dict(_collect_metadata()), args.selections))
         gc.collect()
 
         def load_configs() -> None:
@@ -118,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                 times["write"].append(timed(lambda: reg.import_cache(files))[0])  # noqa: B023
     med = {name: statistics.median(values) for name, values in times.items()}
     total = med["parse"] + med["write"]
-    print(f"import of {args.entries} entries, medians of {args.reps} rounds:")
+    shape = " with selections" if args.selections else ""
+    print(f"import of {args.entries} entries{shape}, medians of {args.reps} rounds:")
     print(f"  ficache parse       {med['parse']:8.1f} ms")
     print(f"  ficache write       {med['write']:8.1f} ms")
     print(f"  parse + write       {total:8.1f} ms")

@@ -53,7 +53,8 @@ one *layout group*:
   entries; files from FlashInfer releases whose keys held rank indices are
   stored under their own fingerprint, which never serves a newer one.)
 - Per-rank files: an entry whose (runner, tactic, policy) and fingerprint
-  are equal in every rank's file is stored shared; every other entry (a
+  are equal in every rank's file is stored shared (with the lowest rank's
+  selection: each rank times its own, so selections never count); every other entry (a
   tactic that differs, a key only some ranks hold) is stored once per file
   that holds it, scoped to ``<layout>/rank<N>`` (``registry.rank_scope``).
   A file of the group that cannot be read counts as a rank holding nothing,
@@ -76,6 +77,23 @@ one *layout group*:
   whose fingerprint another environment already gave under a different
   measurement policy is skipped (the registry keeps one value per key).
 
+Namespaced records. The ``_records`` of vLLM's files (FlashInfer's
+namespaced records, ``ficache.records``) are adopted like entries, by the
+same rules: a single file's are stored shared; in per-rank files a record
+(namespace, key) whose value and fingerprint are equal in every rank's file
+is stored shared, every other one once per file that holds it, scoped to
+its rank; later caches win in the same order, conflicts counted
+(``record_conflicts``). A v2 store's protocol records (entries keyed
+``('__protocol__', namespace, key)``, FlashInfer 0.7.4+) are not adopted,
+only counted (``ignored_records``): FlashInfer keeps them apart from
+``_records`` (``get_protocol_records``, not ``get_namespaced_records``) and
+its v1 JSON API never exports them, so storing them as records would make
+``ficache export`` write them into ``_records``, where FlashInfer would
+serve them as namespaced records the protocol never reads (and where one
+could collide with a namespaced record of the same namespace and key);
+``export --v2-store`` writes no records back either. The mapping is not
+exact, so they stay in vLLM's store, which FlashInfer keeps serving.
+
 Invariants:
 - Reading never evaluates anything and never writes: files are parsed by
   ``flashinfer_format`` and ``v2_store`` (keys are data), no directory is
@@ -86,16 +104,18 @@ Invariants:
   rule says. ``plan_adoption`` never raises for what it finds (this path
   also runs inside server startup); only ``sources_at`` refuses a root the
   user named that is not a directory.
-- One adoption is one commit (kind ``import``) whose provenance names every
-  file, layout and v2 environment it read and what it skipped; adopting the
-  same tree again adds nothing and makes no commit.
-- Several caches may hold one (fingerprint, scope, key): the later one wins,
-  in this order: single files, then per-rank files, then v2 stores (vLLM's
-  own order of versions), each by path; each such conflict with a different
-  value is counted.
-- ``tuned_at`` of an adopted entry is the modification time of the file that
-  holds it (the earliest of them for a shared entry): vLLM saves a file right
-  after the tuning that produced it.
+- One adoption is one commit (kind ``import``), entries and records
+  together, whose provenance names every file, layout and v2 environment it
+  read and what it skipped; adopting the same tree again adds nothing and
+  makes no commit.
+- Several caches may hold one (fingerprint, scope, key), or one
+  (fingerprint, scope, namespace, record key): the later one wins, in this
+  order: single files, then per-rank files, then v2 stores (vLLM's own order
+  of versions), each by path; each such conflict with a different value is
+  counted.
+- ``tuned_at`` of an adopted entry or record is the modification time of the
+  file that holds it (the earliest of them for a shared one): vLLM saves a
+  file right after the tuning that produced it.
 """
 
 from __future__ import annotations
@@ -113,6 +133,7 @@ from ficache.errors import CacheFileError, FingerprintError, V2StoreError, VllmC
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
 from ficache.flashinfer_format import read_cache_file
 from ficache.models import SHARED_SCOPE, EntryRow, FingerprintRow
+from ficache.records import NewRecord
 from ficache.registry import NewEntry, Registry, WriteResult, rank_scope
 from ficache.v2_store import (
     ENTRIES,
@@ -254,6 +275,8 @@ class AdoptedLayout:
     shared: int  # entries stored shared
     scoped: int  # rows stored scoped to one rank
     skipped: int  # files that could not be read
+    records_shared: int = 0  # namespaced records stored shared
+    records_scoped: int = 0  # record rows stored scoped to one rank
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -264,6 +287,8 @@ class AdoptedLayout:
             "shared": self.shared,
             "scoped": self.scoped,
             "skipped": self.skipped,
+            "records_shared": self.records_shared,
+            "records_scoped": self.records_scoped,
         }
 
 
@@ -305,12 +330,14 @@ class AdoptionPlan:
     skipped: tuple[Skipped, ...]  # the first MAX_REASONS, with reasons
     skipped_count: int  # files, entries and environments left out
     conflicts: int  # (fingerprint, scope, key) held with different values by two caches
-    ignored_records: int  # ``_records`` namespaces and v2 protocol records (not tactics)
+    ignored_records: int  # v2 protocol records (see the module docstring)
     entries: tuple[NewEntry, ...] = field(repr=False)
+    records: tuple[NewRecord, ...] = field(default=(), repr=False)
+    record_conflicts: int = 0  # records held with different values by two caches
 
     @property
     def is_empty(self) -> bool:
-        return not self.entries
+        return not self.entries and not self.records
 
     @property
     def files(self) -> int:
@@ -325,6 +352,14 @@ class AdoptionPlan:
     def scoped(self) -> int:
         return len(self.entries) - self.shared
 
+    @property
+    def records_shared(self) -> int:
+        return sum(r.scope == SHARED_SCOPE for r in self.records)
+
+    @property
+    def records_scoped(self) -> int:
+        return len(self.records) - self.records_shared
+
     def provenance(self) -> dict[str, Any]:
         provenance: dict[str, Any] = {
             "source": PROVENANCE_SOURCE,
@@ -336,6 +371,11 @@ class AdoptionPlan:
             "scoped": self.scoped,
             "conflicts": self.conflicts,
             "skipped_count": self.skipped_count,
+            "records": len(self.records),
+            "records_shared": self.records_shared,
+            "records_scoped": self.records_scoped,
+            "record_conflicts": self.record_conflicts,
+            "ignored_records": self.ignored_records,
         }
         if self.skipped:
             provenance["skipped"] = [{"path": s.path, "reason": s.reason} for s in self.skipped]
@@ -344,7 +384,7 @@ class AdoptionPlan:
     def execute(
         self, registry: Registry, *, provenance: Mapping[str, Any] | None = None
     ) -> WriteResult:
-        """Store the entries as one ``import`` commit (``provenance`` is added to it)."""
+        """Store the entries and records as one ``import`` commit (``provenance`` is added)."""
         if self.is_empty:
             return WriteResult(None)
         return registry.write(
@@ -352,6 +392,7 @@ class AdoptionPlan:
             kind="import",
             message=f"adopted from vLLM: {self.sources.display}"[:2000],
             provenance={**dict(provenance or {}), **self.provenance()},
+            records=self.records,
         )
 
 
@@ -366,6 +407,7 @@ class _Collector:
         self.skipped: list[Skipped] = []
         self.skipped_count = 0
         self.conflicts = 0
+        self.record_conflicts = 0
         self.ignored_records = 0
 
     def skip(self, path: Path | str, reason: str, count: int = 1) -> None:
@@ -450,8 +492,10 @@ def _find(sources: Sources, found: _Collector) -> tuple[list[_Deployment], list[
 class _ReadFile:
     path: Path
     fingerprint: Fingerprint
-    values: dict[str, tuple[str, str, str | None, Any]]  # key -> (runner, tactic, policy, fields)
+    #: key -> (runner, tactic, policy, fields, selection); the value is the first three.
+    values: dict[str, tuple[str, str, str | None, Any, str | None]]
     mtime: float
+    records: dict[tuple[str, str], str] = field(default_factory=dict)  # (ns, key) -> value JSON
 
 
 def _read(path: Path, found: _Collector) -> _ReadFile | None:
@@ -467,9 +511,12 @@ def _read(path: Path, found: _Collector) -> _ReadFile | None:
     except OSError as exc:
         found.skip(path, f"cannot read ({exc.strerror})")
         return None
-    found.ignored_records += len(cache.records or {})
-    values = {e.key: (e.runner, e.tactic_json, e.policy_json, e.fields) for e in cache.entries}
-    return _ReadFile(path, fingerprint, values, mtime)
+    values = {
+        e.key: (e.runner, e.tactic_json, e.policy_json, e.fields, e.selection_json)
+        for e in cache.entries
+    }
+    records = {(ns, key): value for ns, key, value in cache.record_rows}
+    return _ReadFile(path, fingerprint, values, mtime, records)
 
 
 def derived_layout(ranks: Sequence[tuple[int, int, Path]]) -> str:
@@ -509,16 +556,50 @@ class _Entries:
         )
 
 
-def _adopt_single(deployment: _Deployment, entries: _Entries, found: _Collector) -> AdoptedLayout:
+class _Records:
+    """The adopted namespaced records, later sources winning; conflicts counted."""
+
+    def __init__(self, found: _Collector) -> None:
+        self.found = found
+        self.rows: dict[tuple[Fingerprint, str, str, str], NewRecord] = {}
+
+    def add(self, record: NewRecord) -> None:
+        old = self.rows.get(record.identity)
+        if old is not None and old.value_json != record.value_json:
+            self.found.record_conflicts += 1
+        self.rows[record.identity] = record
+
+    def ordered(self) -> tuple[NewRecord, ...]:
+        return tuple(
+            sorted(
+                self.rows.values(),
+                key=lambda r: (r.fingerprint.digest, r.scope, r.namespace, r.key),
+            )
+        )
+
+
+def _adopt_single(
+    deployment: _Deployment, entries: _Entries, records: _Records, found: _Collector
+) -> AdoptedLayout:
     assert deployment.single is not None
     read = _read(deployment.single, found)
     if read is not None:
-        for key, (runner, tactic, policy, fields) in read.values.items():
+        for key, (runner, tactic, policy, fields, selection) in read.values.items():
             entries.add(
                 NewEntry(
-                    read.fingerprint, key, runner, tactic, policy, SHARED_SCOPE, fields, read.mtime
+                    read.fingerprint,
+                    key,
+                    runner,
+                    tactic,
+                    policy,
+                    SHARED_SCOPE,
+                    fields,
+                    read.mtime,
+                    selection,
                 )
             )
+        for (ns, key), value in read.records.items():
+            records.add(NewRecord(read.fingerprint, ns, key, value, SHARED_SCOPE, read.mtime))
     return AdoptedLayout(
         deployment.directory,
         SINGLE_FILE,
@@ -527,11 +608,17 @@ def _adopt_single(deployment: _Deployment, entries: _Entries, found: _Collector)
         len(read.values) if read is not None else 0,
         0,
         int(read is None),
+        len(read.records) if read is not None else 0,
+        0,
     )
 
 
 def _adopt_per_rank(
-    deployment: _Deployment, entries: _Entries, found: _Collector, known: KnownLayout | None
+    deployment: _Deployment,
+    entries: _Entries,
+    records: _Records,
+    found: _Collector,
+    known: KnownLayout | None,
 ) -> AdoptedLayout:
     if known is not None and known.applies_to(deployment.directory):
         layout, group_size = known.layout, known.group_size
@@ -540,6 +627,10 @@ def _adopt_per_rank(
     reads = [(rank, _read(path, found)) for _dp, rank, path in deployment.ranks]
     complete = all(read is not None for _rank, read in reads)
     present = [(rank, read) for rank, read in reads if read is not None]
+
+    def scope_of(rank: int) -> str:
+        return rank_scope(layout, rank % group_size if group_size else rank)
+
     keys = sorted({key for _rank, read in present for key in read.values})
     shared = scoped = 0
     scoped_here: dict[tuple[Fingerprint, str, str], _Value] = {}
@@ -547,7 +638,8 @@ def _adopt_per_rank(
         holders = [(rank, read) for rank, read in present if key in read.values]
         values = {(read.fingerprint, read.values[key][:3]) for _rank, read in holders}
         if complete and len(holders) == len(reads) and len(values) == 1:
-            runner, tactic, policy, fields = holders[0][1].values[key]
+            # Equal on every rank; each rank timed it itself: the lowest rank's selection.
+            runner, tactic, policy, fields, selection = holders[0][1].values[key]
             tuned_at = min(read.mtime for _rank, read in holders)
             entries.add(
                 NewEntry(
@@ -559,22 +651,60 @@ def _adopt_per_rank(
                     SHARED_SCOPE,
                     fields,
                     tuned_at,
+                    selection,
                 )
             )
             shared += 1
             continue
         for rank, read in holders:
-            scope = rank_scope(layout, rank % group_size if group_size else rank)
-            runner, tactic, policy, fields = read.values[key]
+            scope = scope_of(rank)
+            runner, tactic, policy, fields, selection = read.values[key]
             ident = (read.fingerprint, scope, key)
             if ident in scoped_here:  # two files of one scope (the lower rank's file wins)
                 found.conflicts += scoped_here[ident] != (runner, tactic, policy)
                 continue
             scoped_here[ident] = (runner, tactic, policy)
             entries.add(
-                NewEntry(read.fingerprint, key, runner, tactic, policy, scope, fields, read.mtime)
+                NewEntry(
+                    read.fingerprint,
+                    key,
+                    runner,
+                    tactic,
+                    policy,
+                    scope,
+                    fields,
+                    read.mtime,
+                    selection,
+                )
             )
             scoped += 1
+    # Records by the same rule: equal in every rank's file, shared; else one per rank.
+    record_ids = sorted({ident for _rank, read in present for ident in read.records})
+    records_shared = records_scoped = 0
+    record_scoped_here: dict[tuple[Fingerprint, str, str, str], str] = {}
+    for ns, key in record_ids:
+        holders = [(rank, read) for rank, read in present if (ns, key) in read.records]
+        record_values = {(read.fingerprint, read.records[ns, key]) for _rank, read in holders}
+        if complete and len(holders) == len(reads) and len(record_values) == 1:
+            first = holders[0][1]
+            tuned_at = min(read.mtime for _rank, read in holders)
+            records.add(
+                NewRecord(
+                    first.fingerprint, ns, key, first.records[ns, key], SHARED_SCOPE, tuned_at
+                )
+            )
+            records_shared += 1
+            continue
+        for rank, read in holders:
+            record = NewRecord(
+                read.fingerprint, ns, key, read.records[ns, key], scope_of(rank), read.mtime
+            )
+            if record.identity in record_scoped_here:  # the lower rank's file wins
+                found.record_conflicts += record_scoped_here[record.identity] != record.value_json
+                continue
+            record_scoped_here[record.identity] = record.value_json
+            records.add(record)
+            records_scoped += 1
     return AdoptedLayout(
         deployment.directory,
         PER_RANK,
@@ -583,6 +713,8 @@ def _adopt_per_rank(
         shared,
         scoped,
         len(reads) - len(present),
+        records_shared,
+        records_scoped,
     )
 
 
@@ -652,9 +784,12 @@ def plan_adoption(sources: Sources, *, known: KnownLayout | None = None) -> Adop
     """
     found = _Collector()
     entries = _Entries(found)
+    records = _Records(found)
     deployments, store_roots = _find(sources, found)
-    layouts = [_adopt_single(d, entries, found) for d in deployments if d.single is not None]
-    layouts += [_adopt_per_rank(d, entries, found, known) for d in deployments if d.ranks]
+    layouts = [
+        _adopt_single(d, entries, records, found) for d in deployments if d.single is not None
+    ]
+    layouts += [_adopt_per_rank(d, entries, records, found, known) for d in deployments if d.ranks]
     stores = [s for root in store_roots for s in _adopt_store(root, entries, found)]
     return AdoptionPlan(
         sources,
@@ -665,6 +800,8 @@ def plan_adoption(sources: Sources, *, known: KnownLayout | None = None) -> Adop
         found.conflicts,
         found.ignored_records,
         entries.ordered(),
+        records.ordered(),
+        found.record_conflicts,
     )
 
 

@@ -1,8 +1,8 @@
 """Bundles: one self-describing file of tuned results, to ship inside images.
 
-Layout (format version 1)::
+Layout (format versions 1 and 2)::
 
-    ficache-bundle 1 <payload bytes> sha256=<hex of the payload>\\n
+    ficache-bundle <version> <payload bytes> sha256=<hex of the payload>\\n
     <payload>
 
 The payload is ASCII JSON with exactly four members, one entry per line::
@@ -17,14 +17,20 @@ The payload is ASCII JSON with exactly four members, one entry per line::
 
 ``key`` is FlashInfer's ``file_key`` verbatim; ``tactic`` and ``policy`` are
 the registry's canonical JSON text (``policy`` may be null); ``tuned_at`` is
-when the value was tuned (UNIX seconds). ``records`` holds FlashInfer's
+when the value was tuned (UNIX seconds). Version 2 adds to an entry whose
+value FlashInfer chose by real tuning a member ``"selection"``: how it was
+chosen (a cache value's fourth element), as canonical JSON text of an object
+(``flashinfer_format.selection_json``). A bundle is written as version 2
+when one of its entries has a selection, else as version 1 (the bytes it
+had before version 2, which older ficache reads). ``records`` holds FlashInfer's
 namespaced records (``ficache.records``) as parsed JSON values, each a value
 ``flashinfer_format.record_value_json`` accepts; they carry no tuning time.
 
 Invariants:
 - The same content gives the same bytes. A bundle is a pure function of
-  its entries (fingerprint, scope, key, runner, tactic, policy, tuned_at)
-  and records: members, fingerprints and entries are sorted (by code point,
+  its entries (fingerprint, scope, key, runner, tactic, policy, tuned_at,
+  selection) and records (its format version too: 2 exactly when an entry
+  has a selection): members, fingerprints and entries are sorted (by code point,
   in Python, never by a database collation), JSON is rendered one way, and
   nothing of the exporting registry or moment enters: no export time, host,
   commit id or row id. Two registries holding the same entries, whatever
@@ -72,11 +78,20 @@ from typing import Any
 
 from ficache.errors import BundleError, FingerprintError, NotFoundError
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
-from ficache.flashinfer_format import canonical_json, check_namespace, parse_key, record_value_json
+from ficache.flashinfer_format import (
+    canonical_json,
+    check_namespace,
+    parse_key,
+    record_value_json,
+    selection_json,
+)
 from ficache.records import NewRecord, record_values
 from ficache.registry import NewEntry, Registry, WriteResult, validate_scope
 
-FORMAT_VERSION = 1
+#: The newest format this module reads and writes; it writes 1 for content version 1 can carry.
+FORMAT_VERSION = 2
+#: The first version whose entries may carry a ``selection``.
+SELECTION_VERSION = 2
 MAGIC = b"ficache-bundle "
 #: Longest header any version may write (magic, version, size, checksum).
 MAX_HEADER_BYTES = 256
@@ -90,10 +105,11 @@ MAX_TACTIC_DEPTH = 8
 Records = dict[str, dict[str, dict[str, dict[str, Any]]]]
 
 _VERSION = re.compile(rb"ficache-bundle ([0-9]{1,9})(?=[ \n])")
-_HEADER_V1 = re.compile(rb"ficache-bundle 1 (0|[1-9][0-9]{0,19}) sha256=([0-9a-f]{64})\n")
+_HEADER = re.compile(rb"ficache-bundle [12] (0|[1-9][0-9]{0,19}) sha256=([0-9a-f]{64})\n")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _MEMBERS = ("entries", "fingerprints", "provenance", "records")
 _ENTRY_FIELDS = ("fingerprint", "key", "policy", "runner", "scope", "tactic", "tuned_at")
+_ENTRY_FIELDS_SELECTION = (*_ENTRY_FIELDS, "selection")  # version 2, an entry with a selection
 _AGAIN = "copy it again or export it again with `ficache export --bundle`"
 
 
@@ -175,6 +191,7 @@ def _render(
     """The whole file for sorted ``entries`` (header and payload)."""
     lines = ['{"entries":[\n']
     last = len(entries) - 1
+    version = 1
     for i, e in enumerate(entries):
         item = {
             "fingerprint": e.fingerprint.digest,
@@ -185,6 +202,9 @@ def _render(
             "tactic": e.tactic_json,
             "tuned_at": e.tuned_at,
         }
+        if e.selection_json is not None:
+            item["selection"] = e.selection_json
+            version = SELECTION_VERSION
         lines.append(_dumps(item) + (",\n" if i < last else "\n"))
     fps = {digest: fp.as_dict() for digest, fp in fingerprints.items()}
     lines.append(f'],\n"fingerprints":{_dumps(fps)},\n')
@@ -194,7 +214,7 @@ def _render(
     checksum = hashlib.sha256(payload).hexdigest()
     return b"%s%d %d sha256=%s\n%s" % (
         MAGIC,
-        FORMAT_VERSION,
+        version,
         len(payload),
         checksum.encode(),
         payload,
@@ -231,6 +251,7 @@ def render_bundle(
             e.scope,
             e.fields,
             float(e.tuned_at),
+            selection_json(json.loads(e.selection_json)) if e.selection_json is not None else None,
         )
     ordered = [unique[k] for k in sorted(unique)]
     ops = [(e.fields or parse_key(e.key)).op for e in ordered]
@@ -301,13 +322,13 @@ def _frame(data: bytes, source: str) -> tuple[int, bytes]:
             f"{source}: bundle format version {number} is newer than this ficache reads "
             f"(up to {FORMAT_VERSION}); upgrade ficache"
         )
-    if number != FORMAT_VERSION:
+    if number < 1:
         raise BundleError(f"{source}: unknown bundle format version {number}; {_AGAIN}")
     if end < 0:
         if len(data) < MAX_HEADER_BYTES:
             raise BundleError(f"{source}: truncated bundle (it ends inside its header); {_AGAIN}")
         raise BundleError(f"{source}: damaged bundle header; {_AGAIN}")
-    header = _HEADER_V1.fullmatch(data, 0, end + 1)
+    header = _HEADER.fullmatch(data, 0, end + 1)
     if header is None:
         raise BundleError(f"{source}: damaged bundle header; {_AGAIN}")
     claimed = int(header.group(1))
@@ -405,7 +426,25 @@ def _scope(value: Any, what: str) -> str:
         raise _Invalid(f"{what}: {exc}") from None
 
 
-def _entries(value: Any, fps: Mapping[str, Fingerprint]) -> tuple[list[NewEntry], list[str]]:
+def _selection_text(text: Any, what: str) -> str:
+    """Validate selection text: canonical JSON of an object ``selection_json`` accepts."""
+    if not isinstance(text, str):
+        raise _Invalid(f"{what} must be a string of JSON")
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+        canonical = selection_json(value)
+    except RecursionError:
+        raise _Invalid(f"{what} nested too deeply") from None
+    except ValueError as exc:
+        raise _Invalid(f"{what} {text[:80]!r} is not a selection: {exc}") from None
+    if canonical != text:
+        raise _Invalid(f"{what} {text[:80]!r} is not canonical JSON")
+    return text
+
+
+def _entries(
+    value: Any, fps: Mapping[str, Fingerprint], version: int = 1
+) -> tuple[list[NewEntry], list[str]]:
     if not isinstance(value, list):
         raise _Invalid("entries must be a JSON list")
     entries: list[NewEntry] = []
@@ -413,7 +452,11 @@ def _entries(value: Any, fps: Mapping[str, Fingerprint]) -> tuple[list[NewEntry]
     previous: tuple[str, str, str] | None = None
     for index, item in enumerate(value):
         what = f"entry {index}"
-        e = _object(item, what, _ENTRY_FIELDS)
+        with_selection = (
+            version >= SELECTION_VERSION and isinstance(item, dict) and "selection" in item
+        )
+        e = _object(item, what, _ENTRY_FIELDS_SELECTION if with_selection else _ENTRY_FIELDS)
+        selection = _selection_text(e["selection"], f"{what} selection") if with_selection else None
         fp = fps.get(e["fingerprint"]) if isinstance(e["fingerprint"], str) else None
         if fp is None:
             raise _Invalid(
@@ -440,7 +483,9 @@ def _entries(value: Any, fps: Mapping[str, Fingerprint]) -> tuple[list[NewEntry]
         if previous is not None and order <= previous:
             raise _Invalid(f"{what} is out of order or a duplicate")
         previous = order
-        entries.append(NewEntry(fp, key, runner, tactic, policy, scope, fields, tuned_at))
+        entries.append(
+            NewEntry(fp, key, runner, tactic, policy, scope, fields, tuned_at, selection)
+        )
         ops.append(fields.op)
     return entries, ops
 
@@ -485,7 +530,7 @@ def parse_bundle_bytes(data: bytes, *, source: str = "<bytes>") -> Bundle:
             raise _Invalid(f"payload is not JSON: {detail}") from None
         _object(top, "the payload", _MEMBERS)
         fps = _fingerprints(top["fingerprints"])
-        entries, ops = _entries(top["entries"], fps)
+        entries, ops = _entries(top["entries"], fps, version)
         records = _records(top["records"], fps)
         unused = sorted(set(fps) - {e.fingerprint.digest for e in entries} - set(records))
         if unused:
@@ -578,8 +623,8 @@ def write_bundle(
             "no entries to bundle in the selected fingerprints; see `ficache fingerprints`"
         )
     entries = [
-        NewEntry(by_id[fid], key, runner, tactic, policy, scope, None, tuned_at)
-        for fid, scope, key, runner, tactic, policy, tuned_at in rows
+        NewEntry(by_id[fid], key, runner, tactic, policy, scope, None, tuned_at, selection)
+        for fid, scope, key, runner, tactic, policy, tuned_at, selection in rows
     ]
     records: Records = {}
     for fid, scope, ns, key, value, _tuned_at in stored_records:
@@ -609,7 +654,7 @@ def write_bundle(
 def import_bundles(registry: Registry, bundles: Sequence[tuple[str, Bundle]]) -> WriteResult:
     """Store the entries of verified ``(source, bundle)`` pairs as one import commit.
 
-    Entries keep their scope and ``tuned_at``, records their scope (they
+    Entries keep their scope, ``tuned_at`` and selection, records their scope (they
     carry no tuning time: the import's is used); the commit's provenance
     names every bundle by digest. Importing the same bundles again changes
     nothing and makes no commit.

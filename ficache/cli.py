@@ -333,12 +333,14 @@ def import_cmd(
     A directory is a FlashInfer v2 store (`autotune_v2`): its root, or one
     environment directory under root/v2/. Every environment is imported with
     its fingerprint and measurement policy; malformed entries are skipped and
-    counted, as FlashInfer treats them as misses.
+    counted, as FlashInfer treats them as misses; protocol records (FlashInfer
+    0.7.4+) are counted, not imported: FlashInfer keeps them apart from _records.
 
     --from-vllm adopts what vLLM already tuned: its autotune files (one per
     deployment in vLLM 0.27-0.31, one per rank since 0.32) and its v2 store.
-    Entries equal on every rank of a deployment are stored shared, the rest
-    scoped to their rank; unreadable files are skipped and counted.
+    Entries and namespaced records (_records) equal on every rank of a
+    deployment are stored shared, the rest scoped to their rank; unreadable
+    files are skipped and counted.
     """
     from ficache.bundle import is_bundle
     from ficache.flashinfer_format import read_cache_file
@@ -352,7 +354,7 @@ def import_cmd(
         raise click.UsageError("--layout goes with --from-vllm")
     if not files:
         raise click.UsageError("give FILES to import, or --from-vllm")
-    if any(f.is_dir() for f in files):
+    if any(_is_dir(f) for f in files):
         _import_v2_stores(obj, files, fingerprint_ref, scope, fmt)
         return
     if any(is_bundle(f) for f in files):
@@ -366,6 +368,13 @@ def import_cmd(
     total = sum(len(c.entries) for _, c in parsed)
     records = sum(len(c.record_rows) for _, c in parsed)
     _report_import(fmt, result, total, len(parsed), "file", records)
+    ignored = sum(c.ignored_selections for _, c in parsed)
+    if ignored:
+        click.echo(
+            f"warning: {ignored} entr{'y' if ignored == 1 else 'ies'} held a fourth element that "
+            "is not an object; imported without a selection, as FlashInfer ignores it",
+            err=True,
+        )
 
 
 def _report_import(
@@ -447,11 +456,18 @@ def _import_from_vllm(obj: _Context, root: str, layout: str | None, fmt: str) ->
                 "scoped": plan.scoped,
                 "conflicts": plan.conflicts,
                 "skipped": plan.skipped_count,
+                "records": len(plan.records),
+                "records_shared": plan.records_shared,
+                "records_scoped": plan.records_scoped,
+                "record_conflicts": plan.record_conflicts,
                 "ignored_records": plan.ignored_records,
                 "commit": result.commit_id if result else None,
                 "added": result.added if result else 0,
                 "replaced": result.replaced if result else 0,
                 "unchanged": result.unchanged if result else 0,
+                "records_added": result.records_added if result else 0,
+                "records_replaced": result.records_replaced if result else 0,
+                "records_unchanged": result.records_unchanged if result else 0,
             }
         )
     else:
@@ -476,10 +492,21 @@ def _import_from_vllm(obj: _Context, root: str, layout: str | None, fmt: str) ->
                 if result.commit_id is not None
                 else "nothing new, no commit"
             )
+            held, record_counts = "", ""
+            if plan.records:
+                held = (
+                    f" and {len(plan.records)} records ({plan.records_shared} shared, "
+                    f"{plan.records_scoped} scoped)"
+                )
+                record_counts = (
+                    f"; records {result.records_added} added, {result.records_replaced} "
+                    f"replaced, {result.records_unchanged} unchanged"
+                )
             click.echo(
                 f"adopted {len(plan.entries)} entries ({plan.shared} shared, {plan.scoped} "
-                f"scoped) from {plan.files} file(s): {result.added} added, {result.replaced} "
-                f"replaced, {result.unchanged} unchanged ({where})"
+                f"scoped){held} from {plan.files} file(s): {result.added} added, "
+                f"{result.replaced} replaced, {result.unchanged} unchanged{record_counts} "
+                f"({where})"
             )
     if plan.skipped_count:
         click.echo(
@@ -493,12 +520,33 @@ def _import_from_vllm(obj: _Context, root: str, layout: str | None, fmt: str) ->
             "the later cache's value was kept (v2 store over per-rank files over a single file)",
             err=True,
         )
-    if plan.ignored_records:
+    if plan.record_conflicts:
         click.echo(
-            f"warning: {plan.ignored_records} record namespace(s) or protocol record(s) were not "
-            "imported (ficache stores tactics only)",
+            f"warning: {plan.record_conflicts} record(s) held different values in two vLLM "
+            "caches; the later cache's value was kept",
             err=True,
         )
+    if plan.ignored_records:
+        click.echo(
+            f"warning: {plan.ignored_records} v2 protocol record(s) were not imported ("
+            f"{_PROTOCOL_RECORDS_WHY})",
+            err=True,
+        )
+
+
+#: Why v2 protocol records are counted, not imported (``ficache.adopt``'s docstring).
+_PROTOCOL_RECORDS_WHY = (
+    "FlashInfer keeps them apart from the _records that ficache stores, and they stay in "
+    "the store it serves them from"
+)
+
+
+def _is_dir(path: Path) -> bool:
+    """``path.is_dir()``, False where the file system cannot look the name up (too long...)."""
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
 
 
 def _import_v2_stores(
@@ -507,7 +555,7 @@ def _import_v2_stores(
     """``import`` of FlashInfer v2 stores: read every one, then one commit."""
     from ficache.v2_store import import_stores, measurement_label, read_store
 
-    if not all(d.is_dir() for d in dirs):
+    if not all(_is_dir(d) for d in dirs):
         raise click.UsageError("import v2 store directories and files in separate commands")
     if fingerprint_ref is not None:
         raise click.UsageError("a v2 store's manifest names its environments; drop --fingerprint")
@@ -585,7 +633,7 @@ def _import_v2_stores(
         )
     if records:
         click.echo(
-            f"warning: {records} protocol record(s) were not imported (ficache stores tactics only)",
+            f"warning: {records} protocol record(s) were not imported ({_PROTOCOL_RECORDS_WHY})",
             err=True,
         )
 
@@ -1222,25 +1270,29 @@ def merge_cmd(
     "fingerprint_refs",
     multiple=True,
     metavar="ID",
-    help="Remove the entries of this stored fingerprint (repeatable).",
+    help="Remove the entries and records of this stored fingerprint (repeatable).",
 )
 @click.option(
     "--flashinfer-version",
     "versions",
     multiple=True,
     metavar="VERSION",
-    help="Remove entries of fingerprints with this FlashInfer version (repeatable).",
+    help="Remove entries and records of fingerprints with this FlashInfer version (repeatable).",
 )
 @click.option(
-    "--older-than", type=AgeType(), help="Remove entries last written before this age (30d, 12h)."
+    "--older-than",
+    type=AgeType(),
+    help="Remove entries and records last written before this age (30d, 12h).",
 )
 @click.option(
     "--unused-for",
     type=AgeType(),
-    help="Remove entries of fingerprints no warm start served for this age (30d); one never "
-    "served counts from when it was stored.",
+    help="Remove entries and records of fingerprints no warm start served for this age (30d); "
+    "one never served counts from when it was stored.",
 )
-@click.option("--scope", callback=_check_scope, help="Remove only entries of this scope.")
+@click.option(
+    "--scope", callback=_check_scope, help="Remove only entries and records of this scope."
+)
 @click.option("--dry-run", is_flag=True, help="Show the plan and change nothing.")
 @click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
 @pass_ctx
@@ -1254,7 +1306,13 @@ def prune_cmd(
     dry_run: bool,
     yes: bool,
 ) -> None:
-    """Remove entries matching all given criteria, as one revertible commit."""
+    """Remove entries and records matching all given criteria, as one revertible commit.
+
+    FlashInfer's namespaced records (_records) follow the same criteria as
+    entries: --fingerprint, --flashinfer-version and --unused-for select whole
+    fingerprints (all their records go), --scope and --older-than narrow
+    records as they narrow entries. `ficache revert` restores both.
+    """
     with obj.registry(create=False) as reg:
         reg.require_writable()
         ids = [reg.fingerprint(ref).id for ref in fingerprint_refs]
@@ -1272,19 +1330,26 @@ def prune_cmd(
             click.echo("nothing matches: nothing to prune")
             return
         click.echo(f"prune plan ({', '.join(f'{k}={v}' for k, v in plan.criteria)}):")
+        with_records = plan.records_total > 0
         click.echo(
             _table(
-                ["fingerprint", "gpu", "flashinfer", "scope", "entries"],
+                ["fingerprint", "gpu", "flashinfer", "scope", "entries"]
+                + (["records"] if with_records else []),
                 (
                     (g.fingerprint_id, g.gpu, g.flashinfer_version, g.scope, g.entries)
+                    + ((g.records,) if with_records else ())
                     for g in plan.groups
                 ),
             )
         )
-        click.echo(f"{plan.total} entries would be removed (revertible with `ficache revert`)")
-        _confirm_or_stop(f"Remove {plan.total} entries?", dry_run=dry_run, yes=yes)
+        what = f"{plan.total} entries" + (
+            f" and {plan.records_total} records" if with_records else ""
+        )
+        click.echo(f"{what} would be removed (revertible with `ficache revert`)")
+        _confirm_or_stop(f"Remove {what}?", dry_run=dry_run, yes=yes)
         result = plan.execute(reg)
-    click.echo(f"removed {result.removed} entries (commit {result.commit_id})")
+    records = f" and {result.records_removed} records" if with_records else ""
+    click.echo(f"removed {result.removed} entries{records} (commit {result.commit_id})")
 
 
 @cli.command("revert")
@@ -1353,9 +1418,14 @@ def verify_cmd(obj: _Context, fmt: str) -> None:
     )
     if report.checked is not None:
         n = report.checked
+        records = (
+            f", {n.records} records, {n.record_changes} record changes"
+            if n.records or n.record_changes
+            else ""
+        )
         click.echo(
             f"checked {n.fingerprints} fingerprints, {n.entries} entries, {n.commits} commits, "
-            f"{n.changes} changes"
+            f"{n.changes} changes{records}"
         )
     for note in report.notes:
         click.echo(f"note: {note}")

@@ -4,10 +4,14 @@ The format, as FlashInfer 0.7 writes it::
 
     {"_metadata": {<FlashInfer fields>},        # optional (older files lack it)
      "_records": {<namespace>: {...}},          # optional product records
-     "<file_key>": [runner_class_name, tactic, policy?], ...,
+     "<file_key>": [runner_class_name, tactic, policy?, selection?], ...,
      "_generation": "<sha256>"}                 # optional ("_cache_generation" too)
 
 ``file_key`` is ``str((custom_op, runner_class_name, nearest_profile, extras))``.
+``selection`` (FlashInfer 0.7.4+, only after a policy) is how real tuning
+chose the winner, a JSON object (``{"time_ms", "runner_up_ms", "margin",
+"candidates"}``); FlashInfer keeps it only to save it back, ignores a
+fourth element that is not an object, and 0.7.2 ignores any fourth element.
 
 Invariants:
 - Keys and tactics are data, never code. Keys are read by a tokenizer that
@@ -19,6 +23,13 @@ Invariants:
 - The key string is kept verbatim and tactics and policies are stored as
   canonical JSON text, so rendering reproduces exactly what FlashInfer will
   look up. Rendering never parses stored JSON again.
+- A selection is stored as canonical JSON text (``selection_json``: an
+  object of finite numbers, at most ``MAX_SELECTION_DEPTH`` levels and
+  ``MAX_SELECTION_CHARS`` characters; anything else makes the entry invalid)
+  and rendered back as the fourth element, spliced in. A fourth element
+  that is not an object is dropped, as FlashInfer drops it: the entry is
+  kept without a selection and counted (``CacheFile.ignored_selections``).
+  A selection is never part of an entry's value (``ficache.models``).
 - Files are published atomically: temp file in the target's directory,
   ``os.replace``, temp removed on any failure.
 - ``_records`` (FlashInfer's namespaced records) is validated as strictly
@@ -64,6 +75,9 @@ MAX_TACTIC_DEPTH = 8
 MAX_RECORD_DEPTH = 32
 MAX_RECORD_CHARS = 4 * 1024 * 1024
 MAX_NAMESPACE_CHARS = 256
+#: Deepest nesting and longest canonical JSON of one selection (FlashInfer's is flat and short).
+MAX_SELECTION_DEPTH = 8
+MAX_SELECTION_CHARS = 64 * 1024
 
 
 Shapes = tuple[tuple[int, ...], ...]
@@ -148,6 +162,7 @@ class FileEntry:
     tactic_json: str  # canonical JSON text
     policy_json: str | None  # canonical JSON text, or None when absent
     fields: KeyFields  # read from ``key`` once, when the file was parsed
+    selection_json: str | None = None  # canonical JSON object, or None when absent
 
 
 # Bulk construction of ``KeyFields`` (from the JSON form of its shapes) and
@@ -179,6 +194,8 @@ class CacheFile:
     generation: str | None = None
     #: ``records`` as ``(namespace, record key, canonical JSON value)``, sorted.
     record_rows: tuple[tuple[str, str, str], ...] = ()
+    #: Entries whose fourth element was not an object: kept without a selection.
+    ignored_selections: int = 0
 
 
 def canonical_json(value: Any) -> str:
@@ -415,17 +432,17 @@ def check_namespace(namespace: Any) -> str:
     return namespace
 
 
-def _check_record_value(value: Any, depth: int) -> None:
-    if depth > MAX_RECORD_DEPTH:
-        raise ValueError(f"nested deeper than {MAX_RECORD_DEPTH} levels")
+def _check_record_value(value: Any, depth: int, limit: int = MAX_RECORD_DEPTH) -> None:
+    if depth > limit:
+        raise ValueError(f"nested deeper than {limit} levels")
     if isinstance(value, dict):
         for k, v in value.items():
             if not isinstance(k, str):
                 raise ValueError(f"an object key is a {type(k).__name__}, not a string")
-            _check_record_value(v, depth + 1)
+            _check_record_value(v, depth + 1, limit)
     elif isinstance(value, (list, tuple)):
         for v in value:
-            _check_record_value(v, depth + 1)
+            _check_record_value(v, depth + 1, limit)
     elif isinstance(value, float):
         if value != value or value in (float("inf"), float("-inf")):
             raise ValueError("holds a non-finite number")
@@ -468,6 +485,25 @@ def record_rows(records: Any) -> tuple[tuple[str, str, str], ...]:
     return tuple(rows)
 
 
+def selection_json(value: Any) -> str:
+    """The canonical JSON text of one selection (a value's fourth element).
+
+    ``ValueError`` unless ``value`` is an object JSON carries exactly (string
+    keys, finite numbers), at most ``MAX_SELECTION_DEPTH`` levels deep and
+    ``MAX_SELECTION_CHARS`` characters long.
+    """
+    if not isinstance(value, dict):
+        raise ValueError(f"selection must be an object, not a {type(value).__name__}")
+    try:
+        _check_record_value(value, 0, MAX_SELECTION_DEPTH)
+    except ValueError as exc:
+        raise ValueError(f"selection {exc}") from None
+    text = canonical_json(value)
+    if len(text) > MAX_SELECTION_CHARS:
+        raise ValueError(f"selection longer than {MAX_SELECTION_CHARS} characters of JSON")
+    return text
+
+
 # --------------------------------------------------------------------------
 # Whole files.
 
@@ -488,8 +524,12 @@ def _check_tactic(value: Any, depth: int = 0) -> None:
 
 
 def _check_entry(key: str, value: Any) -> FileEntry:
-    if not isinstance(value, list) or len(value) not in (2, 3):
-        raise ValueError("value must be [runner, tactic] or [runner, tactic, policy]")
+    """One entry, checked; a fourth element that is not an object is dropped."""
+    if not isinstance(value, list) or len(value) not in (2, 3, 4):
+        raise ValueError(
+            "value must be [runner, tactic], [runner, tactic, policy] "
+            "or [runner, tactic, policy, selection]"
+        )
     runner, tactic = value[0], value[1]
     if not isinstance(runner, str) or not runner:
         raise ValueError("runner must be a non-empty string")
@@ -497,14 +537,16 @@ def _check_entry(key: str, value: Any) -> FileEntry:
     fields = parse_key(key)
     if fields.runner != runner:
         raise ValueError(f"runner {runner!r} differs from the key's {fields.runner!r}")
-    policy_json = None
-    if len(value) == 3:
+    policy_json = selection = None
+    if len(value) >= 3:
         policy = value[2]
         if not isinstance(policy, list):
             raise ValueError("policy must be a list")
         _check_tactic(policy)
         policy_json = canonical_json(policy)
-    return FileEntry(key, runner, canonical_json(tactic), policy_json, fields)
+    if len(value) == 4 and isinstance(value[3], dict):
+        selection = selection_json(value[3])
+    return FileEntry(key, runner, canonical_json(tactic), policy_json, fields, selection)
 
 
 def parse_cache_bytes(data: bytes, *, source: str = "<bytes>") -> CacheFile:
@@ -559,17 +601,18 @@ def _parse_text(text: str, source: str) -> CacheFile:
                 raise CacheFileError(f"{source}: {gkey} must be a string")
             generation = g
 
-    entries, problems = _read_entries(top)
+    entries, problems, ignored = _read_entries(top)
     if problems:
         raise CacheFileError(
             f"{source}: {len(problems)} of {len(top)} entries invalid, nothing imported; "
             f"first: {problems[0]}"
         )
-    return CacheFile(metadata, tuple(entries), records, generation, rows)
+    return CacheFile(metadata, tuple(entries), records, generation, rows, ignored)
 
 
-def _read_entries(top: dict[str, Any]) -> tuple[list[FileEntry], list[str]]:
-    """Check and convert every entry; return them and the problems found.
+def _read_entries(top: dict[str, Any]) -> tuple[list[FileEntry], list[str], int]:
+    """Check and convert every entry; return them, the problems found and the
+    number of fourth elements dropped (not objects: kept without a selection).
 
     Most entries take the fast path below, which decides exactly what
     ``_check_entry`` decides for them; anything it is not sure of (another
@@ -587,10 +630,12 @@ def _read_entries(top: dict[str, Any]) -> tuple[list[FileEntry], list[str]]:
     to_json = _shapes_json
     new = _new
     set_op, set_runner, set_extras, set_shapes, set_shapes_json = _set_kf
-    set_key, set_entry_runner, set_tactic, set_policy, set_fields = _set_fe
+    set_key, set_entry_runner, set_tactic, set_policy, set_fields, set_selection = _set_fe
     max_key, max_depth = MAX_KEY_CHARS, MAX_TACTIC_DEPTH
+    max_sel_depth, max_sel_chars = MAX_SELECTION_DEPTH, MAX_SELECTION_CHARS
+    ignored = 0
     for key, value in top.items():
-        if type(value) is list and 2 <= len(value) <= 3 and len(key) <= max_key:
+        if type(value) is list and 2 <= (n := len(value)) <= 4 and len(key) <= max_key:
             runner = value[0]
             m = match_key(key)
             if m is not None:
@@ -600,24 +645,35 @@ def _read_entries(top: dict[str, Any]) -> tuple[list[FileEntry], list[str]]:
                 and type(runner) is str
                 and key_runner == runner
                 and is_tuple_literal(extras)
-                and (len(value) == 2 or type(value[2]) is list)
+                and (n == 2 or type(value[2]) is list)
+                and (n < 4 or type(value[3]) is dict)
             ):
                 try:
                     tactic = value[1]
                     # An int's JSON is its str (bool, a subclass, is not an int here).
                     tactic_json = str(tactic) if type(tactic) is int else join(chunks(tactic, 0))
-                    policy_json = join(chunks(value[2], 0)) if len(value) == 3 else None
+                    policy_json = join(chunks(value[2], 0)) if n >= 3 else None
+                    sel_json = join(chunks(value[3], 0)) if n == 4 else None
                 except (ValueError, RecursionError):  # a non-finite number, or deep nesting
                     pass
                 else:
                     # No object and at most MAX_TACTIC_DEPTH brackets (also
-                    # counting any inside strings): ``_check_tactic`` passes.
+                    # counting any inside strings): ``_check_tactic`` passes;
+                    # at most MAX_SELECTION_DEPTH brackets of either kind and
+                    # short enough: ``selection_json`` passes.
                     if (
                         "{" not in tactic_json
                         and tactic_json.count("[") <= max_depth
                         and (
                             policy_json is None
                             or ("{" not in policy_json and policy_json.count("[") <= max_depth)
+                        )
+                        and (
+                            sel_json is None
+                            or (
+                                len(sel_json) <= max_sel_chars
+                                and sel_json.count("{") + sel_json.count("[") <= max_sel_depth
+                            )
                         )
                     ):
                         kf = new(KeyFields)
@@ -632,13 +688,16 @@ def _read_entries(top: dict[str, Any]) -> tuple[list[FileEntry], list[str]]:
                         set_tactic(entry, tactic_json)
                         set_policy(entry, policy_json)
                         set_fields(entry, kf)
+                        set_selection(entry, sel_json)
                         append(entry)
                         continue
         try:
             append(_check_entry(key, value))
         except ValueError as exc:
             problems.append(f"{key[:80]!r}: {exc}")
-    return entries, problems
+        else:
+            ignored += type(value) is list and len(value) == 4 and type(value[3]) is not dict
+    return entries, problems, ignored
 
 
 def read_cache_file(path: str | os.PathLike[str]) -> CacheFile:
@@ -658,16 +717,24 @@ def read_cache_file(path: str | os.PathLike[str]) -> CacheFile:
     return parse_cache_bytes(data, source=str(p))
 
 
+#: One entry as ``render_cache`` writes it: ``(key, runner, tactic_json,
+#: policy_json)``, or with ``selection_json`` as a fifth element.
+CacheRow = tuple[str, str, str, str | None] | tuple[str, str, str, str | None, str | None]
+
 # The JSON string encoder json.dumps itself uses, without its per-call set-up.
 _json_string = json.encoder.encode_basestring_ascii
 
 
 def render_cache(
     metadata: Mapping[str, str] | None,
-    entries: Iterable[tuple[str, str, str, str | None]],
+    entries: Iterable[CacheRow],
     records: Mapping[str, Mapping[str, str]] | None = None,
 ) -> str:
-    """Render ``(key, runner, tactic_json, policy_json)`` rows as a cache file.
+    """Render ``(key, runner, tactic_json, policy_json[, selection_json])`` rows as a cache file.
+
+    A selection (canonical JSON object, or None) is written as the fourth
+    element after the policy, as FlashInfer 0.7.4 writes it; a row without a
+    policy has none to write (FlashInfer writes one only after a policy).
 
     ``_metadata`` comes first, then ``_records`` (``{namespace: {key: canonical
     JSON}}``, namespaces and keys sorted; left out when empty), then entries
@@ -687,11 +754,17 @@ def render_cache(
             for ns, by_key in sorted(records.items())
         ]
         parts.append(f'"{RECORDS_KEY}": {{{", ".join(namespaces)}}}')
-    for key, runner, tactic_json, policy_json in sorted(entries, key=lambda row: row[0]):
+    for row in sorted(entries, key=lambda row: row[0]):
+        key, runner, tactic_json, policy_json = row[:4]
+        selection = row[4] if len(row) == 5 else None
         if policy_json is None:
             parts.append(f"{quote(key)}: [{quote(runner)}, {tactic_json}]")
-        else:
+        elif selection is None:
             parts.append(f"{quote(key)}: [{quote(runner)}, {tactic_json}, {policy_json}]")
+        else:
+            parts.append(
+                f"{quote(key)}: [{quote(runner)}, {tactic_json}, {policy_json}, {selection}]"
+            )
     if not parts:
         return "{}\n"
     return "{\n" + ",\n".join(parts) + "\n}\n"

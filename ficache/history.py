@@ -10,6 +10,9 @@ Invariants:
   the value it wrote (``new``: absent for ``removed``). Commits written
   before schema revision 0002 did not record the value they wrote; their
   ``new`` is None for every action, and ``new_known`` says so.
+- A value's selection (how FlashInfer chose it; schema 0004 on) is shown
+  with it in JSON (``"selection"``, only when the value has one) and is not
+  part of the value: ``EntryValue``s compare without it.
 - Changes are listed in a stable order: fingerprint id, scope, key; the
   commit's changes to namespaced records (``ficache.records``) follow in
   ``record_changes``, by fingerprint id, scope, namespace, key.
@@ -18,7 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import select
@@ -36,11 +39,13 @@ ACTIONS = ("added", "replaced", "removed")
 
 @dataclass(frozen=True, order=True)
 class EntryValue:
-    """One value an entry can hold: runner, tactic and policy (canonical JSON text)."""
+    """One value an entry can hold: runner, tactic and policy (canonical JSON text),
+    with how FlashInfer chose it (``selection_json``, not part of the value)."""
 
     runner: str
     tactic_json: str
     policy_json: str | None = None
+    selection_json: str | None = field(default=None, compare=False)
 
     def __str__(self) -> str:
         """The tactic, and the policy when there is one (the runner is in the key)."""
@@ -49,11 +54,14 @@ class EntryValue:
         return f"{self.tactic_json} policy {self.policy_json}"
 
     def as_json(self) -> dict[str, Any]:
-        return {
+        data = {
             "runner": self.runner,
             "tactic": json.loads(self.tactic_json),
             "policy": json.loads(self.policy_json) if self.policy_json is not None else None,
         }
+        if self.selection_json is not None:
+            data["selection"] = json.loads(self.selection_json)
+        return data
 
 
 @dataclass(frozen=True)
@@ -118,10 +126,12 @@ class CommitDetails:
         }
 
 
-def _value(runner: str | None, tactic: str | None, policy: str | None) -> EntryValue | None:
+def _value(
+    runner: str | None, tactic: str | None, policy: str | None, selection: str | None = None
+) -> EntryValue | None:
     if runner is None or tactic is None:
         return None
-    return EntryValue(runner, tactic, policy)
+    return EntryValue(runner, tactic, policy, selection)
 
 
 def commit_details(registry: Registry, commit_id: int) -> CommitDetails:
@@ -143,6 +153,8 @@ def commit_details(registry: Registry, commit_id: int) -> CommitDetails:
             H.c.new_policy,
             H.c.old_commit_id,
             H.c.old_tuned_at,
+            H.c.old_selection,
+            H.c.new_selection,
         )
         .where(H.c.commit_id == commit_id)
         .order_by(H.c.fingerprint_id, H.c.scope, H.c.key, H.c.id)
@@ -155,8 +167,8 @@ def commit_details(registry: Registry, commit_id: int) -> CommitDetails:
                     r.fingerprint_id,
                     r.scope,
                     r.key,
-                    _value(r.old_runner, r.old_tactic, r.old_policy),
-                    _value(r.new_runner, r.new_tactic, r.new_policy),
+                    _value(r.old_runner, r.old_tactic, r.old_policy, r.old_selection),
+                    _value(r.new_runner, r.new_tactic, r.new_policy, r.new_selection),
                     r.old_commit_id,
                     r.old_tuned_at,
                 )

@@ -7,7 +7,9 @@ returns a frozen ``MergePlan``; ``MergePlan.execute(registry)`` applies it as
 one commit of kind ``merge``.
 
 A conflict is one (fingerprint, scope, key) holding different values
-(runner, tactic, policy) in the registry and a source, or in two sources.
+(runner, tactic, policy) in the registry and a source, or in two sources. A
+value's selection (how FlashInfer chose it) is not part of the value: it
+never makes a conflict, and travels with the value that is written.
 Policies decide which value stays:
 
 - ``keep`` (default): the registry's value; among sources, the first.
@@ -231,7 +233,17 @@ def _flashinfer_source(path: Path) -> MergeSource:
     tuned_at = stat.st_mtime  # a FlashInfer file does not say when each entry was tuned
     make = bulk_new_entry
     entries = tuple(
-        make(fp, e.key, e.runner, e.tactic_json, e.policy_json, SHARED_SCOPE, e.fields, tuned_at)
+        make(
+            fp,
+            e.key,
+            e.runner,
+            e.tactic_json,
+            e.policy_json,
+            SHARED_SCOPE,
+            e.fields,
+            tuned_at,
+            e.selection_json,
+        )
         for e in cache.entries
     )
     records = tuple(
@@ -258,7 +270,8 @@ def registry_digest(entries: Sequence[NewEntry], records: Sequence[NewRecord] = 
     """The sha256 of a registry's content: one canonical JSON line per entry and record.
 
     Each entry's line is ``[fingerprint digest, scope, key, runner, tactic,
-    policy, tuned_at]``, each record's ``["record", fingerprint digest, scope,
+    policy, tuned_at]``, with its selection appended when it has one (so a
+    registry without selections keeps the digest it had before 0004), each record's ``["record", fingerprint digest, scope,
     namespace, key, value, tuned_at]``, lines sorted; two registries holding
     the same entries and records have the same digest, whatever their
     histories (a registry without records has the digest it had before
@@ -274,6 +287,7 @@ def registry_digest(entries: Sequence[NewEntry], records: Sequence[NewRecord] = 
                 e.tactic_json,
                 e.policy_json,
                 e.tuned_at,
+                *(() if e.selection_json is None else (e.selection_json,)),
             ],
             separators=(",", ":"),
         )
@@ -341,8 +355,8 @@ def _registry_source(spec: str) -> MergeSource:
     fps = {fid: _interned(fp) for fid, fp in fps.items()}
     make = bulk_new_entry
     entries = tuple(
-        make(fps[fid], key, runner, tactic, policy, scope, None, tuned_at)
-        for fid, scope, key, runner, tactic, policy, tuned_at in rows
+        make(fps[fid], key, runner, tactic, policy, scope, None, tuned_at, selection)
+        for fid, scope, key, runner, tactic, policy, tuned_at, selection in rows
     )
     records = tuple(
         NewRecord(fps[fid], ns, key, value, scope, tuned_at)

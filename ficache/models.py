@@ -6,7 +6,10 @@ Tables:
 - ``entries``: the current tactic of one FlashInfer ``file_key`` under one
   fingerprint and one rank scope. ``key`` is FlashInfer's string, verbatim;
   ``op``, ``runner``, ``shapes``, ``extras`` are read from it for queries.
-  ``tactic`` and ``policy`` are canonical JSON text.
+  ``tactic`` and ``policy`` are canonical JSON text. ``selection`` is how
+  FlashInfer (0.7.4+) chose the winner (a cache value's fourth element, a
+  JSON object such as ``{"time_ms", "runner_up_ms", "margin",
+  "candidates"}``) as canonical JSON text, NULL when the value had none.
 - ``commits``: one row per write, with its provenance and counts.
 - ``entry_changes``: what each commit did to each entry (added, replaced,
   removed) with the value it replaced and the value it wrote, so every
@@ -33,6 +36,11 @@ Invariants:
   travels with it through merges and bundles (the ``newest`` merge policy
   compares it). ``fingerprints.last_served_at`` is when a warm start last
   served the fingerprint (``prune --unused-for``); NULL means never.
+- ``selection`` is not part of an entry's value: two values are the same
+  when their (runner, tactic, policy) are, whatever their selections. It
+  travels with the value as ``tuned_at`` does: written when the value is
+  written, kept when an equal value arrives, replaced with the value, kept
+  as ``old_selection`` / ``new_selection`` in ``entry_changes``.
 - The schema is owned by Alembic (``migrations/``); a test checks these
   models and the migrations do not drift.
 """
@@ -118,6 +126,7 @@ class EntryRow(Base):
     commit_id: Mapped[int] = mapped_column(ForeignKey("commits.id"), nullable=False)
     updated_at: Mapped[float] = mapped_column(Float, nullable=False)
     tuned_at: Mapped[float | None] = mapped_column(Float)  # NULL only before 0002's backfill
+    selection: Mapped[str | None] = mapped_column(Text)  # canonical JSON object, or NULL
 
     __table_args__ = (
         UniqueConstraint("fingerprint_id", "scope", "key", name="uq_entries_fingerprint_scope_key"),
@@ -144,6 +153,9 @@ class EntryChangeRow(Base):
     new_runner: Mapped[str | None] = mapped_column(Text)
     new_tactic: Mapped[str | None] = mapped_column(Text)
     new_policy: Mapped[str | None] = mapped_column(Text)
+    # How FlashInfer chose the old and the new value (canonical JSON object; NULL: none).
+    old_selection: Mapped[str | None] = mapped_column(Text)
+    new_selection: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (Index("ix_entry_changes_commit_id", "commit_id"),)
 

@@ -17,7 +17,10 @@ Invariants:
   ``records_replaced``, ``records_removed``). A write that changes neither
   entries nor records makes no commit. ``Registry.revert`` undoes a commit's
   record changes with its entry changes (``plan_revert`` / ``apply_revert``)
-  and refuses when a later commit changed one of its records.
+  and refuses when a later commit changed one of its records. A prune
+  removes the records its criteria match in the prune's one commit
+  (``prune_candidates``, ``stage_planned_removals``; see
+  ``Registry.plan_prune``), as ``removed`` record changes a revert restores.
 - A record equal to the stored one (same canonical JSON) is unchanged, not
   replaced; ``keep_existing`` keeps a stored value that differs; ``expected``
   commit ids are checked under the write lock, as for entries.
@@ -334,6 +337,55 @@ def _change(
         "old_tuned_at": old[3] if old is not None else None,
         "new_value": new_value,
     }
+
+
+# --------------------------------------------------------------------------
+# Prune (``Registry.plan_prune`` and its execution).
+
+
+def prune_candidates(
+    conn: Connection, conditions: Iterable[Callable[[Any], Any]]
+) -> list[tuple[int, int, int, str, str, str]]:
+    """``(record id, commit id, fingerprint id, scope, gpu, flashinfer version)`` of the
+    records matching every condition (each a function of a table with ``fingerprint_id``,
+    ``scope`` and ``updated_at`` columns, joined with its fingerprint), in id order."""
+    query = (
+        select(
+            R.c.id, R.c.commit_id, R.c.fingerprint_id, R.c.scope, F.c.gpu, F.c.flashinfer_version
+        )
+        .join(F, F.c.id == R.c.fingerprint_id)
+        .where(*(condition(R) for condition in conditions))
+        .order_by(R.c.id)
+    )
+    return [tuple(row) for row in conn.execute(query)]
+
+
+def stage_planned_removals(conn: Connection, versions: Sequence[tuple[int, int]]) -> StagedRecords:
+    """The planned ``(record id, commit id)`` still as planned, staged for removal.
+
+    A record that changed (another commit) or went since the plan was made is
+    left out; the caller compares the count with the plan's.
+    """
+    staged = StagedRecords()
+    for start in range(0, len(versions), 500):
+        expected = dict(versions[start : start + 500])
+        rows = conn.execute(
+            select(
+                R.c.id,
+                R.c.fingerprint_id,
+                R.c.scope,
+                R.c.namespace,
+                R.c.key,
+                R.c.value,
+                R.c.commit_id,
+                R.c.tuned_at,
+            ).where(R.c.id.in_(list(expected)))
+        )
+        for rid, fid, scope, ns, key, value, cid, tuned in rows:
+            if expected.get(rid) == cid:
+                staged.removed.append((fid, scope, ns, key, (rid, value, cid, tuned)))
+    staged.removed.sort(key=lambda item: item[:4])
+    return staged
 
 
 # --------------------------------------------------------------------------
@@ -776,8 +828,13 @@ PROBLEM_KINDS = {
 }
 
 
-def check(conn: Connection) -> Iterator[tuple[str, str, str | None, int | None]]:
+def check(
+    conn: Connection, counted: Counter[str] | None = None
+) -> Iterator[tuple[str, str, str | None, int | None]]:
     """Every problem of the records tables: ``(kind, message, table, row id)``.
+
+    ``counted["records"]`` and ``counted["record_changes"]`` grow by the
+    rows it reads (``ficache verify``'s counts).
 
     Records belong to an existing fingerprint and commit; scopes, namespaces
     and values are what writers store; a commit's record counts equal its
@@ -835,6 +892,8 @@ def check(conn: Connection) -> Iterator[tuple[str, str, str | None, int | None]]
         ).order_by(RH.c.id)
     ):
         counts[cid, action] += 1
+        if counted is not None:
+            counted["record_changes"] += 1
         problem = bad(scope, ns, (old, new))
         if problem is not None:
             yield ("bad_record", f"record change {hid}: {problem}", "record_changes", hid)
@@ -885,6 +944,8 @@ def check(conn: Connection) -> Iterator[tuple[str, str, str | None, int | None]]
             R.c.id, R.c.fingerprint_id, R.c.scope, R.c.namespace, R.c.key, R.c.value, R.c.commit_id
         ).order_by(R.c.id)
     ):
+        if counted is not None:
+            counted["records"] += 1
         problem = bad(scope, ns, (value,))
         if problem is not None:
             yield ("bad_record", f"record {rid}: {problem}", "records", rid)

@@ -20,6 +20,12 @@ Invariants:
 - Namespaced records (``ficache.records``) ride in the same commits: ``write``
   stores ``records`` with its entries in its one transaction and commit,
   ``revert`` undoes both, exports carry them as ``_records``.
+- An entry's selection (how FlashInfer chose the value, a cache value's
+  fourth element) is not part of its value: ``write`` compares (runner,
+  tactic, policy) only, so an equal value with another selection is
+  unchanged (the stored selection stays, as ``tuned_at`` does) and never a
+  conflict; a written value writes its selection, a replaced or removed one
+  keeps its selection in ``entry_changes``, and ``revert`` restores it.
 """
 
 from __future__ import annotations
@@ -115,6 +121,9 @@ class NewEntry:
     scope: str = SHARED_SCOPE
     fields: KeyFields | None = None  # parsed ``key``, when the caller has it
     tuned_at: float | None = None  # when the value was tuned; None: now
+    #: How FlashInfer chose the value (canonical JSON object; None: not known).
+    #: Not part of the value: it is written with it and replaced with it.
+    selection_json: str | None = None
 
 
 def bulk_new_entry(
@@ -126,6 +135,7 @@ def bulk_new_entry(
     scope: str,
     fields: KeyFields | None,
     tuned_at: float | None,
+    selection_json: str | None = None,
 ) -> NewEntry:
     """``NewEntry(...)`` with every field given, at half the cost: for bulk readers.
 
@@ -134,9 +144,17 @@ def bulk_new_entry(
     setters, as that does underneath. The same object.
     """
     entry = _object_new(NewEntry)
-    set_fp, set_key, set_runner, set_tactic, set_policy, set_scope, set_fields, set_tuned = (
-        _NEW_ENTRY_SETTERS
-    )
+    (
+        set_fp,
+        set_key,
+        set_runner,
+        set_tactic,
+        set_policy,
+        set_scope,
+        set_fields,
+        set_tuned,
+        set_selection,
+    ) = _NEW_ENTRY_SETTERS
     set_fp(entry, fingerprint)
     set_key(entry, key)
     set_runner(entry, runner)
@@ -145,6 +163,7 @@ def bulk_new_entry(
     set_scope(entry, scope)
     set_fields(entry, fields)
     set_tuned(entry, tuned_at)
+    set_selection(entry, selection_json)
     return entry
 
 
@@ -165,6 +184,7 @@ class StoredEntry:
     policy_json: str | None
     commit_id: int
     updated_at: float
+    selection_json: str | None = None  # how FlashInfer chose the value, when known
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -179,6 +199,9 @@ class StoredEntry:
             "policy": json.loads(self.policy_json) if self.policy_json is not None else None,
             "commit": self.commit_id,
             "updated_at": self.updated_at,
+            "selection": (
+                json.loads(self.selection_json) if self.selection_json is not None else None
+            ),
         }
 
 
@@ -254,23 +277,35 @@ class PruneGroup:
     flashinfer_version: str
     scope: str
     entries: int
+    records: int = 0  # namespaced records (``ficache.records``) of the group
 
 
 @dataclass(frozen=True)
 class PrunePlan:
-    """What a prune would remove; compare plans with ``==``, run ``execute``."""
+    """What a prune would remove; compare plans with ``==``, run ``execute``.
+
+    ``total`` counts entries, ``records_total`` namespaced records: a prune
+    removes the records that match its criteria with the entries (see
+    ``Registry.plan_prune``).
+    """
 
     criteria: tuple[tuple[str, str], ...]
     groups: tuple[PruneGroup, ...]
     entry_versions: tuple[tuple[int, int], ...] = field(repr=False)  # (entry id, commit id)
+    #: (record id, commit id) of the records it removes.
+    record_versions: tuple[tuple[int, int], ...] = field(default=(), repr=False)
 
     @property
     def total(self) -> int:
         return len(self.entry_versions)
 
     @property
+    def records_total(self) -> int:
+        return len(self.record_versions)
+
+    @property
     def is_empty(self) -> bool:
-        return not self.entry_versions
+        return not self.entry_versions and not self.record_versions
 
     def execute(self, registry: Registry) -> WriteResult:
         return registry._execute_prune(self)
@@ -317,9 +352,10 @@ def fingerprint_from_row(row: Any) -> Fingerprint:
     return Fingerprint(**{name: getattr(row, name) for name in ALL_FIELDS})
 
 
-#: An entry's identity and value with when it was tuned, as bundles and merges
-#: copy it: ``(fingerprint_id, scope, key, runner, tactic, policy, tuned_at)``
-#: (``tuned_at`` falls back to ``updated_at`` for rows from before 0002).
+#: An entry's identity and value with when it was tuned and how it was chosen,
+#: as bundles and merges copy it: ``(fingerprint_id, scope, key, runner,
+#: tactic, policy, tuned_at, selection)`` (``tuned_at`` falls back to
+#: ``updated_at`` for rows from before 0002; ``selection`` may be NULL).
 ENTRY_VALUE_COLUMNS = (
     E.c.fingerprint_id,
     E.c.scope,
@@ -328,7 +364,13 @@ ENTRY_VALUE_COLUMNS = (
     E.c.tactic,
     E.c.policy,
     func.coalesce(E.c.tuned_at, E.c.updated_at),
+    E.c.selection,
 )
+
+
+#: A stored entry as ``write`` reads it: (row id, runner, tactic, policy,
+#: commit id, tuned_at, selection).
+_Existing = tuple[int, str, str, str | None, int, float | None, str | None]
 
 
 def _insert_many(
@@ -365,6 +407,7 @@ _ENTRY_STATE = (
     E.c.policy,
     E.c.commit_id,
     E.c.tuned_at,
+    E.c.selection,
 )
 
 _ENTRY_COLUMNS = (
@@ -380,6 +423,7 @@ _ENTRY_COLUMNS = (
     "commit_id",
     "updated_at",
     "tuned_at",
+    "selection",
 )
 _CHANGE_COLUMNS = (
     "commit_id",
@@ -395,6 +439,8 @@ _CHANGE_COLUMNS = (
     "new_runner",
     "new_tactic",
     "new_policy",
+    "old_selection",
+    "new_selection",
 )
 
 
@@ -419,6 +465,8 @@ def _added_changes_from_entries() -> Any:
         "new_runner": E.c.runner,
         "new_tactic": E.c.tactic,
         "new_policy": E.c.policy,
+        "old_selection": null(),
+        "new_selection": E.c.selection,
     }
     assert tuple(values) == _CHANGE_COLUMNS
     rows = select(*values.values()).where(E.c.commit_id == bindparam("commit_id")).order_by(E.c.id)
@@ -562,6 +610,7 @@ class Registry:
             E.c.policy,
             E.c.commit_id,
             E.c.updated_at,
+            E.c.selection,
         )
         if gpu is not None or flashinfer_version is not None:
             query = query.join(F, F.c.id == E.c.fingerprint_id)
@@ -587,24 +636,24 @@ class Registry:
 
     def slice_rows(
         self, fingerprint_ids: Sequence[int], scopes: Sequence[str]
-    ) -> dict[str, tuple[str, str, str, str | None]]:
-        """``key -> (key, runner, tactic, policy)`` as one rank should load it.
+    ) -> dict[str, tuple[str, str, str, str | None, str | None]]:
+        """``key -> (key, runner, tactic, policy, selection)`` as one rank should load it.
 
         Earlier fingerprints win over later ones; a later scope in ``scopes``
         wins over an earlier one (pass ``["shared", "tp2/rank1"]``).
         """
 
-        def run() -> dict[str, tuple[str, str, str, str | None]]:
-            result: dict[str, tuple[str, str, str, str | None]] = {}
+        def run() -> dict[str, tuple[str, str, str, str | None, str | None]]:
+            result: dict[str, tuple[str, str, str, str | None, str | None]] = {}
             # One indexed range per (fingerprint, scope), weakest first, so a
             # stronger row simply overwrites a weaker one.
             with self._read() as conn:
                 for fid in reversed(list(fingerprint_ids)):
                     for scope in scopes:
                         rows = conn.execute(
-                            select(E.c.key, E.c.runner, E.c.tactic, E.c.policy).where(
-                                E.c.fingerprint_id == fid, E.c.scope == scope
-                            )
+                            select(
+                                E.c.key, E.c.runner, E.c.tactic, E.c.policy, E.c.selection
+                            ).where(E.c.fingerprint_id == fid, E.c.scope == scope)
                         )
                         result.update({row[0]: row for row in rows})
             return result
@@ -613,17 +662,18 @@ class Registry:
 
     def entry_values(
         self, fingerprint_ids: Sequence[int]
-    ) -> list[tuple[int, str, str, str, str, str | None, float]]:
-        """``(fingerprint_id, scope, key, runner, tactic, policy, tuned_at)`` of every
-        entry of ``fingerprint_ids``: an entry's value with when it was tuned, as
-        bundles and merges copy it (``tuned_at`` falls back to ``updated_at``)."""
+    ) -> list[tuple[int, str, str, str, str, str | None, float, str | None]]:
+        """``(fingerprint_id, scope, key, runner, tactic, policy, tuned_at, selection)``
+        of every entry of ``fingerprint_ids``: an entry's value with when it was
+        tuned and how it was chosen, as bundles and merges copy it (``tuned_at``
+        falls back to ``updated_at``)."""
         query = (
             select(*ENTRY_VALUE_COLUMNS)
             .where(E.c.fingerprint_id.in_(list(fingerprint_ids)))
             .order_by(E.c.fingerprint_id, E.c.scope, E.c.key)
         )
 
-        def run() -> list[tuple[int, str, str, str, str, str | None, float]]:
+        def run() -> list[tuple[int, str, str, str, str, str | None, float, str | None]]:
             with self._read() as conn:
                 return [tuple(row) for row in conn.execute(query)]
 
@@ -968,9 +1018,8 @@ class Registry:
                         continue
                     fid_of[fp] = int(found)
                 scopes_by_fid.setdefault(fid_of[fp], set()).add(scope)
-            existing: dict[
-                tuple[int, str, str], tuple[int, str, str, str | None, int, float | None]
-            ] = {}
+            # (row id, runner, tactic, policy, commit id, tuned_at, selection)
+            existing: dict[tuple[int, str, str], _Existing] = {}
             for fid, scopes in scopes_by_fid.items():
                 if fid in new_fids:
                     continue
@@ -983,9 +1032,10 @@ class Registry:
                     E.c.policy,
                     E.c.commit_id,
                     E.c.tuned_at,
+                    E.c.selection,
                 ).where(E.c.fingerprint_id == fid, E.c.scope.in_(sorted(scopes)))
-                for eid, scope, key, runner, tactic, policy, cid, tuned in conn.execute(query):
-                    existing[(fid, scope, key)] = (eid, runner, tactic, policy, cid, tuned)
+                for eid, scope, key, runner, tactic, policy, cid, tuned, sel in conn.execute(query):
+                    existing[(fid, scope, key)] = (eid, runner, tactic, policy, cid, tuned, sel)
             if expected:
                 stale = 0
                 last_fp, fid = None, -1
@@ -1006,9 +1056,7 @@ class Registry:
                 if known is not None:
                     removed.append((fid_of[fp], scope, key, known))
             added: list[tuple[int, str, str, NewEntry]] = []
-            replaced: list[
-                tuple[int, str, str, NewEntry, tuple[int, str, str, str | None, int, float | None]]
-            ] = []
+            replaced: list[tuple[int, str, str, NewEntry, _Existing]] = []
             unchanged = kept = 0
             if not existing:  # the common bulk case: new keys (or a new fingerprint) only
                 added = [(fp_ids[i], scope, key, e) for (i, scope, key), e in wanted.items()]
@@ -1071,6 +1119,7 @@ class Registry:
                     commit_id,
                     now,
                     now if (tuned_at := e.tuned_at) is None else tuned_at,
+                    e.selection_json,
                 )
                 for fid, scope, key, e in added
             ]
@@ -1090,6 +1139,7 @@ class Registry:
                         commit_id=bindparam("commit_id"),
                         updated_at=bindparam("updated_at"),
                         tuned_at=bindparam("tuned_at"),
+                        selection=bindparam("selection"),
                     ),
                     [
                         {
@@ -1100,6 +1150,7 @@ class Registry:
                             "commit_id": commit_id,
                             "updated_at": now,
                             "tuned_at": entry.tuned_at if entry.tuned_at is not None else now,
+                            "selection": entry.selection_json,
                         }
                         for _fid, _scope, _key, entry, old in replaced
                     ],
@@ -1123,6 +1174,8 @@ class Registry:
                             e.runner,
                             e.tactic_json,
                             e.policy_json,
+                            old[6],
+                            e.selection_json,
                         )
                         for fid, scope, key, e, old in replaced
                     ),
@@ -1140,6 +1193,8 @@ class Registry:
                             old[5],
                             None,
                             None,
+                            None,
+                            old[6],
                             None,
                         )
                         for fid, scope, key, old in removed
@@ -1221,7 +1276,17 @@ class Registry:
             fp = Registry._file_fingerprint(source, cache, fingerprint)
             make = bulk_new_entry
             new.extend(
-                make(fp, e.key, e.runner, e.tactic_json, e.policy_json, scope, e.fields, None)
+                make(
+                    fp,
+                    e.key,
+                    e.runner,
+                    e.tactic_json,
+                    e.policy_json,
+                    scope,
+                    e.fields,
+                    None,
+                    e.selection_json,
+                )
                 for e in cache.entries
             )
         return new
@@ -1238,11 +1303,21 @@ class Registry:
         unused_for_seconds: float | None = None,
         now: float | None = None,
     ) -> PrunePlan:
-        """Plan removing entries matching all the given criteria (at least one).
+        """Plan removing entries and records matching all the given criteria (at least one).
 
         ``unused_for_seconds``: entries of fingerprints no warm start has
         served for that long: last served before ``now - unused_for_seconds``,
         or, never served, created before it (``ficache.usage``).
+
+        Namespaced records (``ficache.records``) are pruned by the same
+        criteria, since each is one they have too: a fingerprint, its
+        FlashInfer version and last use (``--fingerprint``,
+        ``--flashinfer-version``, ``--unused-for`` select whole fingerprints,
+        so all their records go), the row's scope (``--scope``) and when the
+        row was last written (``--older-than``). They go in the same commit
+        as the entries (its ``record_changes``, so ``show`` lists them and
+        ``revert`` restores them). A criterion records lack (an op or key
+        filter) would leave records untouched.
         """
         if (
             not fingerprint_ids
@@ -1256,50 +1331,72 @@ class Registry:
                 "--unused-for or --scope"
             )
         criteria: list[tuple[str, str]] = []
-        query = select(
-            E.c.id, E.c.commit_id, E.c.fingerprint_id, E.c.scope, F.c.gpu, F.c.flashinfer_version
-        ).join(F, F.c.id == E.c.fingerprint_id)
+        # Each criterion as a condition on a table of rows with fingerprint_id,
+        # scope and updated_at (entries, records), joined with its fingerprint.
+        conditions: list[Callable[[Any], Any]] = []
         if fingerprint_ids:
             for fid in fingerprint_ids:
                 self.fingerprint(fid)  # raises NotFoundError for an unknown id
-            query = query.where(E.c.fingerprint_id.in_(list(fingerprint_ids)))
+            ids = list(fingerprint_ids)
+            conditions.append(lambda t: t.c.fingerprint_id.in_(ids))
             criteria.append(("fingerprint", ",".join(map(str, sorted(fingerprint_ids)))))
         if flashinfer_versions:
-            query = query.where(F.c.flashinfer_version.in_(list(flashinfer_versions)))
+            versions_in = F.c.flashinfer_version.in_(list(flashinfer_versions))
+            conditions.append(lambda t: versions_in)
             criteria.append(("flashinfer_version", ",".join(sorted(flashinfer_versions))))
         if older_than_seconds is not None:
-            cutoff = (now if now is not None else time.time()) - older_than_seconds
-            query = query.where(E.c.updated_at < cutoff)
+            written_before = (now if now is not None else time.time()) - older_than_seconds
+            conditions.append(lambda t: t.c.updated_at < written_before)
             criteria.append(("older_than_seconds", f"{older_than_seconds:g}"))
         if scope is not None:
-            query = query.where(E.c.scope == validate_scope(scope))
+            wanted_scope = validate_scope(scope)
+            conditions.append(lambda t: t.c.scope == wanted_scope)
             criteria.append(("scope", scope))
         if unused_for_seconds is not None:
-            cutoff = (now if now is not None else time.time()) - unused_for_seconds
-            last_used = func.coalesce(F.c.last_served_at, F.c.created_at)
-            query = query.where(last_used < cutoff)
+            used_before = (now if now is not None else time.time()) - unused_for_seconds
+            unused = func.coalesce(F.c.last_served_at, F.c.created_at) < used_before
+            conditions.append(lambda t: unused)
             shown = (
                 f"{unused_for_seconds:.0f}"
-                if unused_for_seconds.is_integer()
+                if float(unused_for_seconds).is_integer()
                 else f"{unused_for_seconds:g}"
             )
             criteria.append(("unused_for_seconds", shown))
-        query = query.order_by(E.c.id)
+        query = (
+            select(
+                E.c.id,
+                E.c.commit_id,
+                E.c.fingerprint_id,
+                E.c.scope,
+                F.c.gpu,
+                F.c.flashinfer_version,
+            )
+            .join(F, F.c.id == E.c.fingerprint_id)
+            .where(*(condition(E) for condition in conditions))
+            .order_by(E.c.id)
+        )
 
         def run() -> PrunePlan:
             groups: dict[tuple[int, str], list[Any]] = {}
             versions = []
+            record_versions = []
             with self._read() as conn:
                 for eid, cid, fid, sc, gpu, fiver in conn.execute(query):
                     versions.append((eid, cid))
-                    g = groups.setdefault((fid, sc), [gpu, fiver, 0])
+                    g = groups.setdefault((fid, sc), [gpu, fiver, 0, 0])
                     g[2] += 1
+                for rid, cid, fid, sc, gpu, fiver in rec.prune_candidates(conn, conditions):
+                    record_versions.append((rid, cid))
+                    g = groups.setdefault((fid, sc), [gpu, fiver, 0, 0])
+                    g[3] += 1
             return PrunePlan(
                 tuple(criteria),
                 tuple(
-                    PruneGroup(fid, g[0], g[1], sc, g[2]) for (fid, sc), g in sorted(groups.items())
+                    PruneGroup(fid, g[0], g[1], sc, g[2], g[3])
+                    for (fid, sc), g in sorted(groups.items())
                 ),
                 tuple(versions),
+                tuple(record_versions),
             )
 
         return self._guard(run)
@@ -1321,32 +1418,45 @@ class Registry:
                     f"{plan.total - len(rows)} of {plan.total} planned entries changed since the plan "
                     "was made; nothing removed, run prune again"
                 )
+            records = rec.stage_planned_removals(conn, plan.record_versions)
+            if len(records.removed) != plan.records_total:
+                raise ConflictError(
+                    f"{plan.records_total - len(records.removed)} of {plan.records_total} planned "
+                    "records changed since the plan was made; nothing removed, run prune again"
+                )
             now = time.time()
             commit_id = self._new_commit(
                 conn, now, "prune", message="; ".join(f"{k}={v}" for k, v in plan.criteria)
             )
-            conn.execute(
-                insert(H),
-                [
-                    {
-                        "commit_id": commit_id,
-                        "fingerprint_id": r.fingerprint_id,
-                        "scope": r.scope,
-                        "key": r.key,
-                        "action": "removed",
-                        "old_runner": r.runner,
-                        "old_tactic": r.tactic,
-                        "old_policy": r.policy,
-                        "old_commit_id": r.commit_id,
-                        "old_tuned_at": r.tuned_at,
-                    }
-                    for r in rows
-                ],
-            )
+            if rows:
+                conn.execute(
+                    insert(H),
+                    [
+                        {
+                            "commit_id": commit_id,
+                            "fingerprint_id": r.fingerprint_id,
+                            "scope": r.scope,
+                            "key": r.key,
+                            "action": "removed",
+                            "old_runner": r.runner,
+                            "old_tactic": r.tactic,
+                            "old_policy": r.policy,
+                            "old_commit_id": r.commit_id,
+                            "old_tuned_at": r.tuned_at,
+                            "old_selection": r.selection,
+                        }
+                        for r in rows
+                    ],
+                )
             for chunk in _chunks([r.id for r in rows]):
                 conn.execute(delete(E).where(E.c.id.in_(list(chunk))))
-            conn.execute(update(C).where(C.c.id == commit_id).values(removed=len(rows)))
-            return WriteResult(commit_id, removed=len(rows))
+            rec.apply(conn, commit_id, records, now)
+            conn.execute(
+                update(C)
+                .where(C.c.id == commit_id)
+                .values(removed=len(rows), records_removed=len(records.removed))
+            )
+            return WriteResult(commit_id, removed=len(rows), records_removed=len(records.removed))
 
         return self._write(body)
 
@@ -1422,6 +1532,7 @@ class Registry:
                             commit_id=new_id,
                             updated_at=now,
                             tuned_at=ch.old_tuned_at if ch.old_tuned_at is not None else now,
+                            selection=ch.old_selection,
                         )
                     )
                     history.append((ch, "replaced", now_row))
@@ -1442,6 +1553,7 @@ class Registry:
                             commit_id=new_id,
                             updated_at=now,
                             tuned_at=ch.old_tuned_at if ch.old_tuned_at is not None else now,
+                            selection=ch.old_selection,
                         )
                     )
                     history.append((ch, "added", None))
@@ -1465,6 +1577,8 @@ class Registry:
                             "new_runner": ch.old_runner if action != "removed" else None,
                             "new_tactic": ch.old_tactic if action != "removed" else None,
                             "new_policy": ch.old_policy if action != "removed" else None,
+                            "old_selection": old.selection if old is not None else None,
+                            "new_selection": ch.old_selection if action != "removed" else None,
                         }
                         for ch, action, old in history
                     ],

@@ -67,6 +67,9 @@ Decisions:
   that differ, or a key only some ranks produced) is stored once per rank
   that produced it, scoped to that rank of ``layout``. Entries of a start
   that was not synchronized (``synchronize=False``) are never stored shared.
+  A selection (how FlashInfer chose the tactic, from each rank's own
+  timings) is never compared: a shared entry stores rank 0's, a scoped one
+  its rank's.
 - Namespaced records (FlashInfer's ``_records``, ``ficache.records``) travel
   like entries: the slices carry them (``ficache.slices``), so every rank's
   ``get_namespaced_records`` returns them after the load, and the records a
@@ -111,6 +114,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from contextlib import suppress
@@ -135,7 +139,7 @@ from ficache.flashinfer_format import (
 from ficache.records import NewRecord
 from ficache.registry import SHARED_SCOPE, NewEntry, Registry, rank_scope
 from ficache.slices import cached_slices, export_slices
-from ficache.tuner import FlashInferTuner, Row, Tuner
+from ficache.tuner import FlashInferTuner, Row, Tuner, row_value
 from ficache.usage import mark_served
 
 logger = logging.getLogger(__name__)
@@ -170,6 +174,18 @@ def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
     return text if len(text) <= 300 else text[:297] + "..."
+
+
+#: What ended a failed collective, in gloo's words: a peer gone or a wait run out.
+_COLLECTIVE_CAUSE = re.compile(
+    r"Connection (?:closed|reset) by peer|Broken pipe|Connection refused|[Tt]imed out[^.;,\[\]]*"
+)
+
+
+def _collective_error(exc: BaseException) -> str:
+    """A failed collective in a few words: gloo's cause without its file, line and banner."""
+    cause = _COLLECTIVE_CAUSE.search(str(exc))
+    return f"{type(exc).__name__}: {cause.group(0).strip()}" if cause else _one_line(exc)
 
 
 @dataclass
@@ -227,7 +243,7 @@ class _Channel:
         try:
             return fn()
         except Exception as exc:  # noqa: BLE001 - a failed collective is a value
-            self.error = f"{what} failed on rank {self.rank}: {_one_line(exc)}"
+            self.error = f"{what} failed on rank {self.rank}: {_collective_error(exc)}"
             logger.error("ficache warm start: %s", self.error)
             return None
 
@@ -301,6 +317,11 @@ class _Channel:
             return [[int(v) for v in t.tolist()] for t in out]
 
         return self._call("status exchange", run)
+
+
+def _selection(row: tuple[Any, ...]) -> str | None:
+    """A row's selection (a fourth element), or None: another tuner may give three."""
+    return row[3] if len(row) > 3 and isinstance(row[3], str) else None
 
 
 class _NoTuner:
@@ -423,8 +444,11 @@ class WarmStart:
     (default ``f"world{N}"``). ``tuner=None`` is FlashInfer's ``AutoTuner``.
     ``fingerprint`` overrides the collected one. ``synchronize=False`` tunes
     without a process group (entries are then stored per rank only).
-    ``timeout`` bounds the protocol's waits and the tuning group's
-    collectives (default 1800 s); ``release_grace`` is how long a rank that
+    ``timeout`` bounds the status exchange (step 8) and the tuning group's
+    collectives (default 1800 s); the other collectives on ``group`` wait as
+    long as ``group``'s own timeout allows (the ``timeout`` it was created
+    with, 30 minutes by default), so give ``group`` the same bound to bound
+    the whole start; ``release_grace`` is how long a rank that
     left its block waits before releasing the tuning group;
     ``busy_timeout`` bounds each wait for the registry's write lock (the
     registry retries a busy write a few times). ``slice_cache=False``
@@ -466,6 +490,7 @@ class WarmStart:
         self._channel: _Channel
         self._uncached: str | None = None  # why the registry is not used at all
         self._no_commit: str | None = None  # why nothing may be committed
+        self._outcome_unknown: str | None = None  # why rank 0's commit outcome never arrived
         self._readonly = False
         self._loaded_texts: list[str] = []
         self._tune_group: Any = None
@@ -759,9 +784,9 @@ class WarmStart:
         new: dict[str, Row] = {}
         for key, row in tuned.items():
             old = loaded.get(key)
-            if isinstance(old, list) and len(old) in (2, 3):
-                policy = canonical_json(old[2]) if len(old) == 3 else None
-                if (old[0], canonical_json(old[1]), policy) == row:
+            if isinstance(old, list) and len(old) in (2, 3, 4):
+                policy = canonical_json(old[2]) if len(old) >= 3 else None
+                if (old[0], canonical_json(old[1]), policy) == row_value(row):
                     continue
             new[key] = row
         return new
@@ -863,7 +888,13 @@ class WarmStart:
             self._warn(f"the outcome did not reach every rank: {channel.error}")
             mine = outcome
         if not isinstance(mine, dict):
-            self._no_commit = self._no_commit or channel.error or "no outcome received"
+            why = channel.error or "no outcome received"
+            if report.rank != 0 and gathered is not None and self._no_commit is None:
+                # This rank's entries reached rank 0, which may have committed
+                # them before its answer was lost: "nothing committed" could be false.
+                self._outcome_unknown = why
+            else:
+                self._no_commit = self._no_commit or why
             return {}
         if mine.get("base") is not None:
             try:
@@ -914,7 +945,8 @@ class WarmStart:
         for key in keys:
             values = [p.get(key) for p in per_rank]
             present = [v for v in values if v is not None]
-            if len(present) >= 2 and len(set(present)) > 1:
+            agree = len({row_value(v) for v in present}) <= 1  # selections differ per rank
+            if len(present) >= 2 and not agree:
                 result["disagreements"] += 1
             try:
                 fields = parse_key(key)
@@ -925,8 +957,8 @@ class WarmStart:
             except ValueError:
                 invalid += 1
                 continue
-            if synchronized and len(present) == world and len(set(present)) == 1:
-                shared.append((key, present[0]))
+            if synchronized and len(present) == world and agree:
+                shared.append((key, present[0]))  # rank 0's row, with rank 0's selection
             else:
                 scoped.extend((r, key, v) for r, v in enumerate(values) if v is not None)
         if invalid:
@@ -939,9 +971,15 @@ class WarmStart:
             self._no_commit = f"registry {report.registry} is read-only"
         if self._no_commit is None and self._fp is not None and (shared or scoped or records):
             fp = self._fp
-            entries = [NewEntry(fp, k, v[0], v[1], v[2], SHARED_SCOPE) for k, v in shared]
+            entries = [
+                NewEntry(fp, k, v[0], v[1], v[2], SHARED_SCOPE, selection_json=_selection(v))
+                for k, v in shared
+            ]
             entries += [
-                NewEntry(fp, k, v[0], v[1], v[2], rank_scope(layout, r)) for r, k, v in scoped
+                NewEntry(
+                    fp, k, v[0], v[1], v[2], rank_scope(layout, r), selection_json=_selection(v)
+                )
+                for r, k, v in scoped
             ]
             provenance = {
                 **self.provenance,
@@ -1091,6 +1129,11 @@ class WarmStart:
                 report.status = "warm"
             if self._no_commit is not None and (tuned_any or self._rank_failed):
                 report.reason = f"nothing committed: {self._no_commit}"
+            elif self._outcome_unknown is not None:
+                report.reason = (
+                    f"commit outcome unknown: {self._outcome_unknown}; rank 0 may have "
+                    "committed (see `ficache log`)"
+                )
         self._phase("total", self._started)
         if report.reason and self._uncached is None:
             logger.warning(

@@ -4,10 +4,14 @@ The protocol (``ficache.sync``) needs five things from a tuner, and nothing
 else; ``Tuner`` names them. ``FlashInferTuner`` implements them over the
 process-wide ``flashinfer.autotuner.AutoTuner.get()``.
 
-An entry is ``file_key -> (runner, tactic_json, policy_json)``: the key
-string verbatim, the tactic and the measurement policy as canonical JSON
-(``ficache.flashinfer_format.canonical_json``), exactly as a FlashInfer cache
-file and the registry hold them.
+An entry is ``file_key -> (runner, tactic_json, policy_json,
+selection_json)``: the key string verbatim, the tactic, the measurement
+policy and how FlashInfer chose the tactic (FlashInfer 0.7.4+: a JSON object
+after the policy; None before, or when not chosen by tuning) as canonical
+JSON (``ficache.flashinfer_format``), exactly as a FlashInfer cache file and
+the registry hold them. The value is the first three (``row_value``): each
+rank measures its own times, so ranks' selections differ while their values
+agree, and nothing compares selections.
 
 Invariants:
 - ``load`` goes through FlashInfer's public ``load_configs`` (a private temp
@@ -24,10 +28,14 @@ Invariants:
 - ``tuned`` is what this process profiled since the last ``clear`` (the
   public ``AutoTuner.profiling_cache``), rendered the way ``save_configs``
   renders it, without touching the disk. It costs nothing when nothing was
-  profiled, which is the warm path. It reads one private attribute,
+  profiled, which is the warm path. It reads two private attributes,
   ``_profiling_cache_policies`` (the measurement policy ``save_configs``
-  writes as the third element), read-only; a test checks that ``tuned``
-  agrees with ``entries`` so a FlashInfer change is caught.
+  writes as the third element) and, where FlashInfer has it,
+  ``_profiling_cache_selections`` (the selection it writes as the fourth,
+  after a policy only), read-only; a selection JSON cannot carry exactly is
+  left out (``entries`` would refuse it: the startup path stays forgiving).
+  A test checks that ``tuned`` agrees with ``entries`` so a FlashInfer
+  change is caught.
 - ``records`` is every namespaced record the tuner holds (loaded or
   published since), ``{namespace: {key: value}}`` as
   ``get_namespaced_records`` returns them (copies); the namespaces are read
@@ -48,10 +56,15 @@ import tempfile
 from typing import Any, Protocol
 
 from ficache.errors import CacheFileError, TunerError
-from ficache.flashinfer_format import canonical_json, parse_cache_bytes
+from ficache.flashinfer_format import canonical_json, parse_cache_bytes, selection_json
 
-#: ``(runner, tactic_json, policy_json)`` of one entry.
-Row = tuple[str, str, str | None]
+#: ``(runner, tactic_json, policy_json, selection_json)`` of one entry.
+Row = tuple[str, str, str | None, str | None]
+
+
+def row_value(row: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A row's value, ``(runner, tactic_json, policy_json)``: what ranks must agree on."""
+    return row[:3]
 
 
 class Tuner(Protocol):
@@ -155,7 +168,10 @@ class FlashInferTuner:
                 parsed = parse_cache_bytes(data, source="AutoTuner.save_configs")
             except CacheFileError as exc:
                 raise TunerError(str(exc)) from None
-            return {e.key: (e.runner, e.tactic_json, e.policy_json) for e in parsed.entries}
+            return {
+                e.key: (e.runner, e.tactic_json, e.policy_json, e.selection_json)
+                for e in parsed.entries
+            }
         finally:
             shutil.rmtree(directory, ignore_errors=True)
 
@@ -173,13 +189,23 @@ class FlashInferTuner:
         from flashinfer.autotuner import _tactic_to_json
 
         policies = getattr(self.autotuner, "_profiling_cache_policies", {})
+        selections = getattr(self.autotuner, "_profiling_cache_selections", {})
         out: dict[str, Row] = {}
         for key, (tactic, _profile) in list(cache.items()):
             policy = policies.get((None, key))
+            selection = None
+            if policy is not None:  # save_configs writes a selection after a policy only
+                chosen = selections.get((None, key))
+                if isinstance(chosen, dict):
+                    try:
+                        selection = selection_json(chosen)
+                    except (ValueError, TypeError, RecursionError):
+                        selection = None  # JSON cannot carry it exactly: left out
             out[key.file_key] = (
                 key.runner_class_name,
                 canonical_json(_tactic_to_json(tactic)),
                 canonical_json(list(policy)) if policy is not None else None,
+                selection,
             )
         return out
 

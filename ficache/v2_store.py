@@ -23,7 +23,11 @@ reads and writes it::
   ``key_fields``, that ``str(key_fields) == key`` and that the file name is
   the hash of the key. Both write ``json.dump(obj, indent=2, sort_keys=True)``.
 - Entries whose key is ``('__protocol__', namespace, key)`` are protocol
-  records (arbitrary JSON), not tactics.
+  records (arbitrary JSON, FlashInfer 0.7.4+), not tactics. An import counts
+  them and does not store them: FlashInfer keeps them apart from the
+  ``_records`` ficache stores as records (``get_protocol_records``, never
+  exported by its v1 JSON API), so no ficache export could give them back
+  as what they were (``ficache.adopt`` says more).
 - Root: ``FLASHINFER_AUTOTUNE_CACHE_DIR``, else FlashInfer's cache dir
   ``/autotune``; ``autotune_v2(cache_root=...)`` overrides both.
 
@@ -646,7 +650,7 @@ def plan_export(
     rows = registry.slice_rows([i.id for i in infos], scopes)
     files = []
     not_preloadable = 0
-    for key, runner, tactic_json, policy_json in rows.values():
+    for key, runner, tactic_json, policy_json, _selection in rows.values():  # v2: no selection
         text, preloadable = _entry_text(key, runner, tactic_json, policy_json)
         not_preloadable += not preloadable
         files.append((entry_file_name(key), text))

@@ -58,6 +58,10 @@ Rows (SQL joins for orphans, the rest in Python over the bulk reads)
 - ``bad_json``: every tactic and policy (entries, and the old and new values
   of changes) is canonical JSON, a policy a JSON list: readers of files,
   bundles, stores and the tuner store ``canonical_json`` text.
+- ``bad_selection``: every selection (entries, and the old and new
+  selections of changes) is NULL or what ``flashinfer_format.selection_json``
+  makes of it: the canonical JSON of an object within its limits (every
+  writer stores a selection through it, or copies a stored one).
 - ``duplicate_entry``: one entry per (fingerprint, scope, key) (a unique
   constraint; a damaged index could let two in).
 - ``bad_commit``: a commit's kind is one of ``registry.COMMIT_KINDS``; its
@@ -105,6 +109,9 @@ Namespaced records (``ficache.records.check``, the same rules for the
   old value and commit the change names), and the replay ends with exactly
   the stored records, each the value its commit wrote.
 
+``Checked`` counts the rows the data checks read, table by table, the
+records tables included (``records``, ``record_changes``).
+
 Cost: one snapshot; SQLite's ``integrity_check``; four bulk SELECTs (every
 row of every table, fetched in batches as the driver's tuples) and five
 orphan joins; one pass over the changes in id order (the replay) and one
@@ -133,7 +140,17 @@ from urllib.parse import quote
 
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Connection, Engine, Table, create_engine, event, inspect, select, text
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Table,
+    create_engine,
+    event,
+    inspect,
+    or_,
+    select,
+    text,
+)
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DatabaseError
 from sqlalchemy.pool import NullPool
@@ -142,7 +159,7 @@ from ficache import records as rec
 from ficache import schema
 from ficache.errors import FingerprintError, RegistryError
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
-from ficache.flashinfer_format import canonical_json, parse_key
+from ficache.flashinfer_format import canonical_json, parse_key, selection_json
 from ficache.models import COMMITS as C
 from ficache.models import ENTRIES as E
 from ficache.models import ENTRY_CHANGES as H
@@ -163,6 +180,7 @@ KINDS: dict[str, str] = {
     "key_columns": "an entry's op, runner, shapes or extras differ from its key",
     "bad_scope": "a scope is not 'shared' or '<layout>/rank<N>'",
     "bad_json": "a tactic or policy is not canonical JSON",
+    "bad_selection": "a selection is not the canonical JSON of an object",
     "duplicate_entry": "two entries share a fingerprint, scope and key",
     "bad_commit": "a commit's kind, provenance or reverted commit is invalid",
     "empty_commit": "a commit has no changes",
@@ -216,6 +234,8 @@ class Checked:
     entries: int = 0
     commits: int = 0
     changes: int = 0
+    records: int = 0  # namespaced records (``records``)
+    record_changes: int = 0
 
 
 @dataclass(frozen=True)
@@ -351,6 +371,25 @@ def _json_problem(value: str, *, is_policy: bool) -> str | None:
         return "is not canonical JSON"
     if is_policy and not isinstance(parsed, list):
         return "is not a JSON list"
+    return None
+
+
+def _selection_problem(value: str) -> str | None:
+    """Why ``value`` is not a selection as writers store it (``selection_json``), or None."""
+
+    def reject(name: str) -> Any:
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    try:
+        parsed = json.loads(value, parse_constant=reject)
+    except (ValueError, RecursionError):
+        return f"{_short(value)} is not JSON"
+    try:
+        canonical = selection_json(parsed)
+    except (ValueError, RecursionError) as exc:
+        return f"{_short(value)}: {exc}"
+    if canonical != value:
+        return f"{_short(value)} is not canonical JSON"
     return None
 
 
@@ -681,9 +720,44 @@ class _Verifier:
             ).order_by(E.c.id)
         )
         n_entries = self._entries(entries, state)
-        for kind, message, table, row_id in rec.check(self.conn):
+        self._selections()
+        record_rows: Counter[str] = Counter()
+        for kind, message, table, row_id in rec.check(self.conn, record_rows):
             self.problem(kind, message, table, row_id)
-        return Checked(len(fingerprints), n_entries, len(commits), n_changes)
+        return Checked(
+            len(fingerprints),
+            n_entries,
+            len(commits),
+            n_changes,
+            record_rows["records"],
+            record_rows["record_changes"],
+        )
+
+    def _selections(self) -> None:
+        """``bad_selection``: the selections stored (most rows hold none), each value once."""
+        good: set[str] = set()
+
+        def check(noun: str, where: tuple[str, int], label: str, value: str) -> None:
+            if value in good:
+                return
+            why = _selection_problem(value)
+            if why is None:
+                good.add(value)
+            else:
+                self.problem("bad_selection", f"{noun} {where[1]}: {label} {why}", *where)
+
+        for eid, selection in self._stream(
+            select(E.c.id, E.c.selection).where(E.c.selection.is_not(None)).order_by(E.c.id)
+        ):
+            check("entry", ("entries", eid), "selection", selection)
+        for hid, old, new in self._stream(
+            select(H.c.id, H.c.old_selection, H.c.new_selection)
+            .where(or_(H.c.old_selection.is_not(None), H.c.new_selection.is_not(None)))
+            .order_by(H.c.id)
+        ):
+            for label, value in (("old selection", old), ("new selection", new)):
+                if value is not None:
+                    check("change", ("entry_changes", hid), label, value)
 
     def _fingerprints(self, rows: Iterable[tuple[Any, ...]]) -> None:
         for fid, digest, *values in rows:

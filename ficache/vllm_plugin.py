@@ -448,11 +448,12 @@ def _adopt_vllm_caches(plan: _Plan, runner: Any) -> None:
     result = outcome.result
     logger.info(
         "ficache: adopted vLLM's FlashInfer autotune caches into the registry: %d entries "
-        "(%d shared, %d scoped) from %d file(s) in %d layout(s) and %d v2 environment(s), "
+        "(%d shared, %d scoped)%s from %d file(s) in %d layout(s) and %d v2 environment(s), "
         "%d added%s; skipped %d",
         len(adopted.entries),
         adopted.shared,
         adopted.scoped,
+        f" and {len(adopted.records)} records" if adopted.records else "",
         adopted.files,
         len(adopted.layouts),
         len(adopted.stores),

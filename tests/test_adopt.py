@@ -71,10 +71,13 @@ def write_file(
     *,
     metadata: dict[str, str] | None = H200_METADATA,
     mtime: float | None = None,
+    records: dict[str, dict[str, Any]] | None = None,
 ) -> Path:
-    """A ``save_configs``-shaped file (``_metadata`` first), as vLLM leaves it."""
+    """A ``save_configs``-shaped file (``_metadata`` first, then ``_records``), as vLLM leaves it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     data: dict[str, Any] = {} if metadata is None else {"_metadata": metadata}
+    if records is not None:
+        data["_records"] = records
     data.update(entries)
     path.write_text(json.dumps(data, indent=2))
     if mtime is not None:
@@ -258,6 +261,11 @@ def test_every_layout_is_adopted_with_the_right_scopes(tmp_path: Path, registry_
         "scoped": 5,
         "conflicts": 1,
         "skipped_count": 0,
+        "records": 0,
+        "records_shared": 0,
+        "records_scoped": 0,
+        "record_conflicts": 0,
+        "ignored_records": 0,
     }
     # tuned_at: the file's modification time, the earliest one for a shared entry.
     assert tuned[("shared", gemm(8))] == T_SINGLE
@@ -375,6 +383,167 @@ def test_bad_files_are_skipped_and_counted_never_raised(tmp_path: Path, registry
     assert provenance["skipped_count"] == 5
     assert len(provenance["skipped"]) == 5
     assert not (tmp_path / "pwned").exists() and not Path("pwned").exists()
+
+
+NS = "trtllm_moe_da"
+PROTOCOL_KEY = "('__protocol__', 'trtllm_moe_da', 'bucket8')"
+
+
+def records_tree(tmp_path: Path) -> dict[str, Path]:
+    """vLLM files holding FlashInfer's namespaced records (``_records``), and a v2 store
+    holding a protocol record, under one VLLM_CACHE_ROOT-like root."""
+    root = tmp_path / "vllm"
+    tp2 = root / HASH_TP2
+    # vLLM 0.31's single file beside 0.32's per-rank files: "a" differs from theirs.
+    write_file(
+        tp2 / "autotune_configs.json",
+        {gemm(8): value(gemm(8), 1)},
+        records={NS: {"a": 0, "s": {"old": True}}},
+        mtime=T_SINGLE,
+    )
+    write_file(
+        tp2 / "autotune_configs_dp0_rank0.json",
+        {gemm(8): value(gemm(8), 1)},
+        records={NS: {"a": 1, "b": [1], "c": "x"}},
+        mtime=T_RANK0,
+    )
+    write_file(
+        tp2 / "autotune_configs_dp0_rank1.json",
+        {gemm(8): value(gemm(8), 1)},
+        records={NS: {"a": 1, "b": [2]}, "other": {"d": 4.5}},
+        mtime=T_RANK1,
+    )
+    # DP2: rank 1's file is truncated, so rank 0's records, equal or not, stay its own.
+    dp2 = root / HASH_DP2
+    write_file(dp2 / "autotune_configs_dp0_rank0.json", {}, records={NS: {"a": 1}})
+    (dp2 / "autotune_configs_dp1_rank1.json").write_text('{"_metadata": {"gpu": "NVIDIA H2')
+    env_dir = write_v2_store(root, {gemm(32): 5}, H200_METADATA)
+    protocol = {"key": PROTOCOL_KEY, "runner": NS, "tactic": {"tiles": [1, 2]}}
+    (env_dir / "entries" / entry_file_name(PROTOCOL_KEY)).write_text(
+        json.dumps(protocol, indent=2, sort_keys=True)
+    )
+    return {"root": root, "tp2": tp2, "dp2": dp2, "env": env_dir}
+
+
+#: ``(scope, namespace, key, value JSON, tuned_at)`` of every record ``records_tree`` gives.
+TREE_RECORDS = {
+    ("shared", NS, "a", "1", T_RANK0),  # equal on both ranks; the single file's 0 lost
+    ("shared", NS, "s", '{"old":true}', T_SINGLE),
+    ("tp2-pp1-dp1-ep1/rank0", NS, "b", "[1]", T_RANK0),
+    ("tp2-pp1-dp1-ep1/rank1", NS, "b", "[2]", T_RANK1),
+    ("tp2-pp1-dp1-ep1/rank0", NS, "c", '"x"', T_RANK0),
+    ("tp2-pp1-dp1-ep1/rank1", "other", "d", "4.5", T_RANK1),
+    ("tp1-pp1-dp2-ep1/rank0", NS, "a", "1", None),  # tuned_at: that file's mtime
+}
+
+
+def stored_records(db: str) -> set[tuple[str, str, str, str, float]]:
+    from ficache.records import list_records
+
+    with Registry.open(db, create=False) as reg:
+        return {(r.scope, r.namespace, r.key, r.value_json, r.tuned_at) for r in list_records(reg)}
+
+
+def expected_records(tree: dict[str, Path]) -> set[tuple[str, str, str, str, float]]:
+    dp2_time = (tree["dp2"] / "autotune_configs_dp0_rank0.json").stat().st_mtime
+    return {(*r[:4], dp2_time if r[4] is None else r[4]) for r in TREE_RECORDS}
+
+
+@pytest.mark.usefixtures("backend")
+def test_records_are_adopted_shared_where_every_rank_holds_them(
+    tmp_path: Path, registry_db: str
+) -> None:
+    tree = records_tree(tmp_path)
+    plan = plan_adoption(Sources((tree["root"],)))
+
+    assert [(g.kind, g.directory, g.records_shared, g.records_scoped) for g in plan.layouts] == [
+        ("single file", tree["tp2"], 2, 0),
+        ("per rank", tree["tp2"], 1, 4),
+        ("per rank", tree["dp2"], 0, 1),
+    ]
+    assert {(r.scope, r.namespace, r.key, r.value_json, r.tuned_at) for r in plan.records} == (
+        expected_records(tree)
+    )
+    assert {r.fingerprint for r in plan.records} == {FP}
+    # The single file's "a" lost to the per-rank files'; the v2 store's protocol record
+    # is counted, not adopted (see ficache.adopt); rank 1's truncated file is skipped.
+    assert (plan.record_conflicts, plan.ignored_records, plan.skipped_count) == (1, 1, 1)
+    assert (len(plan.records), plan.records_shared, plan.records_scoped) == (7, 2, 5)
+
+    with Registry.open(registry_db) as reg:
+        result = plan.execute(reg)
+        again = plan_adoption(Sources((tree["root"],))).execute(reg)
+        (commit,) = reg.log()
+    assert (result.commit_id, result.added, result.records_added) == (1, 2, 7)
+    assert stored_records(registry_db) == expected_records(tree)
+    assert (commit.records_added, commit.records_replaced, commit.records_removed) == (7, 0, 0)
+    assert {k: commit.provenance[k] for k in ("records", "records_shared", "records_scoped")} == {
+        "records": 7,
+        "records_shared": 2,
+        "records_scoped": 5,
+    }
+    assert (commit.provenance["record_conflicts"], commit.provenance["ignored_records"]) == (1, 1)
+    assert (again.commit_id, again.records_added, again.records_unchanged) == (None, 0, 7)
+
+
+def test_a_rank_loads_the_adopted_records_it_held(tmp_path: Path, registry_db: str) -> None:
+    """What each rank's slice serves is what that rank's own file held."""
+    tree = records_tree(tmp_path)
+    with Registry.open(registry_db) as reg:
+        plan_adoption(Sources((tree["tp2"],))).execute(reg)
+        ids = [i.id for i in reg.fingerprints()]
+        for rank in (0, 1):
+            own = json.loads((tree["tp2"] / f"autotune_configs_dp0_rank{rank}.json").read_text())
+            served = reg.slice_records(ids, ["shared", f"tp2-pp1-dp1-ep1/rank{rank}"])
+            loaded = {ns: {k: json.loads(v) for k, v in by.items()} for ns, by in served.items()}
+            # The single file's "s", which every rank loaded before 0.32, is served too.
+            assert loaded == {**own["_records"], NS: {**own["_records"][NS], "s": {"old": True}}}
+
+
+def test_cli_reports_adopted_and_ignored_records(
+    cli: Any, tmp_path: Path, registry_db: str
+) -> None:
+    tree = records_tree(tmp_path)
+
+    result = cli("import", "--from-vllm", str(tree["root"]))
+    report = json.loads(cli("import", "--from-vllm", str(tree["root"]), "--format", "json").stdout)
+
+    assert result.exit_code == 0
+    assert result.stdout.splitlines()[-1] == (
+        "adopted 2 entries (2 shared, 0 scoped) and 7 records (2 shared, 5 scoped) from 7 "
+        "file(s): 2 added, 0 replaced, 0 unchanged; records 7 added, 0 replaced, 0 unchanged "
+        "(commit 1)"
+    )
+    assert result.stderr.splitlines()[1:] == [
+        "warning: 1 record(s) held different values in two vLLM caches; the later cache's "
+        "value was kept",
+        "warning: 1 v2 protocol record(s) were not imported (FlashInfer keeps them apart from "
+        "the _records that ficache stores, and they stay in the store it serves them from)",
+    ]
+    assert result.stderr.startswith("warning: skipped 1 unreadable file(s)")
+    assert {
+        k: report[k]
+        for k in (
+            "records",
+            "records_shared",
+            "records_scoped",
+            "record_conflicts",
+            "ignored_records",
+            "commit",
+            "records_added",
+            "records_unchanged",
+        )
+    } == {
+        "records": 7,
+        "records_shared": 2,
+        "records_scoped": 5,
+        "record_conflicts": 1,
+        "ignored_records": 1,
+        "commit": None,
+        "records_added": 0,
+        "records_unchanged": 7,
+    }
+    assert stored_records(registry_db) == expected_records(tree)
 
 
 def test_two_measurement_policies_of_one_fingerprint_keep_the_first(tmp_path: Path) -> None:
@@ -509,6 +678,8 @@ def test_cli_adopts_a_tree_and_reports_it(cli: Any, tmp_path: Path, registry_db:
                 "shared": 1,
                 "scoped": 3,
                 "skipped": 0,
+                "records_shared": 0,
+                "records_scoped": 0,
             }
         ],
         "v2_environments": [
@@ -528,11 +699,18 @@ def test_cli_adopts_a_tree_and_reports_it(cli: Any, tmp_path: Path, registry_db:
         "scoped": 3,
         "conflicts": 0,
         "skipped": 0,
+        "records": 0,
+        "records_shared": 0,
+        "records_scoped": 0,
+        "record_conflicts": 0,
         "ignored_records": 0,
         "commit": None,
         "added": 0,
         "replaced": 0,
         "unchanged": 5,
+        "records_added": 0,
+        "records_replaced": 0,
+        "records_unchanged": 0,
     }
 
 

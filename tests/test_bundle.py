@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from samples import SHORT_H200_METADATA
 
 from ficache.bundle import (
     MAGIC,
@@ -28,15 +29,7 @@ from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import read_cache_file
 from ficache.registry import NewEntry, Registry
 
-META = {
-    "flashinfer_version": "0.7.2",
-    "cuda_version": "12.9",
-    "cublas_version": "12.9.1",
-    "cudnn_version": "91002",
-    "cudnn_frontend_version": "1.32.0",
-    "cutlass_dsl_version": "4.8.1",
-    "gpu": "NVIDIA H200",
-}
+META = SHORT_H200_METADATA
 B200 = {**META, "gpu": "NVIDIA B200"}
 FP_H200 = Fingerprint.from_flashinfer_metadata(META)
 FP_B200 = Fingerprint.from_flashinfer_metadata(B200)
@@ -112,7 +105,7 @@ def target(cli, cache_file, tmp_path: Path) -> Path:
 
 
 def stored(db: Path) -> list[tuple[Any, ...]]:
-    """Every entry as (digest, scope, key, runner, tactic, policy, tuned_at)."""
+    """Every entry as (digest, scope, key, runner, tactic, policy, tuned_at, selection)."""
     with Registry.open(str(db), create=False) as reg:
         digests = {i.id: i.fingerprint.digest for i in reg.fingerprints()}
         return sorted((digests[r[0]], *r[1:]) for r in reg.entry_values(sorted(digests)))
@@ -477,14 +470,14 @@ def test_non_canonical_encoding_is_refused(bundle_file: Path, tmp_path: Path) ->
 def _framing_cases(data: bytes) -> dict[str, tuple[bytes, str]]:
     header, payload = split(data)
     n = len(payload)
-    newer = frame(payload, version=2) + payload
+    newer = frame(payload, version=3) + payload
     huge = b"ficache-bundle 1 %d sha256=%s\n" % (10**15, b"0" * 64) + payload
     return {
         "one flipped byte": (_flip(data), f"damaged bundle (checksum mismatch); {AGAIN}"),
         "trailing bytes": (data + b"\n", f"damaged bundle (1 bytes after its payload); {AGAIN}"),
         "newer format version": (
             newer,
-            "bundle format version 2 is newer than this ficache reads (up to 1); upgrade ficache",
+            "bundle format version 3 is newer than this ficache reads (up to 2); upgrade ficache",
         ),
         "version 0": (
             b"ficache-bundle 0" + newer[16:],

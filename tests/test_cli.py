@@ -18,6 +18,7 @@ from pathlib import Path
 
 import click
 import pytest
+from samples import SHORT_H200_METADATA
 from terminal import run_in_a_terminal
 
 from ficache import schema
@@ -26,15 +27,7 @@ from ficache.fingerprint import FLASHINFER_FIELDS, Fingerprint
 from ficache.registry import Registry
 
 REPO = Path(__file__).resolve().parent.parent
-META = {
-    "flashinfer_version": "0.7.2",
-    "cuda_version": "12.9",
-    "cublas_version": "12.9.1",
-    "cudnn_version": "91002",
-    "cudnn_frontend_version": "1.32.0",
-    "cutlass_dsl_version": "4.8.1",
-    "gpu": "NVIDIA H200",
-}
+META = SHORT_H200_METADATA
 B200 = {**META, "gpu": "NVIDIA B200"}
 POLICY = ["cuda_graph_profile_replays", None, "l2_cache_policy", "hot"]
 K16 = "('mm', 'Runner', ((16, 64),), (torch.bfloat16,))"
@@ -398,7 +391,7 @@ def test_stats(cli, populated: str) -> None:
 
     assert result.stdout.splitlines() == [
         f"registry         {schema.resolve(str(populated)).display}",
-        "schema revision  0003_records",
+        "schema revision  0004_selection",
         f"size             {stats.size_bytes} bytes",
         "fingerprints     1",
         "entries          2 (2 shared, 0 rank-scoped)",
@@ -682,16 +675,17 @@ def test_revert_dry_run_and_conflict(cli, populated: str, cache_file, dump_db) -
 
 @both_backends
 def test_db_commands(cli, populated: str, tmp_path: Path) -> None:
-    assert cli("db", "current").stdout == "0003_records (head 0003_records: up to date)\n"
+    assert cli("db", "current").stdout == "0004_selection (head 0004_selection: up to date)\n"
     assert cli("db", "history", db=None).stdout.splitlines() == [
-        "revision       down           title",
-        "0001_registry                 ficache 0.1: fingerprints, entries, commits and the entry change log.",
-        "0002_fleet     0001_registry  ficache 0.2: tuned times, last served times, new values in the change log.",
-        "0003_records   0002_fleet     ficache 0.3: FlashInfer's namespaced records and their change log.",
+        "revision        down           title",
+        "0001_registry                  ficache 0.1: fingerprints, entries, commits and the entry change log.",
+        "0002_fleet      0001_registry  ficache 0.2: tuned times, last served times, new values in the change log.",
+        "0003_records    0002_fleet     ficache 0.3: FlashInfer's namespaced records and their change log.",
+        "0004_selection  0003_records   ficache 0.4: how FlashInfer chose each value (a cache value's fourth element).",
     ]
     dry = cli("db", "downgrade", "base", "--dry-run")
     assert dry.stdout.splitlines() == [
-        f"downgrade plan: {schema.resolve(str(populated)).display} from 0003_records to base "
+        f"downgrade plan: {schema.resolve(str(populated)).display} from 0004_selection to base "
         "(drops all stored entries)",
         "dry run: nothing changed",
     ]
@@ -774,7 +768,8 @@ BAD_FILES = {
     "value-not-a-list": (
         json.dumps({K16: "Runner"}),
         "{path}: 1 of 1 entries invalid, nothing imported; first: "
-        f"{K16!r}: value must be [runner, tactic] or [runner, tactic, policy]",
+        f"{K16!r}: value must be [runner, tactic], [runner, tactic, policy] "
+        "or [runner, tactic, policy, selection]",
     ),
     "tactic-a-dict": (
         json.dumps({K16: ["Runner", {"tile": 128}]}),
@@ -886,7 +881,7 @@ def test_a_newer_schema_is_refused(cli, populated: Path, cache_file) -> None:
     one_error_line(
         result,
         f"registry {populated} has schema revision '0099_future', newer than this ficache knows "
-        "(head '0003_records'); upgrade ficache (pip install -U ficache)",
+        "(head '0004_selection'); upgrade ficache (pip install -U ficache)",
     )
     assert populated.read_bytes() == before
 

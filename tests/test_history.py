@@ -13,20 +13,13 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
+from samples import SHORT_H200_METADATA
 
 from ficache.fingerprint import Fingerprint
 from ficache.history import CommitDetails, EntryChange, EntryValue, commit_details
 from ficache.registry import Registry
 
-META = {
-    "flashinfer_version": "0.7.2",
-    "cuda_version": "12.9",
-    "cublas_version": "12.9.1",
-    "cudnn_version": "91002",
-    "cudnn_frontend_version": "1.32.0",
-    "cutlass_dsl_version": "4.8.1",
-    "gpu": "NVIDIA H200",
-}
+META = SHORT_H200_METADATA
 DIGEST = Fingerprint.from_flashinfer_metadata(META).digest
 POLICY = ["cuda_graph_profile_replays", None, "l2_cache_policy", "hot"]
 POLICY_JSON = '["cuda_graph_profile_replays",null,"l2_cache_policy","hot"]'

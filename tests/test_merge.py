@@ -18,6 +18,7 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
+from samples import SHORT_H200_METADATA
 from terminal import run_in_a_terminal
 
 from ficache.errors import ConflictError, MergeConflictError
@@ -27,15 +28,7 @@ from ficache.registry import NewEntry, Registry
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
-META = {
-    "flashinfer_version": "0.7.2",
-    "cuda_version": "12.9",
-    "cublas_version": "12.9.1",
-    "cudnn_version": "91002",
-    "cudnn_frontend_version": "1.32.0",
-    "cutlass_dsl_version": "4.8.1",
-    "gpu": "NVIDIA H200",
-}
+META = SHORT_H200_METADATA
 B200 = {**META, "gpu": "NVIDIA B200"}
 H200_FP = Fingerprint.from_flashinfer_metadata(META)
 B200_FP = Fingerprint.from_flashinfer_metadata(B200)
@@ -424,7 +417,7 @@ def test_a_registry_source_keeps_tuned_at_and_is_never_written(
     assert other.read_bytes() == before
     with Registry.open(registry_db) as reg:
         [row] = [r for r in reg.entry_values([1]) if r[2] == K64]
-    assert row[-1] == 1234.5
+    assert row[6] == 1234.5  # tuned_at
 
 
 def test_a_bundle_source_keeps_scope_and_tuned_at(cli, target, tmp_path: Path) -> None:

@@ -143,6 +143,30 @@ def test_records_down_to_0002_and_up_again(cli, postgres_url: str, cache_file) -
     assert sql(postgres_url, "SELECT namespace, key, value FROM records") == [("ns", "a", "1")]
 
 
+def test_selections_down_to_0003_and_up_again(cli, postgres_url: str, cache_file) -> None:
+    selection = {"time_ms": 0.01, "runner_up_ms": 0.012, "margin": 0.2, "candidates": 5}
+    four = cache_file("four.json", {K16: ["Runner", 1, ["hot"], selection]}, metadata=META)
+    three = cache_file("three.json", {K16: ["Runner", 2, ["hot"]]}, metadata=META)
+    assert cli("import", four, db=postgres_url).exit_code == 0
+    assert cli("import", three, db=postgres_url).exit_code == 0
+    stored = '{"candidates":5,"margin":0.2,"runner_up_ms":0.012,"time_ms":0.01}'
+    assert sql(postgres_url, "SELECT old_selection FROM entry_changes WHERE commit_id = 2") == [
+        (stored,)
+    ]
+
+    down = cli("db", "downgrade", "0003_records", "--yes", db=postgres_url)
+
+    assert down.exit_code == 0, down.stderr
+    assert sql(postgres_url, "SELECT runner, tactic, policy FROM entries") == [
+        ("Runner", "2", '["hot"]')
+    ]
+    assert cli("db", "upgrade", db=postgres_url).exit_code == 0
+    assert cli("verify", db=postgres_url).stdout.endswith("ok: no problems\n")
+    assert sql(postgres_url, "SELECT selection FROM entries") == [(None,)]
+    assert cli("revert", "2", "--yes", db=postgres_url).exit_code == 0  # the selection is gone
+    assert sql(postgres_url, "SELECT tactic, selection FROM entries") == [("1", None)]
+
+
 def test_models_and_migrations_do_not_drift(postgres_url: str) -> None:
     from alembic.autogenerate import compare_metadata
     from alembic.runtime.migration import MigrationContext

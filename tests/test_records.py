@@ -316,6 +316,162 @@ def test_revert_refuses_when_a_later_commit_changed_its_records(
     assert dump_db(registry_db) == before
 
 
+# -- prune ---------------------------------------------------------------------------------
+
+B200_META = {"gpu": "NVIDIA B200"}
+
+
+def all_records(db: str) -> set[tuple[int, str, str, str, str]]:
+    """``(fingerprint id, scope, namespace, key, value JSON)`` of every stored record."""
+    from ficache.records import list_records
+
+    with Registry.open(db, create=False) as reg:
+        return {
+            (r.fingerprint_id, r.scope, r.namespace, r.key, r.value_json) for r in list_records(reg)
+        }
+
+
+def all_entries(db: str) -> set[tuple[int, str, str]]:
+    with Registry.open(db, create=False) as reg:
+        return {(e.fingerprint_id, e.scope, e.key) for e in reg.entries()}
+
+
+def prune_registry(cli, cache_file) -> None:
+    """Fingerprint 1 (H200): one shared entry, shared records ns/a and ns/b, and record
+    ns/a of scope tp2/rank1 (commits 1, 2); fingerprint 2 (B200): one entry, record ns/z
+    (commit 3)."""
+    assert cli("import", records_file(cache_file, "a.json", {"ns": {"a": 1, "b": [1]}}))
+    rank = records_file(cache_file, "r.json", {"ns": {"a": 5}}, entries=False)
+    assert cli("import", rank, "--scope", "tp2/rank1").exit_code == 0
+    other = cache_file("b.json", {"_records": {"ns": {"z": 9}}, K16: ["Runner", 2]}, B200_META)
+    assert cli("import", other).exit_code == 0
+
+
+BEFORE_PRUNE = {
+    (1, "shared", "ns", "a", "1"),
+    (1, "shared", "ns", "b", "[1]"),
+    (1, "tp2/rank1", "ns", "a", "5"),
+    (2, "shared", "ns", "z", "9"),
+}
+
+
+@both_backends
+def test_prune_of_a_fingerprint_removes_its_records_and_revert_restores_them(
+    cli, registry_db: str, cache_file, dump_db
+) -> None:
+    prune_registry(cli, cache_file)
+    before = dump_db(registry_db)
+
+    dry = cli("prune", "--fingerprint", "1", "--dry-run")
+    unchanged = dump_db(registry_db)
+    pruned = cli("prune", "--fingerprint", "1", "--yes")
+    after_prune = (all_entries(registry_db), all_records(registry_db))
+    shown = json.loads(cli("show", "4", "--format", "json").stdout)
+    reverted = cli("revert", "4", "--yes")
+
+    assert (dry.exit_code, dry.stderr) == (0, "")
+    assert dry.stdout.splitlines() == [
+        "prune plan (fingerprint=1):",
+        "fingerprint  gpu          flashinfer  scope      entries  records",
+        "1            NVIDIA H200  None        shared     1        2",
+        "1            NVIDIA H200  None        tp2/rank1  0        1",
+        "1 entries and 3 records would be removed (revertible with `ficache revert`)",
+        "dry run: nothing changed",
+    ]
+    assert unchanged == before
+    assert (pruned.exit_code, pruned.stderr) == (0, "")
+    assert pruned.stdout.splitlines()[-1] == "removed 1 entries and 3 records (commit 4)"
+    assert after_prune == ({(2, "shared", K16)}, {(2, "shared", "ns", "z", "9")})
+    assert (shown["commit"]["kind"], shown["commit"]["removed"]) == ("prune", 1)
+    assert (shown["commit"]["records_added"], shown["commit"]["records_removed"]) == (0, 3)
+    assert [
+        (c["action"], c["fingerprint"], c["scope"], c["key"], c["old"], c["new"], c["old_commit"])
+        for c in shown["record_changes"]
+    ] == [
+        ("removed", 1, "shared", "a", 1, None, 1),
+        ("removed", 1, "shared", "b", [1], None, 1),
+        ("removed", 1, "tp2/rank1", "a", 5, None, 2),
+    ]
+    assert reverted.exit_code == 0, reverted.stderr
+    assert reverted.stdout.splitlines()[-1] == (
+        "reverted commit 4 as commit 5: 0 removed, 0 restored, 1 re-added; records 0 removed, "
+        "0 restored, 3 re-added"
+    )
+    assert all_entries(registry_db) == {(1, "shared", K16), (2, "shared", K16)}
+    assert all_records(registry_db) == BEFORE_PRUNE
+    assert stored(registry_db, "tp2/rank1") == {"ns": {"a": 5, "b": [1]}}
+    assert verify(registry_db).ok
+
+
+@both_backends
+def test_prune_by_scope_removes_only_that_scopes_records(cli, registry_db: str, cache_file) -> None:
+    prune_registry(cli, cache_file)
+
+    pruned = cli("prune", "--scope", "tp2/rank1", "--yes")
+    after_prune = (all_entries(registry_db), all_records(registry_db))
+    nothing = cli("prune", "--scope", "tp2/rank1", "--yes")
+    shared = cli(
+        "prune", "--scope", "shared", "--fingerprint", "1", "--fingerprint", "2", "--dry-run"
+    )
+    reverted = cli("revert", "4", "--yes")
+
+    assert pruned.stdout.splitlines() == [
+        "prune plan (scope=tp2/rank1):",
+        "fingerprint  gpu          flashinfer  scope      entries  records",
+        "1            NVIDIA H200  None        tp2/rank1  0        1",
+        "0 entries and 1 records would be removed (revertible with `ficache revert`)",
+        "removed 0 entries and 1 records (commit 4)",
+    ]
+    assert after_prune == (
+        {(1, "shared", K16), (2, "shared", K16)},
+        BEFORE_PRUNE - {(1, "tp2/rank1", "ns", "a", "5")},
+    )
+    assert nothing.stdout == "nothing matches: nothing to prune\n"
+    assert shared.stdout.splitlines()[1:5] == [
+        "fingerprint  gpu          flashinfer  scope   entries  records",
+        "1            NVIDIA H200  None        shared  1        2",
+        "2            NVIDIA B200  None        shared  1        1",
+        "2 entries and 3 records would be removed (revertible with `ficache revert`)",
+    ]
+    assert reverted.exit_code == 0, reverted.stderr
+    assert all_records(registry_db) == BEFORE_PRUNE
+    assert verify(registry_db).ok
+
+
+def test_prune_plans_count_records_and_refuse_a_stale_plan(
+    registry_path: Path, cache_file, cli, dump_db
+) -> None:
+    from ficache.registry import PruneGroup
+
+    prune_registry(cli, cache_file)
+    db = str(registry_path)
+    with Registry.open(db) as reg:
+        written = max(c.created_at for c in reg.log())
+        plan = reg.plan_prune(fingerprint_ids=[1])
+        assert plan == reg.plan_prune(fingerprint_ids=[1])
+        assert (plan.total, plan.records_total) == (1, 3)
+        assert plan.groups == (
+            PruneGroup(1, "NVIDIA H200", "None", "shared", 1, 2),
+            PruneGroup(1, "NVIDIA H200", "None", "tp2/rank1", 0, 1),
+        )
+        # Every criterion applies to records: when they were written, whole fingerprints
+        # no start served (never served: counted from when they were stored).
+        assert reg.plan_prune(older_than_seconds=600.0, now=written + 300).is_empty
+        assert reg.plan_prune(older_than_seconds=600.0, now=written + 900).records_total == 4
+        assert reg.plan_prune(unused_for_seconds=600.0, now=written + 900).records_total == 4
+        assert reg.plan_prune(flashinfer_versions=["0.1"]).is_empty
+        # A record the plan would remove changed since: nothing is removed.
+        changed = records_file(cache_file, "c.json", {"ns": {"b": [2]}}, entries=False)
+        assert cli("import", changed).exit_code == 0
+        before = dump_db(registry_path)
+        with pytest.raises(ConflictError) as caught:
+            plan.execute(reg)
+    assert str(caught.value) == (
+        "1 of 3 planned records changed since the plan was made; nothing removed, run prune again"
+    )
+    assert dump_db(registry_path) == before
+
+
 # -- list and stats ------------------------------------------------------------------------
 
 
@@ -505,6 +661,31 @@ def test_merging_registries_carries_their_records(cli, cache_file, tmp_path: Pat
 
 
 # -- verify --------------------------------------------------------------------------------
+
+
+@both_backends
+def test_verify_counts_the_records_tables(cli, registry_db: str, cache_file) -> None:
+    prune_registry(cli, cache_file)  # 2 entries, 4 records, each added once
+    assert cli("prune", "--fingerprint", "2", "--yes").exit_code == 0  # 1 of each removed
+
+    text = cli("verify")
+    report = json.loads(cli("verify", "--format", "json").stdout)
+
+    assert (text.exit_code, text.stderr) == (0, "")
+    assert text.stdout.splitlines()[1] == (
+        "checked 2 fingerprints, 1 entries, 4 commits, 3 changes, 3 records, 5 record changes"
+    )
+    assert (report["ok"], report["checked"]) == (
+        True,
+        {
+            "fingerprints": 2,
+            "entries": 1,
+            "commits": 4,
+            "changes": 3,
+            "records": 3,
+            "record_changes": 5,
+        },
+    )
 
 
 @pytest.mark.parametrize(

@@ -395,6 +395,7 @@ def test_export_slices_shared_and_rank_scoped_entries(reg: Registry) -> None:
         "CutlassRunner",
         "10",
         None,
+        None,  # no selection
     )
 
 
@@ -513,7 +514,17 @@ def test_scopes() -> None:
 
 
 def test_bulk_new_entry_builds_the_same_entry_as_the_constructor() -> None:
-    values = (H200, key(16), "CutlassRunner", "[1]", "[2]", "tp2/rank1", parse_key(key(16)), 12.5)
+    values = (
+        H200,
+        key(16),
+        "CutlassRunner",
+        "[1]",
+        "[2]",
+        "tp2/rank1",
+        parse_key(key(16)),
+        12.5,
+        '{"candidates":2}',
+    )
 
     fast = bulk_new_entry(*values)
 

@@ -322,6 +322,24 @@ def test_a_frozen_registry_upgrades_to_head_and_keeps_its_data(
         }
     else:  # older registries upgrade to an empty records table
         assert query(path, "SELECT count(*) FROM records") == [(0,)]
+    selections = query(
+        path,
+        "SELECT 'entry', selection FROM entries WHERE selection IS NOT NULL UNION ALL "
+        "SELECT 'change', new_selection FROM entry_changes WHERE new_selection IS NOT NULL",
+    )
+    if frozen.name >= "registry-0004":  # a selection is frozen from 0004_selection on
+        selection = '{"candidates":7,"margin":0.065041,"runner_up_ms":0.0131,"time_ms":0.0123}'
+        assert sorted(selections) == [("change", selection), ("entry", selection)]
+        with Registry.open(str(path)) as reg:
+            shared, _n = reg.export_text(infos[h200].id)
+        assert json.loads(shared)[_frozen_key(16)] == [
+            "CutlassFp4Runner",
+            [3, [1, 2]],
+            ["cuda_graph_profile_replays", None, "l2_cache_policy", "hot"],
+            json.loads(selection),
+        ]
+    else:  # older registries upgrade with no selections (FlashInfer 0.7.2 wrote none)
+        assert selections == []
 
 
 def test_downgrading_below_0003_drops_records_and_their_commits_only(
@@ -351,6 +369,35 @@ def test_downgrading_below_0003_drops_records_and_their_commits_only(
     assert query(registry_path, "SELECT count(*) FROM records") == [(0,)]
     again = cli("import", both)
     assert again.stdout.startswith("imported 1 entries and 1 records from 1 file(s): 0 added")
+
+
+def test_downgrading_below_0004_drops_selections_and_keeps_values(
+    cli, cache_file, registry_path: Path
+) -> None:
+    key = str(("flashinfer::mm_fp4", "CutlassRunner", ((16, 4096),), ("torch.bfloat16",)))
+    selection = {"time_ms": 0.01, "runner_up_ms": 0.012, "margin": 0.2, "candidates": 5}
+    four = cache_file(
+        "four.json",
+        {key: ["CutlassRunner", 3, ["cuda_graph_profile_replays", None], selection]},
+        metadata={"gpu": "NVIDIA H200"},
+    )
+    assert cli("import", four).exit_code == 0
+
+    down = cli("db", "downgrade", "0003_records", "--yes")
+
+    assert down.exit_code == 0, down.stderr
+    assert revision(registry_path) == [("0003_records",)]
+    columns = {row[1] for row in query(registry_path, "PRAGMA table_info(entries)")}
+    assert "selection" not in columns
+    assert query(registry_path, "SELECT runner, tactic, policy FROM entries") == [
+        ("CutlassRunner", "3", '["cuda_graph_profile_replays",null]')
+    ]
+    assert cli("db", "upgrade").exit_code == 0
+    assert cli("verify").stdout.endswith("ok: no problems\n")
+    assert query(registry_path, "SELECT selection FROM entries") == [(None,)]
+    # The same value again is unchanged: the selection is not part of it.
+    again = cli("import", four)
+    assert again.stdout.startswith("imported 1 entries from 1 file(s): 0 added, 0 replaced, 1 unch")
 
 
 _FROZEN_FIELDS = {

@@ -13,7 +13,7 @@ from ficache.standin import STANDIN_OP, standin_keys, standin_tune
 from ficache.tuner import FlashInferTuner
 
 
-def _text(rows: dict[str, tuple[str, str, str | None]], **metadata: str) -> str:
+def _text(rows: dict[str, tuple[str, str, str | None, str | None]], **metadata: str) -> str:
     meta = {**collect().flashinfer_metadata(), **metadata}
     return render_cache(meta, [(k, *v) for k, v in rows.items()])
 
@@ -26,11 +26,11 @@ def test_standin_fills_the_real_autotuner_and_tuned_matches_save_configs(autotun
     assert sorted(tuned) == sorted(standin_keys())
     # What the adapter reads from memory is exactly what FlashInfer's save_configs writes.
     assert tuned == tuner.entries()
-    for key, (runner, tactic, policy) in tuned.items():
+    for key, (runner, tactic, policy, selection) in tuned.items():
         fields = parse_key(key)
         assert fields.op == STANDIN_OP and fields.runner == runner == "CpuStandInMatmulRunner"
         assert fields.extras == "(torch.float32,)"
-        assert tactic in {"0", "1", "2", "3", "4"} and policy is None
+        assert tactic in {"0", "1", "2", "3", "4"} and policy is None and selection is None
 
 
 def test_tuned_carries_the_measurement_policy_like_save_configs(autotuner: Any) -> None:
@@ -65,8 +65,13 @@ def test_load_keeps_policies(autotuner: Any) -> None:
     tuner = FlashInferTuner()
     standin_tune(shapes=((128, 128),), buckets=(1, 2))
     rows = {
-        k: (r, t, canonical_json(["cuda_graph_profile_replays", None, "l2_cache_policy", "hot"]))
-        for k, (r, t, _p) in tuner.tuned().items()
+        k: (
+            r,
+            t,
+            canonical_json(["cuda_graph_profile_replays", None, "l2_cache_policy", "hot"]),
+            None,
+        )
+        for k, (r, t, _p, _s) in tuner.tuned().items()
     }
     tuner.clear()
     assert tuner.load(_text(rows)) == 2
@@ -110,7 +115,7 @@ def test_standin_force_and_rank_tag(autotuner: Any) -> None:
     standin_tune(rank_tag="rank3", force_tactic=2)
     rows = FlashInferTuner().tuned()
     assert sorted(rows) == sorted(standin_keys(rank_tag="rank3"))
-    assert {t for _r, t, _p in rows.values()} == {"2"}
+    assert {t for _r, t, _p, _s in rows.values()} == {"2"}
     assert all(parse_key(k).extras == "(torch.float32, 'rank3')" for k in rows)
 
 

@@ -153,8 +153,10 @@ def test_import_reads_every_environment_with_its_fingerprint_and_policy(
         + "imported 7 entries from 2 environment(s): 7 added, 0 replaced, 0 unchanged (commit 1)\n"
     )
     assert result.stderr == (
-        "warning: 1 protocol record(s) were not imported (ficache stores tactics only)\n"
+        "warning: 1 protocol record(s) were not imported (FlashInfer keeps them apart from the "
+        "_records that ficache stores, and they stay in the store it serves them from)\n"
     )
+    assert json.loads(cli("list", "--records", "--format", "json").stdout) == []
     fingerprints = {
         f["digest"]: f for f in json.loads(cli("fingerprints", "--format", "json").stdout)
     }
@@ -175,6 +177,37 @@ def test_import_reads_every_environment_with_its_fingerprint_and_policy(
     assert environments[here.env_hash]["measurement"] == {"measure_execution_mode": "cuda_graph"}
     assert environments[here.env_hash]["records"] == 1
     assert environments[h200.env_hash]["measurement"] == {}
+
+
+def test_flashinfer_keeps_protocol_records_apart_from_namespaced_records(
+    autotuner: Any, tmp_path: Path
+) -> None:
+    """Why an import counts a store's protocol records and stores none (``ficache.adopt``):
+    FlashInfer serves them through another API than ``_records``, never saves them in a
+    cache file and never serves a ``_records`` value as one, so ficache, which stores and
+    exports ``_records``, could give them back only as what they are not."""
+    value = {"tiles": [1, 2]}
+    autotuner.publish_protocol_record("trtllm_moe_da", "bucket8", value, persist=False)
+    saved = tmp_path / "saved.json"
+    autotuner.save_configs(str(saved))
+
+    assert autotuner.get_protocol_records("trtllm_moe_da") == {"bucket8": value}
+    assert autotuner.get_namespaced_records("trtllm_moe_da") == {}
+    assert "_records" not in json.loads(saved.read_text())
+
+    autotuner.clear_cache()
+    as_records = tmp_path / "records.json"
+    as_records.write_text(
+        json.dumps(
+            {
+                "_metadata": dict(_collect_metadata()),
+                "_records": {"trtllm_moe_da": {"bucket8": value}},
+            }
+        )
+    )
+    assert autotuner.load_configs(str(as_records)) is True
+    assert autotuner.get_namespaced_records("trtllm_moe_da") == {"bucket8": value}
+    assert autotuner.get_protocol_records("trtllm_moe_da") == {}
 
 
 def test_one_environment_directory_imports_alone(cli, tmp_path: Path) -> None:

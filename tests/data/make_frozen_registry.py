@@ -6,7 +6,8 @@ Run once per schema revision, with the ficache release that adds it:
 
 It writes ``tests/data/registry-<revision>.db`` through the public API (two
 fingerprints, shared and rank-scoped entries, policies, nested tactics,
-namespaced records from 0003 on, and import, replace and prune commits), then pins times and hosts so the file is
+namespaced records from 0003 on, a FlashInfer 0.7.4 selection (a value's fourth element)
+from 0004 on, and import, replace and prune commits), then pins times and hosts so the file is
 reproducible, and leaves it as one self-contained file (no WAL).
 ``tests/test_schema.py`` copies each frozen file, opens it with the current
 code (which upgrades it to head) and reads its data back through the API.
@@ -44,6 +45,8 @@ def key(m: int, extras: str = "(torch.bfloat16, 1)") -> str:
 
 #: FlashInfer ``_records`` of the frozen files (stored from revision 0003_records on).
 RECORDS = {"trtllm_moe_da": {'{"num_tokens":16}': {"schema": 1, "bodies": [{"tile_n": 8}]}}}
+#: How FlashInfer 0.7.4 chose the shared H200 m=16 entry (stored from 0004_selection on).
+SELECTION = {"time_ms": 0.0123, "runner_up_ms": 0.0131, "margin": 0.065041, "candidates": 7}
 RANK1_RECORDS = {"trtllm_moe_da": {'{"num_tokens":16}': {"schema": 1, "bodies": [{"tile_n": 16}]}}}
 
 
@@ -63,7 +66,12 @@ def build(path: Path) -> None:
                         cache(
                             H200,
                             {
-                                key(16): ["CutlassFp4Runner", [3, [1, 2]], POLICY],
+                                key(16): [
+                                    "CutlassFp4Runner",
+                                    [3, [1, 2]],
+                                    POLICY,
+                                    *([SELECTION] if head_has_selection() else []),
+                                ],
                                 key(32): ["CutlassFp4Runner", 5],
                                 key(64, '(torch.float8_e4m3fn, None, "it\'s")'): [
                                     "CutlassFp4Runner",
@@ -123,6 +131,10 @@ def build(path: Path) -> None:
 
 def head_has_records() -> bool:
     return any(rev == "0003_records" for rev, _down, _title in schema.history())
+
+
+def head_has_selection() -> bool:
+    return any(rev == "0004_selection" for rev, _down, _title in schema.history())
 
 
 def main() -> None:
