@@ -63,24 +63,57 @@ def _quiet_logs() -> None:
     logging.getLogger("alembic").setLevel(logging.ERROR)
 
 
+def _real_loop(**tune: Any) -> Any:
+    """``standin_tune``'s arguments, through FlashInfer's real ``choose_one`` loop.
+
+    ``force_tactic`` becomes a timing skew on this rank (every other tactic
+    charged 5 ms per call): under a synchronized group FlashInfer all-reduces
+    the timings, so ranks whose own timings disagree still pick one tactic.
+    """
+    from ficache.standin_timing import real_loop_tune
+
+    forced = tune.pop("force_tactic", None)
+    if forced is not None:
+        tune["skew"] = {t: 5.0 for t in range(5) if t != forced}
+    return real_loop_tune(**tune)
+
+
+def _held_entries() -> dict[str, Any]:
+    """What the AutoTuner would save, as values ranks agree on: ``(runner, tactic, policy)``
+    (FlashInfer 0.7.4 appends a selection record, each rank's own timings, to entries its
+    own loop tuned; ``row_value`` leaves it out)."""
+    from ficache.tuner import row_value
+
+    return {key: row_value(row) for key, row in FlashInferTuner().entries().items()}
+
+
+#: The tuning loop ``start`` runs: the stand-in's (``standin_tune``), or FlashInfer's own
+#: ``choose_one`` with only CUDA timing stood in (``run_plan(loop="flashinfer")``).
+_LOOP: dict[str, Callable[..., Any]] = {
+    "tune": standin_tune,
+    "entries": lambda: FlashInferTuner().entries(),
+}
+
+
 def start(
     db: Any,
     *,
+    group: Any = None,
     tune: dict[str, Any] | None = None,
     fail: Callable[[], None] | None = None,
     fail_before: bool = False,
     **kwargs: Any,
 ) -> dict[str, Any]:
-    """One warm start around the stand-in; returns the report, tuning stats and any exception."""
+    """One warm start on ``group`` around the tuning loop; the report, tuning stats, exception."""
     kwargs.setdefault("timeout", GROUP_TIMEOUT)
     out: dict[str, Any] = {"exception": None}
     block_started = time.monotonic()
     try:
-        with warm_start(None, db=str(db), **kwargs) as ws:
+        with warm_start(group, db=str(db), **kwargs) as ws:
             block_started = time.monotonic()
             if fail is not None and fail_before:
                 fail()
-            result = standin_tune(**(tune or {}))
+            result = _LOOP["tune"](**(tune or {}))
             out["standin"] = dataclasses.asdict(result)
             if fail is not None and not fail_before:
                 fail()
@@ -88,7 +121,7 @@ def start(
         out["exception"] = f"{type(exc).__name__}: {exc}"
     out["block_seconds"] = time.monotonic() - block_started
     out["report"] = ws.report.as_json()
-    out["entries"] = FlashInferTuner().entries()
+    out["entries"] = _LOOP["entries"]()
     return out
 
 
@@ -387,15 +420,26 @@ SCENARIOS: dict[str, Callable[[int, int, Path], dict[str, Any]]] = {
 
 
 def run_plan(
-    rank: int, world: int, root: str, names: list[str], dbs: dict[str, str] | None = None
+    rank: int,
+    world: int,
+    root: str,
+    names: list[str],
+    dbs: dict[str, str] | None = None,
+    loop: str = "standin",
 ) -> dict[str, dict[str, Any]]:
     """Run the named scenarios in order on this rank; an error in one is recorded, not raised.
 
     ``dbs`` maps scenario names to the database URL each uses instead of a SQLite file.
+    ``loop="flashinfer"`` tunes through FlashInfer's real ``choose_one`` loop, CUDA timing
+    stood in (``ficache.standin_timing``), instead of the stand-in's loop.
     """
     _quiet_logs()
     _DBS.clear()
     _DBS.update(dbs or {})
+    if loop == "flashinfer":
+        _LOOP.update(tune=_real_loop, entries=_held_entries)
+    elif loop != "standin":
+        raise ValueError(f"unknown tuning loop {loop!r}")
     os.environ["XDG_CACHE_HOME"] = str(Path(root) / "user-cache")
     results: dict[str, dict[str, Any]] = {}
     for name in names:

@@ -34,6 +34,7 @@ if importlib.util.find_spec("vllm") is None:
         allow_module_level=True,
     )
 
+from reliability_log import record  # noqa: E402
 from vllm_ranks import PROBE_KEY  # noqa: E402
 
 from ficache._ranks import free_port  # noqa: E402
@@ -49,8 +50,10 @@ N = len(DEFAULT_SHAPES) * len(DEFAULT_BUCKETS)  # keys the stand-in tunes: 18
 TIMEOUT = float(os.environ.get("FICACHE_VLLM_TEST_TIMEOUT", "300"))
 
 
-def run_scenario(scenario: str, tmp: Path, env: dict[str, str | None]) -> list[dict[str, Any]]:
-    """Start WORLD rank processes; kill them all if they outlast TIMEOUT; return their results."""
+def run_scenario(
+    scenario: str, tmp: Path, env: dict[str, str | None], world: int = WORLD
+) -> list[dict[str, Any]]:
+    """Start ``world`` rank processes; kill them all if they outlast TIMEOUT; return their results."""
     tmp.mkdir(parents=True, exist_ok=True)
     full_env = dict(os.environ)
     full_env.update(
@@ -78,11 +81,11 @@ def run_scenario(scenario: str, tmp: Path, env: dict[str, str | None]) -> list[d
         else:
             full_env[key] = value
     port = free_port()
-    logs = [open(tmp / f"rank{r}.log", "w") for r in range(WORLD)]  # noqa: SIM115
+    logs = [open(tmp / f"rank{r}.log", "w") for r in range(world)]  # noqa: SIM115
     procs = []
     started = time.monotonic()
     try:
-        for rank in range(WORLD):
+        for rank in range(world):
             procs.append(
                 subprocess.Popen(
                     [
@@ -90,7 +93,7 @@ def run_scenario(scenario: str, tmp: Path, env: dict[str, str | None]) -> list[d
                         str(RANKS_SCRIPT),
                         scenario,
                         str(rank),
-                        str(WORLD),
+                        str(world),
                         str(port),
                         str(tmp),
                     ],
@@ -99,7 +102,8 @@ def run_scenario(scenario: str, tmp: Path, env: dict[str, str | None]) -> list[d
                     stderr=subprocess.STDOUT,
                 )
             )
-        deadline = started + TIMEOUT
+        limit = TIMEOUT * max(world // WORLD, 1)  # 4 ranks import vLLM on the same cores
+        deadline = started + limit
         for proc in procs:
             try:
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
@@ -120,11 +124,11 @@ def run_scenario(scenario: str, tmp: Path, env: dict[str, str | None]) -> list[d
 
     if stuck:
         pytest.fail(
-            f"{scenario}: rank(s) {stuck} still running after {TIMEOUT:g} s; killed.\n"
+            f"{scenario}: rank(s) {stuck} still running after {limit:g} s; killed.\n"
             + "\n".join(f"--- rank {r} ---\n{tail(r)}" for r in stuck)
         )
     results = []
-    for rank in range(WORLD):
+    for rank in range(world):
         path = tmp / f"rank{rank}.json"
         if not path.exists():
             pytest.fail(f"{scenario}: rank {rank} wrote no result\n{tail(rank)}")
@@ -441,3 +445,71 @@ def test_failing_rank_fails_both_ranks_at_once_and_commits_nothing(
         assert any("abandoned, nothing is committed" in m for m in errors), step["records"]
     with Registry.open(str(tmp / "fails.db"), create=False) as reg:
         assert reg.log(limit=None) == []
+
+
+# --------------------------------------------------------------------------
+# Pipeline parallelism 2: each stage's TP group warm-starts on its own
+
+
+PP_WORLD = 4  # tp2 x pp2: vLLM's TP groups {0, 1} and {2, 3}
+PP_LAYOUT = "tp2-pp2-dp1-ep1"
+
+
+@pytest.fixture(scope="module")
+def pp2_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
+    tmp = tmp_path_factory.mktemp("vllm-pp2")
+    registry = tmp / "registry.db"
+    return run_scenario("pp2", tmp, {"FICACHE_DB": str(registry)}, world=PP_WORLD), tmp
+
+
+def test_pp2_each_tp_group_warm_starts_with_its_own_leader(
+    pp2_run: tuple[list[dict[str, Any]], Path],
+) -> None:
+    results, tmp = pp2_run
+    for global_rank, result in enumerate(results):
+        assert result["start1_met"] is True  # both stages tuned before either committed
+        groups = result["groups"]
+        stage = global_rank // 2
+        assert groups["global_rank"] == global_rank
+        assert groups["tp_ranks"] == [2 * stage, 2 * stage + 1]
+        assert groups["tp_rank"] == global_rank % 2 and groups["pp_rank"] == stage
+        first, second = result["steps"]["start1"], result["steps"]["start2"]
+        assert first["exception"] is None and second["exception"] is None
+        # vLLM tuned on the TP group (2 ranks), ficache warm-started on that same group:
+        # the report's rank is the rank within the TP group.
+        assert first["dummy_runs"] and all(
+            d["tuning_mode"] and d["group_size"] == 2 for d in first["dummy_runs"]
+        )
+        r1, r2 = first["report"], second["report"]
+        assert (r1["rank"], r1["world_size"], r1["layout"]) == (global_rank % 2, 2, PP_LAYOUT)
+        assert r1["status"] == "cold" and r1["tuned"] == N and first["profiled"] == N
+        assert r1["synchronized"] is True and r1["reason"] is None
+        # Restarted: every rank of both stages loads all N and profiles none.
+        assert (r2["status"], r2["loaded"], r2["tuned"], r2["committed"]) == ("warm", N, 0, 0)
+        assert second["profiled"] == 0 and second["hits"] == N
+        assert first["identical_across_ranks"] is True
+        assert second["identical_across_ranks"] is True
+        assert not ficache_warnings(second)
+    # Both stages committed at once into one registry: the first commit holds all N
+    # shared entries (its stage's leader: global rank 0 or 2); the other stage wrote
+    # nothing new (equal values) or kept its differing values out (report.kept).
+    leaders = [results[0]["steps"]["start1"]["report"], results[2]["steps"]["start1"]["report"]]
+    assert sorted(r["committed"] for r in leaders) == [0, N]
+    with Registry.open(str(tmp / "registry.db"), create=False) as reg:
+        commits = reg.log(limit=None)
+        entries = list(reg.entries())
+    scopes = {e.scope for e in entries}
+    stored = len(entries)
+    assert [(c.kind, c.added, c.world_size, c.layout) for c in commits] == [
+        ("startup", N, 2, PP_LAYOUT)
+    ]
+    assert commits[0].provenance["layout"] == PP_LAYOUT
+    assert scopes == {"shared"} and stored == N
+    record(
+        item="groups smaller than the world",
+        test=os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0],
+        applied="vLLM 0.33 plugin, tp2 x pp2 on 4 gloo ranks: both TP groups start cold at once, then restart",
+        outcome=f"1 commit of {N} shared ({PP_LAYOUT}); restart: 4/4 ranks warm, 0 profiled",
+        ok=True,
+        figures={"wall_s": results[0]["wall_seconds"]},
+    )

@@ -37,6 +37,13 @@ Scenarios (each process runs every step of its scenario in order):
   process then ends, as a vLLM worker would; adoption off).
 - ``off``: ``FICACHE_VLLM=0`` from the start. Rank 0 imports ``kernel_warmup``
   before the plugins load, rank 1 after. One ``start``.
+- ``pp2``: WORLD ranks as tensor parallel WORLD/2 x pipeline parallel 2 (vLLM's
+  layout: TP groups {0, 1} and {2, 3}). Each stage's TP group is its own
+  tuning group and its own warm start, on one shared registry. Steps
+  ``start1`` (fresh registry, both stages at once: every rank's first dummy run
+  waits after tuning until all have tuned, so both stages exported before
+  either commits) and ``start2`` (restarted).
+  Rank 0 imports ``kernel_warmup`` before the plugins load, the others after.
 """
 
 from __future__ import annotations
@@ -98,6 +105,9 @@ class StandInModelRunner:
         self.model = torch.nn.Sequential(torch.nn.Linear(8, 8))
         self.dummy_runs: list[dict[str, Any]] = []
         self.fail_after_first_shape = False  # fault injection, named as such
+        # pp2: (directory, world) where every rank waits after its first tuning, so both
+        # stages exported before either commits (files, no collective).
+        self.rendezvous: tuple[Path, int] | None = None
         self.profiled = 0
         self.hits = 0
         self.reduces = 0
@@ -122,6 +132,13 @@ class StandInModelRunner:
             standin_tune(DEFAULT_SHAPES[:1])
             raise RuntimeError("injected failure in the dummy run")
         result = standin_tune()
+        if self.rendezvous is not None:
+            directory, world = self.rendezvous
+            self.rendezvous = None
+            (directory / f"rank{os.environ['FICACHE_TEST_RANK']}").write_text("tuned\n")
+            deadline = time.monotonic() + 60
+            while len(list(directory.iterdir())) < world and time.monotonic() < deadline:
+                time.sleep(0.05)
         new = [key for key in tuner.profiling_cache if key not in before]
         if new:
             policy = tuner._profiling_policy(CONFIG)
@@ -145,10 +162,11 @@ class StandInModelRunner:
 
 
 def autotuner_state() -> dict[str, Any]:
-    """What the AutoTuner would save (entries only, no ``_metadata``/``_generation``)."""
-    from ficache.tuner import FlashInferTuner
+    """What the AutoTuner would save (entries only, no ``_metadata``/``_generation``), as
+    ``[runner, tactic, policy]``: the value ranks agree on (a selection is per-rank timing)."""
+    from ficache.tuner import FlashInferTuner, row_value
 
-    return {key: list(row) for key, row in sorted(FlashInferTuner().entries().items())}
+    return {key: list(row_value(row)) for key, row in sorted(FlashInferTuner().entries().items())}
 
 
 def files_under(root: Path) -> list[str]:
@@ -232,9 +250,12 @@ class Rank:
             initialize_model_parallel,
         )
 
+        tp, pp = (self.world // 2, 2) if self.scenario == "pp2" else (self.world, 1)
         config = VllmConfig(
             parallel_config=ParallelConfig(
-                tensor_parallel_size=self.world, cpu_distributed_timeout_seconds=60
+                tensor_parallel_size=tp,
+                pipeline_parallel_size=pp,
+                cpu_distributed_timeout_seconds=60,
             )
         )
         with set_current_vllm_config(config):
@@ -247,7 +268,7 @@ class Rank:
                 timeout=timedelta(seconds=60),
             )
             initialize_model_parallel(
-                tensor_model_parallel_size=self.world, pipeline_model_parallel_size=1
+                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
             )
         self.tick("init_distributed")
         return config
@@ -317,6 +338,9 @@ class Rank:
         if self.scenario == "off":
             self.start("start", kw, runner, config)
             return
+        if self.scenario == "pp2":
+            self.pipeline_parallel(kw, runner, config)
+            return
         if self.scenario != "plugin":
             raise SystemExit(f"unknown scenario {self.scenario}")
         if self.rank == 0:  # unusable registries for the last two starts
@@ -365,6 +389,29 @@ class Rank:
         os.environ["FICACHE_DB"] = str(tmp / "fails.db")
         os.environ["FICACHE_ADOPT"] = "0"  # vLLM's files stay under VLLM_CACHE_ROOT
         self.start("rank1_fails", kw, runner, config, compare=False)
+
+    def pipeline_parallel(self, kw: Any, runner: StandInModelRunner, config: Any) -> None:
+        """``pp2``: each stage's TP group warm-starts on its own; both share FICACHE_DB."""
+        import torch.distributed as dist
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group, get_world_group
+
+        tp, pp = get_tp_group(), get_pp_group()
+        self.result["groups"] = {
+            "tp_ranks": list(tp.ranks),
+            "tp_rank": tp.rank_in_group,
+            "pp_ranks": list(pp.ranks),
+            "pp_rank": pp.rank_in_group,
+            "global_rank": dist.get_rank(),
+        }
+        together = self.out / "start1-tuned"
+        if self.rank == 0:
+            together.mkdir()
+        dist.barrier(group=get_world_group().cpu_group)
+        os.environ["FICACHE_TEST_RANK"] = str(self.rank)
+        runner.rendezvous = (together, self.world)
+        self.start("start1", kw, runner, config)
+        self.result["start1_met"] = len(list(together.iterdir())) == self.world
+        self.start("start2", kw, runner, config)
 
     def adoption(self, kw: Any, runner: StandInModelRunner, config: Any) -> None:
         """Steps ``adopt``, ``adopt_again`` and ``adopt_off`` over vLLM's own per-rank files."""
