@@ -16,6 +16,7 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
+import reliability_log
 from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
@@ -206,7 +207,14 @@ def test_real_imports_merges_prunes_and_reverts_stay_clean(
     data = json.loads(result.stdout)
     assert (data["ok"], data["checked"], data["problems"]) == (
         True,
-        {"fingerprints": 1, "entries": 2, "commits": 5, "changes": 10},
+        {
+            "fingerprints": 1,
+            "entries": 2,
+            "commits": 5,
+            "changes": 10,
+            "records": 0,
+            "record_changes": 0,
+        },
         [],
     )
 
@@ -219,9 +227,18 @@ def test_every_frozen_registry_upgraded_to_head_is_clean(frozen: Path, tmp_path:
 
     report = verify(str(path))
 
+    # Registries made at 0003_records and later hold two records, each added once.
+    records = 2 if frozen.stem >= "registry-0003" else 0
     assert (report.problems, report.checked) == (
         (),
-        Checked(fingerprints=2, entries=4, commits=4, changes=7),
+        Checked(
+            fingerprints=2,
+            entries=4,
+            commits=4,
+            changes=7,
+            records=records,
+            record_changes=records,
+        ),
     )
 
 
@@ -267,7 +284,9 @@ def commits(report: VerifyReport) -> int:
 
 
 @both_backends
-def test_verify_is_clean_while_a_writer_commits(registry_db: str, tmp_path: Path) -> None:
+def test_verify_is_clean_while_a_writer_commits(
+    registry_db: str, backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     build(registry_db)
     started, stop = tmp_path / "started", tmp_path / "stop"
     script = WRITER_UNTIL_STOPPED.format(
@@ -295,6 +314,15 @@ def test_verify_is_clean_while_a_writer_commits(registry_db: str, tmp_path: Path
     first, last = commits(reports[0]), commits(reports[-1])
     assert first > 6 and last >= first + 10  # the writer committed before and while they ran
     assert verify(registry_db).ok
+    reliability_log.record(
+        item="2. verify",
+        test=request.node.nodeid,
+        backend=backend,
+        applied=f"{len(reports)} verifies while a writer made {last - first} commits",
+        outcome=f"{len(reports)}/{len(reports)} clean (one snapshot each)",
+        ok=True,
+        figures={"verifies": len(reports), "commits_meanwhile": last - first},
+    )
 
 
 # -- damage ----------------------------------------------------------------------------
@@ -410,7 +438,9 @@ DAMAGE = {
 
 @both_backends
 @pytest.mark.parametrize("damage", DAMAGE, ids=list(DAMAGE))
-def test_damage_is_found_read_only(cli, registry_db: str, dump_db, damage: str) -> None:
+def test_damage_is_found_read_only(
+    cli, registry_db: str, backend: str, dump_db, damage: str, request: pytest.FixtureRequest
+) -> None:
     statements, counts, first = DAMAGE[damage]
     build(registry_db)
     behind_the_back(registry_db, *statements)
@@ -428,6 +458,18 @@ def test_damage_is_found_read_only(cli, registry_db: str, dump_db, damage: str) 
     assert lines[2 + len(report.notes)] == f"{found} problem{'s' if found > 1 else ''}:"
     assert f"  {first}" in lines
     assert dump_db(registry_db) == before
+    reliability_log.record(
+        item="2. verify",
+        test=request.node.nodeid,
+        backend=backend,
+        applied=f"{damage}, by plain SQL: {'; '.join(statements)}",
+        outcome=(
+            f"found: {', '.join(f'{k} {n}' for k, n in sorted(counts.items()))}; exit 1; "
+            "registry unchanged"
+        ),
+        ok=True,
+        figures={"problems": found},
+    )
 
 
 @both_backends
@@ -477,7 +519,14 @@ def test_the_json_report(cli, registry_db: str, backend: str) -> None:
         "revision": HEAD,
         "head": HEAD,
         "ok": False,
-        "checked": {"fingerprints": 2, "entries": 5, "commits": 6, "changes": 15},
+        "checked": {
+            "fingerprints": 2,
+            "entries": 5,
+            "commits": 6,
+            "changes": 15,
+            "records": 0,
+            "record_changes": 0,
+        },
         "counts": {"entry_value": 1},
         "problems": [
             {
