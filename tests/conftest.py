@@ -237,3 +237,15 @@ def _dump_postgres(url: str) -> list[str]:
 @pytest.fixture
 def dump_db() -> Callable[[str | Path], list[str]]:
     return _dump
+
+
+@pytest.fixture(scope="module")
+def forker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One forker per test module (``tests/forker.py``: torch imported once, children forked)."""
+    from forker import Forker
+
+    f = Forker(tmp_path_factory.mktemp("forker"))
+    try:
+        yield f
+    finally:
+        f.stop()

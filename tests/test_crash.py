@@ -58,7 +58,7 @@ import random
 import shutil
 import signal
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,18 +111,6 @@ def key(op: int, m: int) -> str:
 def cache_bytes(metadata: dict[str, str] | None, ms: range, tactic: int, op: int = 0) -> bytes:
     entries = {key(op, m): ["Runner", [tactic, m]] for m in ms}
     return json.dumps({"_metadata": metadata, **entries} if metadata else entries).encode()
-
-
-# -- the forker (tests/forker.py) ------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def forker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Forker]:
-    f = Forker(tmp_path_factory.mktemp("forker"))
-    try:
-        yield f
-    finally:
-        f.stop()
 
 
 # -- registries to kill: fresh copies of one base ---------------------------------------------

@@ -45,7 +45,6 @@ import random
 import statistics
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,15 +72,6 @@ both_backends = pytest.mark.usefixtures("backend")
 
 Ident = tuple[str, str, str]
 Value = tuple[str, str, str | None]
-
-
-@pytest.fixture(scope="module")
-def forker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Forker]:
-    f = Forker(tmp_path_factory.mktemp("forker"))
-    try:
-        yield f
-    finally:
-        f.stop()
 
 
 def percentile(values: list[float], q: float) -> float:
