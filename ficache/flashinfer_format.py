@@ -49,9 +49,9 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
+import operator
 import os
 import re
 import tempfile
@@ -81,63 +81,38 @@ MAX_SELECTION_CHARS = 64 * 1024
 
 
 Shapes = tuple[tuple[int, ...], ...]
-_set_attr = object.__setattr__
+_tuple_new = tuple.__new__
 
 
-class KeyFields:
+def _shapes_to_json(shapes: Shapes) -> str:
+    """The canonical JSON text of integer shape tuples: ``((1,), (2, 3))`` -> ``[[1], [2, 3]]``."""
+    # Python's repr of a list of int lists is exactly its JSON (and faster).
+    return repr([list(s) for s in shapes])
+
+
+class KeyFields(tuple[str, str, str, str]):
     """The readable parts of a ``file_key``; extras stay as their source text.
 
-    Immutable; equal (and hashed) by op, runner, shapes and extras, like a
-    frozen dataclass of those four fields. ``shapes`` and ``shapes_json`` are
-    two forms of one value: a ``KeyFields`` keeps the form it was made from
-    (the parser's fast path reads the JSON form straight from the key's
-    text) and makes the other on first use.
+    A tuple ``(op, runner, extras, shapes_json)`` with named fields, so it is
+    immutable, and equal and hashed by op, runner, shapes and extras (the
+    JSON form of shapes is canonical: one text per value). Bulk parsing makes
+    it with one ``tuple.__new__`` from the JSON text it read from the key;
+    ``shapes`` is read back from that text when asked for (rarely: display).
     """
 
-    __slots__ = ("op", "runner", "extras", "_shapes", "_shapes_json")
+    __slots__ = ()
 
-    op: str
-    runner: str
-    extras: str
-    _shapes: Shapes | None
-    _shapes_json: str | None
+    def __new__(cls, op: str, runner: str, shapes: Shapes, extras: str) -> KeyFields:
+        return _tuple_new(cls, (op, runner, extras, _shapes_to_json(shapes)))
 
-    def __init__(self, op: str, runner: str, shapes: Shapes, extras: str) -> None:
-        _set_attr(self, "op", op)
-        _set_attr(self, "runner", runner)
-        _set_attr(self, "extras", extras)
-        _set_attr(self, "_shapes", shapes)
-        _set_attr(self, "_shapes_json", None)
+    op = property(operator.itemgetter(0), doc="The custom op's name.")
+    runner = property(operator.itemgetter(1), doc="The runner class's name.")
+    extras = property(operator.itemgetter(2), doc="The key's own text of its fourth element.")
+    shapes_json = property(operator.itemgetter(3), doc="The shapes as canonical JSON text.")
 
     @property
     def shapes(self) -> Shapes:
-        shapes = self._shapes
-        if shapes is None:
-            assert self._shapes_json is not None
-            shapes = tuple(map(tuple, json.loads(self._shapes_json)))
-            _set_attr(self, "_shapes", shapes)
-        return shapes
-
-    @property
-    def shapes_json(self) -> str:
-        text = self._shapes_json
-        if text is None:
-            # Python's repr of a list of int lists is exactly its JSON (and faster).
-            text = repr([list(s) for s in self.shapes])
-            _set_attr(self, "_shapes_json", text)
-        return text
-
-    def _astuple(self) -> tuple[str, str, Shapes, str]:
-        return (self.op, self.runner, self.shapes, self.extras)
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is not KeyFields:
-            return NotImplemented
-        assert isinstance(other, KeyFields)
-        return self._astuple() == other._astuple()
-
-    def __hash__(self) -> int:
-        return hash(self._astuple())
+        return tuple(map(tuple, json.loads(self[3])))
 
     def __repr__(self) -> str:
         return (
@@ -145,45 +120,53 @@ class KeyFields:
             f"extras={self.extras!r})"
         )
 
-    def __reduce__(self) -> tuple[type[KeyFields], tuple[str, str, Shapes, str]]:
-        return (KeyFields, self._astuple())
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
-
-    def __delattr__(self, name: str) -> None:
-        raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r}")
+    def __getnewargs__(self) -> tuple[str, str, Shapes, str]:
+        return (self.op, self.runner, self.shapes, self.extras)
 
 
-@dataclass(frozen=True, slots=True)
-class FileEntry:
-    key: str
-    runner: str
-    tactic_json: str  # canonical JSON text
-    policy_json: str | None  # canonical JSON text, or None when absent
-    fields: KeyFields  # read from ``key`` once, when the file was parsed
-    selection_json: str | None = None  # canonical JSON object, or None when absent
+class FileEntry(tuple[str, str, str, "str | None", KeyFields, "str | None"]):
+    """One entry of a cache file, checked: a tuple with named fields.
 
+    ``(key, runner, tactic_json, policy_json, fields, selection_json)``:
+    the key verbatim, the runner, the tactic and policy as canonical JSON
+    text (policy ``None`` when absent), the key's parsed ``fields``, and the
+    selection as canonical JSON text (``None`` when absent). A tuple, so that
+    bulk parsing makes one with a single ``tuple.__new__``.
+    """
 
-# Bulk construction of ``KeyFields`` (from the JSON form of its shapes) and
-# of the frozen dataclass ``FileEntry``: ``object.__new__`` plus the slots'
-# own setters, which is what their ``__init__`` does, at a third of the cost
-# of the dataclass's (it calls ``object.__setattr__`` per field).
-_new = object.__new__
-_set_kf = tuple(vars(KeyFields)[name].__set__ for name in KeyFields.__slots__)
-_set_fe = tuple(getattr(FileEntry, f.name).__set__ for f in dataclasses.fields(FileEntry))
+    __slots__ = ()
+
+    def __new__(
+        cls,
+        key: str,
+        runner: str,
+        tactic_json: str,
+        policy_json: str | None,
+        fields: KeyFields,
+        selection_json: str | None = None,
+    ) -> FileEntry:
+        return _tuple_new(cls, (key, runner, tactic_json, policy_json, fields, selection_json))
+
+    key = property(operator.itemgetter(0), doc="The key, verbatim.")
+    runner = property(operator.itemgetter(1), doc="The runner class's name.")
+    tactic_json = property(operator.itemgetter(2), doc="The tactic, canonical JSON text.")
+    policy_json = property(operator.itemgetter(3), doc="The policy (JSON text), or None.")
+    fields = property(operator.itemgetter(4), doc="``key`` parsed, once, when read.")
+    selection_json = property(operator.itemgetter(5), doc="The selection (JSON), or None.")
+
+    def __repr__(self) -> str:
+        return (
+            f"FileEntry(key={self[0]!r}, runner={self[1]!r}, tactic_json={self[2]!r}, "
+            f"policy_json={self[3]!r}, fields={self[4]!r}, selection_json={self[5]!r})"
+        )
+
+    def __getnewargs__(self) -> tuple[Any, ...]:
+        return tuple(self)
 
 
 def _key_fields(op: str, runner: str, shapes_json: str, extras: str) -> KeyFields:
     """``KeyFields`` of a key whose shapes were read as JSON text (valid, canonical)."""
-    kf = _new(KeyFields)
-    set_op, set_runner, set_extras, set_shapes, set_shapes_json = _set_kf
-    set_op(kf, op)
-    set_runner(kf, runner)
-    set_extras(kf, extras)
-    set_shapes(kf, None)
-    set_shapes_json(kf, shapes_json)
-    return kf
+    return _tuple_new(KeyFields, (op, runner, extras, shapes_json))
 
 
 @dataclass(frozen=True)
@@ -347,9 +330,9 @@ def _parse_literal(text: str) -> tuple[Any, list[tuple[int, int]]]:
 # No leading zeros, no "-0": also valid JSON. At most 19 digits: a longer
 # integer takes the general path, which refuses one past Python's int limit.
 _REPR_INT = r"(?:0|-?[1-9][0-9]{0,18})"
-_REPR_SHAPE = rf"\((?:{_REPR_INT}(?:, {_REPR_INT})*,?)?\)"
+_REPR_SHAPE = rf"\((?:{_REPR_INT}(?:, {_REPR_INT})*+,?)?\)"
 _COMMON_KEY = re.compile(
-    rf"\('([^'\\\n]+)', '([^'\\\n]+)', (\((?:{_REPR_SHAPE}(?:, {_REPR_SHAPE})*,?)?\)), (\(.*\))\)",
+    rf"\('([^'\\\n]++)', '([^'\\\n]++)', (\((?:{_REPR_SHAPE}(?:, {_REPR_SHAPE})*+,?)?\)), (\(.*\))\)",
     re.DOTALL,
 )
 # A matched shapes text becomes JSON by dropping trailing commas and turning
@@ -628,9 +611,7 @@ def _read_entries(top: dict[str, Any]) -> tuple[list[FileEntry], list[str], int]
     chunks = _json_chunks
     join = "".join
     to_json = _shapes_json
-    new = _new
-    set_op, set_runner, set_extras, set_shapes, set_shapes_json = _set_kf
-    set_key, set_entry_runner, set_tactic, set_policy, set_fields, set_selection = _set_fe
+    new = _tuple_new
     max_key, max_depth = MAX_KEY_CHARS, MAX_TACTIC_DEPTH
     max_sel_depth, max_sel_chars = MAX_SELECTION_DEPTH, MAX_SELECTION_CHARS
     ignored = 0
@@ -676,19 +657,10 @@ def _read_entries(top: dict[str, Any]) -> tuple[list[FileEntry], list[str], int]
                             )
                         )
                     ):
-                        kf = new(KeyFields)
-                        set_op(kf, op)
-                        set_runner(kf, runner)
-                        set_extras(kf, extras)
-                        set_shapes(kf, None)  # made from the JSON form when asked for
-                        set_shapes_json(kf, to_json(shapes_text))
-                        entry = new(FileEntry)
-                        set_key(entry, key)
-                        set_entry_runner(entry, runner)
-                        set_tactic(entry, tactic_json)
-                        set_policy(entry, policy_json)
-                        set_fields(entry, kf)
-                        set_selection(entry, sel_json)
+                        kf = new(KeyFields, (op, runner, extras, to_json(shapes_text)))
+                        entry = new(
+                            FileEntry, (key, runner, tactic_json, policy_json, kf, sel_json)
+                        )
                         append(entry)
                         continue
         try:
