@@ -231,20 +231,13 @@ def _flashinfer_source(path: Path) -> MergeSource:
         raise FingerprintError(f"{path}: {exc}") from None
     fp = _interned(fp)
     tuned_at = stat.st_mtime  # a FlashInfer file does not say when each entry was tuned
-    make = bulk_new_entry
+    make, scope = bulk_new_entry, SHARED_SCOPE
+    # A FileEntry is (key, runner, tactic, policy, fields, selection).
     entries = tuple(
-        make(
-            fp,
-            e.key,
-            e.runner,
-            e.tactic_json,
-            e.policy_json,
-            SHARED_SCOPE,
-            e.fields,
-            tuned_at,
-            e.selection_json,
-        )
-        for e in cache.entries
+        [
+            make(fp, key, runner, tactic, policy, scope, kf, tuned_at, selection)
+            for key, runner, tactic, policy, kf, selection in cache.entries
+        ]
     )
     records = tuple(
         NewRecord(fp, ns, key, value, SHARED_SCOPE, tuned_at)
@@ -355,8 +348,10 @@ def _registry_source(spec: str) -> MergeSource:
     fps = {fid: _interned(fp) for fid, fp in fps.items()}
     make = bulk_new_entry
     entries = tuple(
-        make(fps[fid], key, runner, tactic, policy, scope, None, tuned_at, selection)
-        for fid, scope, key, runner, tactic, policy, tuned_at, selection in rows
+        [
+            make(fps[fid], key, runner, tactic, policy, scope, None, tuned_at, selection)
+            for fid, scope, key, runner, tactic, policy, tuned_at, selection in rows
+        ]
     )
     records = tuple(
         NewRecord(fps[fid], ns, key, value, scope, tuned_at)
@@ -629,16 +624,18 @@ def _plan(registry: Registry, sources: Sequence[MergeSource], policy: str) -> Me
         last_scope: str | None = None
         index = -1
         candidates: dict[str, list[tuple[int, NewEntry]]] = {}
+        # A NewEntry is (fingerprint, key, runner, tactic, policy, scope, fields,
+        # tuned_at, selection): read by index in the hot loops.
         for e in source.entries:
-            if e.fingerprint is not last_fp or e.scope != last_scope:
-                if e.fingerprint is not last_fp:
-                    last_fp = e.fingerprint
+            if e[0] is not last_fp or e[5] != last_scope:
+                if e[0] is not last_fp:
+                    last_fp = e[0]
                     index = fp_index.setdefault(last_fp, len(fp_index))
-                last_scope = e.scope
+                last_scope = e[5]
                 candidates = by_group.setdefault((index, last_scope), {})
-            found = candidates.get(e.key)
+            found = candidates.get(e[1])
             if found is None:
-                candidates[e.key] = [(number, e)]
+                candidates[e[1]] = [(number, e)]
             elif found[-1][0] == number:  # a duplicate within one source: the later wins
                 found[-1] = (number, e)
             else:
@@ -694,8 +691,8 @@ def _plan(registry: Registry, sources: Sequence[MergeSource], policy: str) -> Me
         for key in sorted(candidates):
             cands = candidates[key]
             first = cands[0][1]
-            if first.fields is not None:
-                op = first.fields.op
+            if (fields := first[6]) is not None:
+                op = fields.op
             else:
                 op = ops.get(key) or ops.setdefault(key, parse_key(key).op)
             group = counts_of_op.get(op)
@@ -706,10 +703,10 @@ def _plan(registry: Registry, sources: Sequence[MergeSource], policy: str) -> Me
                 baseline: _Value | None = now[0]
             else:
                 baseline = tombstones.get((index, scope, key)) if tombstones else None
-            value = (first.runner, first.tactic_json, first.policy_json)
+            value = (first[2], first[3], first[4])  # runner, tactic, policy
             agree = True
             for _n, e in cands:  # the hot loop: plain comparisons, no tuples
-                if e.tactic_json != value[1] or e.policy_json != value[2] or e.runner != value[0]:
+                if e[3] != value[1] or e[4] != value[2] or e[2] != value[0]:
                     agree = False
                     break
             if agree and (baseline is None or baseline == value):

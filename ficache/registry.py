@@ -30,9 +30,9 @@ Invariants:
 
 from __future__ import annotations
 
-import dataclasses
 import getpass
 import json
+import operator
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -109,21 +109,81 @@ def validate_scope(scope: str) -> str:
     raise ValueError(f"scope must be 'shared' or '<layout>/rank<N>', got {scope!r}")
 
 
-@dataclass(frozen=True, slots=True)
-class NewEntry:
-    """One entry a writer wants stored."""
+class NewEntry(tuple[Any, ...]):
+    """One entry a writer wants stored: a tuple with named fields.
 
-    fingerprint: Fingerprint
-    key: str
-    runner: str
-    tactic_json: str
-    policy_json: str | None = None
-    scope: str = SHARED_SCOPE
-    fields: KeyFields | None = None  # parsed ``key``, when the caller has it
-    tuned_at: float | None = None  # when the value was tuned; None: now
-    #: How FlashInfer chose the value (canonical JSON object; None: not known).
-    #: Not part of the value: it is written with it and replaced with it.
-    selection_json: str | None = None
+    ``(fingerprint, key, runner, tactic_json, policy_json, scope, fields,
+    tuned_at, selection_json)``; made like a dataclass, by position or by
+    name, with the defaults below. A tuple so that bulk readers make one
+    with a single ``tuple.__new__`` (``bulk_new_entry``), and immutable.
+
+    - ``tactic_json``/``policy_json``: canonical JSON text (policy None: absent).
+    - ``fields``: the parsed ``key``, when the caller has it.
+    - ``tuned_at``: when the value was tuned; None: now.
+    - ``selection_json``: how FlashInfer chose the value (canonical JSON
+      object; None: not known). Not part of the value: it is written with it
+      and replaced with it.
+    """
+
+    __slots__ = ()
+
+    def __new__(
+        cls,
+        fingerprint: Fingerprint,
+        key: str,
+        runner: str,
+        tactic_json: str,
+        policy_json: str | None = None,
+        scope: str = SHARED_SCOPE,
+        fields: KeyFields | None = None,
+        tuned_at: float | None = None,
+        selection_json: str | None = None,
+    ) -> NewEntry:
+        return _tuple_new(
+            cls,
+            (
+                fingerprint,
+                key,
+                runner,
+                tactic_json,
+                policy_json,
+                scope,
+                fields,
+                tuned_at,
+                selection_json,
+            ),
+        )
+
+    fingerprint: Fingerprint = property(operator.itemgetter(0))  # type: ignore[assignment]
+    key: str = property(operator.itemgetter(1))  # type: ignore[assignment]
+    runner: str = property(operator.itemgetter(2))  # type: ignore[assignment]
+    tactic_json: str = property(operator.itemgetter(3))  # type: ignore[assignment]
+    policy_json: str | None = property(operator.itemgetter(4))  # type: ignore[assignment]
+    scope: str = property(operator.itemgetter(5))  # type: ignore[assignment]
+    fields: KeyFields | None = property(operator.itemgetter(6))  # type: ignore[assignment]
+    tuned_at: float | None = property(operator.itemgetter(7))  # type: ignore[assignment]
+    selection_json: str | None = property(operator.itemgetter(8))  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        names = _NEW_ENTRY_FIELDS
+        return "NewEntry(" + ", ".join(f"{n}={v!r}" for n, v in zip(names, self, strict=True)) + ")"
+
+    def __getnewargs__(self) -> tuple[Any, ...]:
+        return tuple(self)
+
+
+_tuple_new = tuple.__new__
+_NEW_ENTRY_FIELDS = (
+    "fingerprint",
+    "key",
+    "runner",
+    "tactic_json",
+    "policy_json",
+    "scope",
+    "fields",
+    "tuned_at",
+    "selection_json",
+)
 
 
 def bulk_new_entry(
@@ -137,38 +197,24 @@ def bulk_new_entry(
     tuned_at: float | None,
     selection_json: str | None = None,
 ) -> NewEntry:
-    """``NewEntry(...)`` with every field given, at half the cost: for bulk readers.
+    """``NewEntry(...)`` with every field given by position: for bulk readers.
 
-    ``NewEntry`` is frozen, so its generated ``__init__`` sets each field
-    through ``object.__setattr__``; this sets them through the slots' own
-    setters, as that does underneath. The same object.
+    The same object, made without the keyword handling of ``NewEntry``.
     """
-    entry = _object_new(NewEntry)
-    (
-        set_fp,
-        set_key,
-        set_runner,
-        set_tactic,
-        set_policy,
-        set_scope,
-        set_fields,
-        set_tuned,
-        set_selection,
-    ) = _NEW_ENTRY_SETTERS
-    set_fp(entry, fingerprint)
-    set_key(entry, key)
-    set_runner(entry, runner)
-    set_tactic(entry, tactic_json)
-    set_policy(entry, policy_json)
-    set_scope(entry, scope)
-    set_fields(entry, fields)
-    set_tuned(entry, tuned_at)
-    set_selection(entry, selection_json)
-    return entry
-
-
-_object_new = object.__new__
-_NEW_ENTRY_SETTERS = tuple(vars(NewEntry)[f.name].__set__ for f in dataclasses.fields(NewEntry))
+    return _tuple_new(
+        NewEntry,
+        (
+            fingerprint,
+            key,
+            runner,
+            tactic_json,
+            policy_json,
+            scope,
+            fields,
+            tuned_at,
+            selection_json,
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -950,18 +996,18 @@ class Registry:
         fp_index = -1
         scopes: set[str] = set()
         for entry in entries:
-            fp = entry.fingerprint
+            fp = entry[0]  # NewEntry.fingerprint
             if fp is not last_fp:  # entries come in runs of one fingerprint: hash it once
                 last_fp = fp
                 fp_index = fingerprints.setdefault(fp, len(fingerprints))
                 if fp_index == len(scopes_by_fp):
                     scopes_by_fp.append(set())
                 scopes = scopes_by_fp[fp_index]
-            scope = entry.scope
+            scope = entry[5]  # NewEntry.scope
             if scope not in scopes:
                 validate_scope(scope)
                 scopes.add(scope)
-            wanted[(fp_index, scope, entry.key)] = entry
+            wanted[(fp_index, scope, entry[1])] = entry  # NewEntry.key
         removal_ids: set[tuple[Fingerprint, str, str]] = set()
         for fp, scope, key in removals:
             validate_scope(scope)
@@ -974,7 +1020,7 @@ class Registry:
         # those of entries that do not carry their parsed key already.
         fields: dict[str, KeyFields] = {}
         for (_fp, _scope, key), entry in wanted.items():
-            if entry.fields is None and key not in fields:
+            if entry[6] is None and key not in fields:  # NewEntry.fields
                 try:
                     fields[key] = parse_key(key)
                 except ValueError as exc:
@@ -1066,11 +1112,8 @@ class Registry:
                     old = existing.get((fid, scope, key))
                     if old is None:
                         added.append((fid, scope, key, entry))
-                    elif (old[1], old[2], old[3]) == (
-                        entry.runner,
-                        entry.tactic_json,
-                        entry.policy_json,
-                    ):
+                    elif old[2] == entry[3] and old[3] == entry[4] and old[1] == entry[2]:
+                        # the same tactic, policy and runner (NewEntry[2:5])
                         unchanged += 1
                     elif keep_existing:
                         kept += 1
@@ -1105,21 +1148,23 @@ class Registry:
                 records_removed=len(staged.removed),
             )
             rec.apply(conn, commit_id, staged, now)
+            # A NewEntry is (fingerprint, key, runner, tactic, policy, scope,
+            # fields, tuned_at, selection); a KeyFields (op, runner, extras, shapes).
             rows = [
                 (
                     fid,
                     scope,
                     key,
-                    (kf := e.fields or fields[key]).op,
-                    e.runner,
-                    kf.shapes_json,
-                    kf.extras,
-                    e.tactic_json,
-                    e.policy_json,
+                    (kf := e[6] or fields[key])[0],
+                    e[2],
+                    kf[3],
+                    kf[2],
+                    e[3],
+                    e[4],
                     commit_id,
                     now,
-                    now if (tuned_at := e.tuned_at) is None else tuned_at,
-                    e.selection_json,
+                    now if (tuned_at := e[7]) is None else tuned_at,
+                    e[8],
                 )
                 for fid, scope, key, e in added
             ]
@@ -1272,22 +1317,15 @@ class Registry:
         files: Sequence[tuple[str, CacheFile]], fingerprint: Fingerprint | None, scope: str
     ) -> list[NewEntry]:
         new: list[NewEntry] = []
+        make = _tuple_new
         for source, cache in files:
             fp = Registry._file_fingerprint(source, cache, fingerprint)
-            make = bulk_new_entry
+            # A FileEntry is (key, runner, tactic, policy, fields, selection).
             new.extend(
-                make(
-                    fp,
-                    e.key,
-                    e.runner,
-                    e.tactic_json,
-                    e.policy_json,
-                    scope,
-                    e.fields,
-                    None,
-                    e.selection_json,
-                )
-                for e in cache.entries
+                [
+                    make(NewEntry, (fp, key, runner, tactic, policy, scope, kf, None, selection))
+                    for key, runner, tactic, policy, kf, selection in cache.entries
+                ]
             )
         return new
 

@@ -5,7 +5,6 @@ Every test that uses the ``reg`` fixture runs on SQLite and on PostgreSQL
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pickle
 import sqlite3
@@ -529,7 +528,22 @@ def test_bulk_new_entry_builds_the_same_entry_as_the_constructor() -> None:
     fast = bulk_new_entry(*values)
 
     assert fast == NewEntry(*values)
-    assert tuple(getattr(fast, f.name) for f in dataclasses.fields(NewEntry)) == values
+    assert type(fast) is NewEntry
+    names = (
+        "fingerprint",
+        "key",
+        "runner",
+        "tactic_json",
+        "policy_json",
+        "scope",
+        "fields",
+        "tuned_at",
+        "selection_json",
+    )
+    assert tuple(getattr(fast, name) for name in names) == values
+    assert NewEntry(**dict(zip(names, values, strict=True))) == fast
     assert pickle.loads(pickle.dumps(fast)) == fast
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    assert type(pickle.loads(pickle.dumps(fast))) is NewEntry
+    assert "runner='CutlassRunner'" in repr(fast)
+    with pytest.raises(AttributeError):
         fast.key = "other"  # type: ignore[misc]
