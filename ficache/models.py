@@ -130,7 +130,6 @@ class EntryRow(Base):
 
     __table_args__ = (
         UniqueConstraint("fingerprint_id", "scope", "key", name="uq_entries_fingerprint_scope_key"),
-        Index("ix_entries_op", "op"),
         Index("ix_entries_commit_id", "commit_id"),
     )
 

@@ -555,7 +555,7 @@ def test_a_damaged_index_page_fails_integrity_check(cli, registry_path: Path) ->
     with sqlite3.connect(registry_path) as conn:
         page_size = conn.execute("PRAGMA page_size").fetchone()[0]
         root = conn.execute(
-            "SELECT rootpage FROM sqlite_master WHERE name = 'ix_entries_op'"
+            "SELECT rootpage FROM sqlite_master WHERE name = 'sqlite_autoindex_entries_1'"
         ).fetchone()[0]
     conn.close()
     data = bytearray(registry_path.read_bytes())
