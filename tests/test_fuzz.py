@@ -1167,7 +1167,7 @@ def test_arguments_the_fuzzer_found(
     assert registry.read_bytes() == cli_world["pristine"]
 
 
-@pytest.mark.postgres  # runs where the driver is installed (tox -e postgres); needs no server
+@pytest.mark.postgres  # runs where the driver is installed (tox -e test); needs no server
 def test_db_current_on_a_server_that_cannot_be_reached_is_one_line(cli_world: CliWorld) -> None:
     url = "postgresql+psycopg://u@127.0.0.1:1/x"  # port 1: refused at once
     for argv in (["db", "current"], ["db", "downgrade", "base", "--yes"]):
