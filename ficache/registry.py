@@ -301,6 +301,7 @@ class WriteResult:
     removed: int = 0
     unchanged: int = 0
     kept: int = 0  # values not written: the entry held another one (``keep_existing``)
+    shared_written: int = 0  # of ``added + replaced``, the entries of the shared scope
     records_added: int = 0
     records_replaced: int = 0
     records_removed: int = 0
@@ -1256,6 +1257,8 @@ class Registry:
                 removed=len(removed),
                 unchanged=unchanged,
                 kept=kept,
+                shared_written=sum(1 for a in added if a[1] == SHARED_SCOPE)
+                + sum(1 for r in replaced if r[1] == SHARED_SCOPE),
                 records_added=len(staged.added),
                 records_replaced=len(staged.replaced),
                 records_removed=len(staged.removed),

@@ -203,8 +203,8 @@ class WarmStartReport:
     tuned: int = 0  # new entries this rank produced
     committed: int = 0  # registry rows this start added or replaced (all ranks)
     commit_id: int | None = None
-    shared: int = 0  # new keys stored shared
-    scoped: int = 0  # new rows stored scoped to one rank of the layout
+    shared: int = 0  # new keys this start stored shared
+    scoped: int = 0  # new rows this start stored scoped to one rank of the layout
     disagreements: int = 0  # new keys whose value differed between ranks
     kept: int = 0  # new values not committed: another server had committed another value first
     records_loaded: int = 0  # namespaced records this rank loaded
@@ -1014,6 +1014,9 @@ class WarmStart:
                         ],
                     )
                     result["committed"] = written.added + written.replaced
+                    # What this start wrote: a key another server committed first is in neither.
+                    result["shared"] = written.shared_written
+                    result["scoped"] = result["committed"] - written.shared_written
                     result["records_committed"] = written.records_added + written.records_replaced
                     if written.records_kept:
                         result["warnings"].append(

@@ -291,6 +291,7 @@ def test_a_start_keeps_the_value_another_server_committed_first(
 
     report = ws.report
     assert (report.tuned, report.committed, report.kept, report.commit_id) == (18, 0, 18, None)
+    assert (report.shared, report.scoped) == (0, 0)  # what this start stored: nothing
     assert report.reason is None
     assert report.warnings == [
         "18 tuned values not stored: another server committed other values for those keys "

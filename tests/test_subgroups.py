@@ -134,6 +134,9 @@ def _check_together(
     assert commits[0]["global_rank"] == (0, 2)[winner]
     assert leaders[winner]["committed"] == ALL and leaders[winner]["kept"] == 0
     assert leaders[1 - winner]["committed"] == 0 and leaders[1 - winner]["commit_id"] is None
+    # shared and scoped count what each leader stored: the losing group stored nothing.
+    assert (leaders[winner]["shared"], leaders[winner]["scoped"]) == (ALL, 0)
+    assert (leaders[1 - winner]["shared"], leaders[1 - winner]["scoped"]) == (0, 0)
     stored = job[0][stored_key]
     assert list(stored) == ["shared"] and len(stored["shared"]) == ALL
     # Nothing lost, every rank of both groups ends on the stored values.
