@@ -8,7 +8,9 @@ Invariants:
   transaction begins with ``BEGIN IMMEDIATE`` so two writers queue on the
   lock instead of failing on a read-to-write upgrade.
 - A path that exists and is not a SQLite file is refused before SQLite
-  touches it. A read-only file is opened immutable and read-only.
+  touches it. A read-only file is opened read-only: immutable when its WAL
+  holds nothing, else through its WAL, so no commit is missed; one whose
+  WAL cannot be read where it lies is refused (``_read_only_query``).
 - The schema changes only through Alembic revisions, under the registry's
   write lock (``BEGIN IMMEDIATE`` on SQLite, an advisory lock on
   PostgreSQL), after reading the revision again inside the lock.
@@ -29,6 +31,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sqlite3
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -164,6 +167,46 @@ def is_read_only_file(path: Path) -> bool:
     return not writable
 
 
+#: A WAL file's header; frames (commits not yet copied into the database) follow it.
+WAL_HEADER_BYTES = 32
+
+
+def _read_only_query(path: Path) -> dict[str, str]:
+    """The URI parameters that open the read-only registry ``path`` with every commit.
+
+    ``immutable=1`` reads the database file alone, without locks or a
+    ``-shm`` beside it: right for a file whose WAL is gone or empty (every
+    ficache write leaves it so on closing), and the only way to read one on
+    a read-only mount without its ``-shm``. A WAL that still holds frames
+    (a writer was killed, or a copy was taken while one was open) holds
+    commits the file lacks; ``immutable`` would ignore them. Such a registry
+    is opened ``mode=ro`` instead, which reads the WAL through its ``-shm``
+    (SQLite makes one where the directory is writable, and reads an existing
+    one on a read-only mount). Where neither works, the registry is refused:
+    reading it without those commits would lose them silently.
+    """
+    wal = path.with_name(path.name + "-wal")
+    try:
+        wal_bytes = wal.stat().st_size
+    except OSError:
+        wal_bytes = 0
+    if wal_bytes <= WAL_HEADER_BYTES:
+        return {"mode": "ro", "immutable": "1", "uri": "true"}
+    try:
+        probe = sqlite3.connect(f"file:{quote(str(path))}?mode=ro", uri=True)
+        try:
+            probe.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        finally:
+            probe.close()
+    except sqlite3.Error as exc:
+        raise RegistryReadOnlyError(
+            f"registry {path} is read-only and its WAL ({wal.name}, {wal_bytes} bytes) holds "
+            f"commits that cannot be read here ({exc}); run any ficache command on it where "
+            "it is writable (that folds the WAL in), or copy it with its -wal and -shm files"
+        ) from None
+    return {"mode": "ro", "uri": "true"}
+
+
 def _install_sqlite_events(engine: Engine, *, readonly: bool) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -217,7 +260,7 @@ def make_engine(location: Location, *, create: bool = True) -> tuple[Engine, boo
             url = URL.create(
                 "sqlite",
                 database=f"file:{quote(str(path))}",
-                query={"mode": "ro", "immutable": "1", "uri": "true"},
+                query=_read_only_query(path),
             )
         else:
             url = URL.create("sqlite", database=str(path))  # no URL parsing: '%', '?' are path text

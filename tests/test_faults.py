@@ -45,6 +45,7 @@ import os
 import socket
 import sqlite3
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -363,6 +364,110 @@ def test_cli_commit_on_a_read_only_registry_fails_cleanly(
     )
     assert_one_line_error(result, expected)
     assert unchanged
+
+
+# --------------------------------------------------------------------------
+# SQLite: a read-only registry whose WAL still holds commits
+
+
+WAL_HOLDER = """
+import sqlite3, sys, time
+conn = sqlite3.connect(sys.argv[1])
+conn.execute("SELECT count(*) FROM commits").fetchone()
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def leave_a_commit_in_the_wal(cli: Callable[..., Any], db: Path, work: Path) -> None:
+    """Import one more file, then leave that commit in the WAL, not folded into the file.
+
+    A child holds a connection while the import commits, so the import's
+    closing connection is not the last one and does not fold the WAL in;
+    the child is then SIGKILLed, as a writer killed mid-life would be.
+    """
+    holder = subprocess.Popen(
+        [sys.executable, "-c", WAL_HOLDER, str(db)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "holding\n"
+        result = cli(
+            "import", str(write_cache(work / "in-wal.json", op=3, count=40, tactic=5)), db=str(db)
+        )
+        assert result.exit_code == 0, result.output
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    assert Path(f"{db}-wal").stat().st_size > 32  # the commit is in the WAL only
+
+
+@pytest.mark.parametrize("how", ["chmod", "ro_mount", "ro_mount_without_shm"])
+def test_a_read_only_registry_reads_the_commits_its_wal_still_holds(
+    how: str,
+    request: pytest.FixtureRequest,
+    registry_path: Path,
+    tmp_path: Path,
+    cli: Callable[..., Any],
+) -> None:
+    if how.startswith("ro_mount"):
+        mount: Tmpfs = request.getfixturevalue("tmpfs")
+        db = mount.path / "registry.db"
+    else:
+        db = registry_path
+    build_registry(cli, str(db), tmp_path)
+    checkpoint(db)
+    leave_a_commit_in_the_wal(cli, db, tmp_path)
+    if how == "ro_mount_without_shm":
+        Path(f"{db}-shm").unlink()  # copied without it: SQLite cannot read the WAL there
+    files = {p.name: p.read_bytes() for p in db.parent.iterdir() if p.name != "ballast"}
+    if how.startswith("ro_mount"):
+        mount.remount("ro")
+    else:
+        db.chmod(0o444)
+
+    log = cli("log", "--format", "json", db=str(db))
+    listed = cli("list", "--op", "flashinfer::op3", "--format", "json", db=str(db))
+    unchanged = {p.name: p.read_bytes() for p in db.parent.iterdir() if p.name != "ballast"}
+    if how.startswith("ro_mount"):
+        mount.remount("rw")
+    else:
+        db.chmod(0o644)
+
+    if how == "ro_mount_without_shm":
+        expected = (
+            f"registry {db} is read-only and its WAL (registry.db-wal, "
+            f"{len(files['registry.db-wal'])} bytes) holds commits that cannot be read here"
+        )
+        ok = log.exit_code == 1 and log.stderr.startswith(f"error: {expected}")
+        outcome = f"exit {log.exit_code}, {log.stderr.strip()[:120]!r}"
+    else:
+        commits = json.loads(log.stdout) if log.exit_code == 0 else []
+        entries = json.loads(listed.stdout) if listed.exit_code == 0 else []
+        ok = len(commits) == 3 and len(entries) == 40
+        outcome = f"{len(commits)} commits and {len(entries)} entries of the WAL's import read"
+    record(
+        item=ITEM,
+        test=f"read-only registry whose WAL holds a commit ({how})",
+        applied="import left in the WAL (its holder SIGKILLed), then "
+        + {
+            "chmod": "chmod a-w",
+            "ro_mount": "a read-only remount",
+            "ro_mount_without_shm": "its -shm removed and a read-only remount",
+        }[how],
+        outcome=outcome + (", files unchanged" if unchanged == files else ", files CHANGED"),
+        ok=ok and (how == "chmod" or unchanged == files),
+    )
+    if how == "ro_mount_without_shm":
+        assert_one_line_error(log, log.stderr.removeprefix("error: ").rstrip("\n"))
+        assert log.stderr.startswith(f"error: {expected}")
+        assert "run any ficache command on it where it is writable" in log.stderr
+    else:
+        assert log.exit_code == 0, log.output
+        assert [c["kind"] for c in json.loads(log.stdout)] == ["import", "import", "import"]
+        assert listed.exit_code == 0, listed.output
+        assert len(json.loads(listed.stdout)) == 40  # the WAL's commit, read
+    if how != "chmod":  # chmod: SQLite may make a -shm beside a file it reads through its WAL
+        assert unchanged == files
 
 
 # --------------------------------------------------------------------------
