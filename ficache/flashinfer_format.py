@@ -58,7 +58,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ficache._gcpause import paused_gc
 from ficache.errors import CacheFileError
@@ -124,44 +124,19 @@ class KeyFields(tuple[str, str, str, str]):
         return (self.op, self.runner, self.shapes, self.extras)
 
 
-class FileEntry(tuple[str, str, str, "str | None", KeyFields, "str | None"]):
-    """One entry of a cache file, checked: a tuple with named fields.
+class FileEntry(NamedTuple):
+    """One entry of a cache file, checked.
 
-    ``(key, runner, tactic_json, policy_json, fields, selection_json)``:
-    the key verbatim, the runner, the tactic and policy as canonical JSON
-    text (policy ``None`` when absent), the key's parsed ``fields``, and the
-    selection as canonical JSON text (``None`` when absent). A tuple, so that
-    bulk parsing makes one with a single ``tuple.__new__``.
+    A named tuple, so that bulk parsing makes one with a single
+    ``tuple.__new__``. Tactic, policy and selection are canonical JSON text.
     """
 
-    __slots__ = ()
-
-    def __new__(
-        cls,
-        key: str,
-        runner: str,
-        tactic_json: str,
-        policy_json: str | None,
-        fields: KeyFields,
-        selection_json: str | None = None,
-    ) -> FileEntry:
-        return _tuple_new(cls, (key, runner, tactic_json, policy_json, fields, selection_json))
-
-    key = property(operator.itemgetter(0), doc="The key, verbatim.")
-    runner = property(operator.itemgetter(1), doc="The runner class's name.")
-    tactic_json = property(operator.itemgetter(2), doc="The tactic, canonical JSON text.")
-    policy_json = property(operator.itemgetter(3), doc="The policy (JSON text), or None.")
-    fields = property(operator.itemgetter(4), doc="``key`` parsed, once, when read.")
-    selection_json = property(operator.itemgetter(5), doc="The selection (JSON), or None.")
-
-    def __repr__(self) -> str:
-        return (
-            f"FileEntry(key={self[0]!r}, runner={self[1]!r}, tactic_json={self[2]!r}, "
-            f"policy_json={self[3]!r}, fields={self[4]!r}, selection_json={self[5]!r})"
-        )
-
-    def __getnewargs__(self) -> tuple[Any, ...]:
-        return tuple(self)
+    key: str  # verbatim
+    runner: str
+    tactic_json: str
+    policy_json: str | None  # None when absent
+    fields: KeyFields  # ``key`` parsed, once, when read
+    selection_json: str | None = None  # None when absent
 
 
 def _key_fields(op: str, runner: str, shapes_json: str, extras: str) -> KeyFields:

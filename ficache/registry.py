@@ -32,12 +32,11 @@ from __future__ import annotations
 
 import getpass
 import json
-import operator
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from sqlalchemy import (
     Connection,
@@ -109,13 +108,11 @@ def validate_scope(scope: str) -> str:
     raise ValueError(f"scope must be 'shared' or '<layout>/rank<N>', got {scope!r}")
 
 
-class NewEntry(tuple[Any, ...]):
-    """One entry a writer wants stored: a tuple with named fields.
+class NewEntry(NamedTuple):
+    """One entry a writer wants stored.
 
-    ``(fingerprint, key, runner, tactic_json, policy_json, scope, fields,
-    tuned_at, selection_json)``; made like a dataclass, by position or by
-    name, with the defaults below. A tuple so that bulk readers make one
-    with a single ``tuple.__new__`` (``bulk_new_entry``), and immutable.
+    A named tuple: made by position or by name with the defaults below, and
+    by bulk readers with a single ``tuple.__new__`` (``bulk_new_entry``).
 
     - ``tactic_json``/``policy_json``: canonical JSON text (policy None: absent).
     - ``fields``: the parsed ``key``, when the caller has it.
@@ -125,65 +122,18 @@ class NewEntry(tuple[Any, ...]):
       and replaced with it.
     """
 
-    __slots__ = ()
-
-    def __new__(
-        cls,
-        fingerprint: Fingerprint,
-        key: str,
-        runner: str,
-        tactic_json: str,
-        policy_json: str | None = None,
-        scope: str = SHARED_SCOPE,
-        fields: KeyFields | None = None,
-        tuned_at: float | None = None,
-        selection_json: str | None = None,
-    ) -> NewEntry:
-        return _tuple_new(
-            cls,
-            (
-                fingerprint,
-                key,
-                runner,
-                tactic_json,
-                policy_json,
-                scope,
-                fields,
-                tuned_at,
-                selection_json,
-            ),
-        )
-
-    fingerprint: Fingerprint = property(operator.itemgetter(0))  # type: ignore[assignment]
-    key: str = property(operator.itemgetter(1))  # type: ignore[assignment]
-    runner: str = property(operator.itemgetter(2))  # type: ignore[assignment]
-    tactic_json: str = property(operator.itemgetter(3))  # type: ignore[assignment]
-    policy_json: str | None = property(operator.itemgetter(4))  # type: ignore[assignment]
-    scope: str = property(operator.itemgetter(5))  # type: ignore[assignment]
-    fields: KeyFields | None = property(operator.itemgetter(6))  # type: ignore[assignment]
-    tuned_at: float | None = property(operator.itemgetter(7))  # type: ignore[assignment]
-    selection_json: str | None = property(operator.itemgetter(8))  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        names = _NEW_ENTRY_FIELDS
-        return "NewEntry(" + ", ".join(f"{n}={v!r}" for n, v in zip(names, self, strict=True)) + ")"
-
-    def __getnewargs__(self) -> tuple[Any, ...]:
-        return tuple(self)
+    fingerprint: Fingerprint
+    key: str
+    runner: str
+    tactic_json: str
+    policy_json: str | None = None
+    scope: str = SHARED_SCOPE
+    fields: KeyFields | None = None
+    tuned_at: float | None = None
+    selection_json: str | None = None
 
 
 _tuple_new = tuple.__new__
-_NEW_ENTRY_FIELDS = (
-    "fingerprint",
-    "key",
-    "runner",
-    "tactic_json",
-    "policy_json",
-    "scope",
-    "fields",
-    "tuned_at",
-    "selection_json",
-)
 
 
 def bulk_new_entry(
@@ -197,10 +147,7 @@ def bulk_new_entry(
     tuned_at: float | None,
     selection_json: str | None = None,
 ) -> NewEntry:
-    """``NewEntry(...)`` with every field given by position: for bulk readers.
-
-    The same object, made without the keyword handling of ``NewEntry``.
-    """
+    """``NewEntry(...)`` with every field given by position, as a plain call: for bulk readers."""
     return _tuple_new(
         NewEntry,
         (
