@@ -31,6 +31,7 @@ from ficache import schema
 from ficache.errors import NotFoundError
 from ficache.flashinfer_format import KeyFields, parse_key
 from ficache.models import ENTRY_CHANGES as H
+from ficache.models import NEW_POLICY, OLD_POLICY
 from ficache.records import RecordChange, record_changes
 from ficache.registry import CommitInfo, Registry
 
@@ -147,10 +148,10 @@ def commit_details(registry: Registry, commit_id: int) -> CommitDetails:
             H.c.key,
             H.c.old_runner,
             H.c.old_tactic,
-            H.c.old_policy,
+            OLD_POLICY,
             H.c.new_runner,
             H.c.new_tactic,
-            H.c.new_policy,
+            NEW_POLICY,
             H.c.old_commit_id,
             H.c.old_tuned_at,
             H.c.old_selection,

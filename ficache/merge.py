@@ -81,10 +81,12 @@ from ficache.history import EntryValue
 from ficache.models import COMMITS as C
 from ficache.models import ENTRIES as E
 from ficache.models import ENTRY_CHANGES as H
-from ficache.models import FINGERPRINTS as F
 from ficache.models import (
+    ENTRY_POLICY,
+    OLD_POLICY,
     SHARED_SCOPE,
 )
+from ficache.models import FINGERPRINTS as F
 from ficache.records import NewRecord, RecordMergePlan, plan_record_merge, record_values
 from ficache.registry import (
     ENTRY_VALUE_COLUMNS,
@@ -659,7 +661,7 @@ def _plan(registry: Registry, sources: Sequence[MergeSource], policy: str) -> Me
                         E.c.key,
                         E.c.runner,
                         E.c.tactic,
-                        E.c.policy,
+                        ENTRY_POLICY,
                         E.c.tuned_at,
                         E.c.commit_id,
                     ).where(E.c.fingerprint_id.in_(sorted(index_of_id)))
@@ -803,7 +805,7 @@ def _tombstones(
             C.c.kind,
             H.c.old_runner,
             H.c.old_tactic,
-            H.c.old_policy,
+            OLD_POLICY,
         )
         .join(C, C.c.id == H.c.commit_id)
         .where(H.c.fingerprint_id.in_(sorted(index_of_id)))

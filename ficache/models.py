@@ -5,14 +5,24 @@ Tables:
   by ``digest``.
 - ``entries``: the current tactic of one FlashInfer ``file_key`` under one
   fingerprint and one rank scope. ``key`` is FlashInfer's string, verbatim;
-  ``op``, ``runner``, ``shapes``, ``extras`` are read from it for queries.
-  ``tactic`` and ``policy`` are canonical JSON text. ``selection`` is how
+  ``op`` and ``runner`` are read from it for queries (its shapes and extras
+  are read from it when shown: ``flashinfer_format.parse_key``). ``tactic``
+  is canonical JSON text; ``policy_id`` names the entry's measurement policy
+  in ``policies`` (NULL: none). ``selection`` is how
   FlashInfer (0.7.4+) chose the winner (a cache value's fourth element, a
   JSON object such as ``{"time_ms", "runner_up_ms", "margin",
   "candidates"}``) as canonical JSON text, NULL when the value had none.
+- ``policies``: every measurement policy (a cache value's third element) an
+  entry or a change holds, once: canonical JSON text, unique by its SHA-256
+  ``digest`` (a hash, not the text, is indexed: PostgreSQL's b-tree refuses
+  long keys). A registry holds a handful of policies and tens of thousands
+  of entries, so each row stores a small id instead of the text
+  (``ficache.policies``). Rows are only ever added: a policy row is never
+  changed or deleted, so any id a change row keeps stays valid.
 - ``commits``: one row per write, with its provenance and counts.
 - ``entry_changes``: what each commit did to each entry (added, replaced,
-  removed) with the value it replaced and the value it wrote, so every
+  removed) with the value it replaced and the value it wrote (their
+  policies by id, as ``entries`` holds them), so every
   commit can be shown and reverted and nothing stored is lost silently.
 - ``records``: FlashInfer's namespaced records (a cache file's ``_records``:
   ``{namespace: {record key: JSON value}}``), one row per (fingerprint,
@@ -21,8 +31,7 @@ Tables:
   change log, as ``entry_changes`` is the entries' (``ficache.records``).
 
 Invariants:
-- ``(fingerprint_id, scope, key)`` is unique in ``entries``;
-  ``(fingerprint_id, scope, namespace, key)`` is unique in ``records``.
+- ``(fingerprint_id, scope, namespace, key)`` is unique in ``records``.
 - A commit's ``added``/``replaced``/``removed`` count its entry changes,
   ``records_added``/``records_replaced``/``records_removed`` its record
   changes; every commit has at least one change of either kind.
@@ -30,6 +39,10 @@ Invariants:
   current value, and that commit has an ``entry_changes``
   (``record_changes``) row for it.
 - ``scope`` is ``"shared"`` (valid on every rank) or ``"<layout>/rank<N>"``.
+- ``(fingerprint_id, scope, key)`` is unique in ``entries``, ``digest`` in
+  ``policies``; every policy id an entry or a change holds names a
+  ``policies`` row (foreign keys), so one policy text has exactly one id
+  and two values have the same policy exactly when their ids are equal.
 - Times are UNIX seconds (UTC) as floats: cheap to write in bulk, simple to
   compare for pruning by age. ``entries.updated_at`` is when this registry
   last wrote the row; ``entries.tuned_at`` is when the value was tuned, and
@@ -47,7 +60,7 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 from sqlalchemy import (
     Float,
@@ -58,6 +71,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    select,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -85,6 +99,14 @@ class FingerprintRow(Base):
     torch_version: Mapped[str] = mapped_column(Text, nullable=False)
     created_at: Mapped[float] = mapped_column(Float, nullable=False)
     last_served_at: Mapped[float | None] = mapped_column(Float)
+
+
+class PolicyRow(Base):
+    __tablename__ = "policies"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64), unique=True, nullable=False)  # sha256 hex
+    policy: Mapped[str] = mapped_column(Text, nullable=False)  # canonical JSON list
 
 
 class CommitRow(Base):
@@ -119,10 +141,8 @@ class EntryRow(Base):
     key: Mapped[str] = mapped_column(Text, nullable=False)
     op: Mapped[str] = mapped_column(Text, nullable=False)
     runner: Mapped[str] = mapped_column(Text, nullable=False)
-    shapes: Mapped[str] = mapped_column(Text, nullable=False)  # JSON list of lists
-    extras: Mapped[str] = mapped_column(Text, nullable=False)
     tactic: Mapped[str] = mapped_column(Text, nullable=False)  # canonical JSON
-    policy: Mapped[str | None] = mapped_column(Text)  # canonical JSON
+    policy_id: Mapped[int | None] = mapped_column(ForeignKey("policies.id"))
     commit_id: Mapped[int] = mapped_column(ForeignKey("commits.id"), nullable=False)
     updated_at: Mapped[float] = mapped_column(Float, nullable=False)
     tuned_at: Mapped[float | None] = mapped_column(Float)  # NULL only before 0002's backfill
@@ -130,7 +150,6 @@ class EntryRow(Base):
 
     __table_args__ = (
         UniqueConstraint("fingerprint_id", "scope", "key", name="uq_entries_fingerprint_scope_key"),
-        Index("ix_entries_commit_id", "commit_id"),
     )
 
 
@@ -145,13 +164,13 @@ class EntryChangeRow(Base):
     action: Mapped[str] = mapped_column(String(8), nullable=False)  # added/replaced/removed
     old_runner: Mapped[str | None] = mapped_column(Text)
     old_tactic: Mapped[str | None] = mapped_column(Text)
-    old_policy: Mapped[str | None] = mapped_column(Text)
+    old_policy_id: Mapped[int | None] = mapped_column(ForeignKey("policies.id"))
     old_commit_id: Mapped[int | None] = mapped_column(Integer)
     old_tuned_at: Mapped[float | None] = mapped_column(Float)
     # The value the commit wrote (added, replaced); NULL for removed.
     new_runner: Mapped[str | None] = mapped_column(Text)
     new_tactic: Mapped[str | None] = mapped_column(Text)
-    new_policy: Mapped[str | None] = mapped_column(Text)
+    new_policy_id: Mapped[int | None] = mapped_column(ForeignKey("policies.id"))
     # How FlashInfer chose the old and the new value (canonical JSON object; NULL: none).
     old_selection: Mapped[str | None] = mapped_column(Text)
     new_selection: Mapped[str | None] = mapped_column(Text)
@@ -205,8 +224,25 @@ class RecordChangeRow(Base):
 # The tables as SQLAlchemy Core objects, for the bulk queries of the modules
 # that read and write many rows at once (registry, merge, history, verify, records).
 FINGERPRINTS = cast(Table, FingerprintRow.__table__)
+POLICIES = cast(Table, PolicyRow.__table__)
 ENTRIES = cast(Table, EntryRow.__table__)
 COMMITS = cast(Table, CommitRow.__table__)
 ENTRY_CHANGES = cast(Table, EntryChangeRow.__table__)
 RECORDS = cast(Table, RecordRow.__table__)
 RECORD_CHANGES = cast(Table, RecordChangeRow.__table__)
+
+
+def policy_text(policy_id: Any) -> Any:
+    """The canonical JSON of the policy ``policy_id`` names (a column of the
+    enclosing query), as a correlated scalar subquery: NULL for NULL.
+
+    Readers select it where they used to select a policy column, so rows
+    keep their shape: ``policy_text(ENTRIES.c.policy_id).label("policy")``.
+    """
+    return select(POLICIES.c.policy).where(POLICIES.c.id == policy_id).scalar_subquery()
+
+
+#: An entry's policy, and a change's old and new policies, as canonical JSON text.
+ENTRY_POLICY = policy_text(ENTRIES.c.policy_id).label("policy")
+OLD_POLICY = policy_text(ENTRY_CHANGES.c.old_policy_id).label("old_policy")
+NEW_POLICY = policy_text(ENTRY_CHANGES.c.new_policy_id).label("new_policy")

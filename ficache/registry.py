@@ -10,6 +10,10 @@ Invariants:
   an advisory lock on PostgreSQL) and retry when the lock is busy past the
   busy timeout.
 - Exports render stored JSON fragments; a stored key is exported verbatim.
+- Policies are stored once (``ficache.policies``) and named by id: a write
+  maps each value's policy text to its id inside its transaction, so
+  callers (``NewEntry``, ``slice_rows``, ``entry_values``) only ever see
+  the canonical JSON text.
 - Destructive operations are plans first (``PrunePlan``), then a commit that
   records what it removed, so ``revert`` can restore it. ``write`` given
   ``expected`` commit ids (a merge plan's) checks them inside its
@@ -70,10 +74,12 @@ from ficache.flashinfer_format import CacheFile, KeyFields, parse_key, render_ca
 from ficache.models import COMMITS as C
 from ficache.models import ENTRIES as E
 from ficache.models import ENTRY_CHANGES as H
-from ficache.models import FINGERPRINTS as F
 from ficache.models import (
+    ENTRY_POLICY,
     SHARED_SCOPE,
 )
+from ficache.models import FINGERPRINTS as F
+from ficache.policies import policy_ids
 
 T = TypeVar("T")
 
@@ -356,15 +362,15 @@ ENTRY_VALUE_COLUMNS = (
     E.c.key,
     E.c.runner,
     E.c.tactic,
-    E.c.policy,
+    ENTRY_POLICY,
     func.coalesce(E.c.tuned_at, E.c.updated_at),
     E.c.selection,
 )
 
 
-#: A stored entry as ``write`` reads it: (row id, runner, tactic, policy,
+#: A stored entry as ``write`` reads it: (row id, runner, tactic, policy id,
 #: commit id, tuned_at, selection).
-_Existing = tuple[int, str, str, str | None, int, float | None, str | None]
+_Existing = tuple[int, str, str, int | None, int, float | None, str | None]
 
 
 def _insert_many(
@@ -390,7 +396,8 @@ def _insert_many(
     conn.exec_driver_sql(sql, rows)
 
 
-#: An entry's identity and current value, as prune and revert read it.
+#: An entry's identity and current value, as prune and revert read it (the
+#: policy by id: they copy it into a change row or back into the entry).
 _ENTRY_STATE = (
     E.c.id,
     E.c.fingerprint_id,
@@ -398,7 +405,7 @@ _ENTRY_STATE = (
     E.c.key,
     E.c.runner,
     E.c.tactic,
-    E.c.policy,
+    E.c.policy_id,
     E.c.commit_id,
     E.c.tuned_at,
     E.c.selection,
@@ -410,10 +417,8 @@ _ENTRY_COLUMNS = (
     "key",
     "op",
     "runner",
-    "shapes",
-    "extras",
     "tactic",
-    "policy",
+    "policy_id",
     "commit_id",
     "updated_at",
     "tuned_at",
@@ -427,12 +432,12 @@ _CHANGE_COLUMNS = (
     "action",
     "old_runner",
     "old_tactic",
-    "old_policy",
+    "old_policy_id",
     "old_commit_id",
     "old_tuned_at",
     "new_runner",
     "new_tactic",
-    "new_policy",
+    "new_policy_id",
     "old_selection",
     "new_selection",
 )
@@ -443,7 +448,10 @@ def _added_changes_from_entries() -> Any:
 
     One statement instead of a bound row per entry: the entries a commit
     added are the rows holding its id before it replaces any, in the order
-    they were inserted (the order of their ids).
+    they were inserted (the order of their ids). Every one of them has an
+    id above ``after``, the largest id before the insert (ids come from an
+    ever-growing rowid or sequence), so the rows are read as a range of the
+    primary key: no index on ``commit_id`` is kept for this one query.
     """
     values = {
         "commit_id": E.c.commit_id,
@@ -453,18 +461,33 @@ def _added_changes_from_entries() -> Any:
         "action": literal("added", H.c.action.type),
         "old_runner": null(),
         "old_tactic": null(),
-        "old_policy": null(),
+        "old_policy_id": null(),
         "old_commit_id": null(),
         "old_tuned_at": null(),
         "new_runner": E.c.runner,
         "new_tactic": E.c.tactic,
-        "new_policy": E.c.policy,
+        "new_policy_id": E.c.policy_id,
         "old_selection": null(),
         "new_selection": E.c.selection,
     }
     assert tuple(values) == _CHANGE_COLUMNS
-    rows = select(*values.values()).where(E.c.commit_id == bindparam("commit_id")).order_by(E.c.id)
+    rows = (
+        select(*values.values())
+        .where(E.c.id > bindparam("after"), E.c.commit_id == bindparam("commit_id"))
+        .order_by(E.c.id)
+    )
     return insert(H).from_select(list(values), rows)
+
+
+def _shapes_and_extras(key: str) -> tuple[str, str]:
+    """A stored key's shapes (JSON) and extras, as ``list`` shows them; a key
+    that does not parse (a damaged registry: ``ficache verify`` names it)
+    shows ``null`` shapes and no extras rather than failing the listing."""
+    try:
+        fields = parse_key(key)
+    except ValueError:
+        return "null", ""
+    return fields.shapes_json, fields.extras
 
 
 def _inserted_id(result: Any) -> int:
@@ -598,10 +621,8 @@ class Registry:
             E.c.key,
             E.c.op,
             E.c.runner,
-            E.c.shapes,
-            E.c.extras,
             E.c.tactic,
-            E.c.policy,
+            ENTRY_POLICY,
             E.c.commit_id,
             E.c.updated_at,
             E.c.selection,
@@ -623,8 +644,13 @@ class Registry:
             query = query.limit(limit)
         try:
             with self._read() as conn:
-                for row in conn.execute(query):
-                    yield StoredEntry(*row)
+                for fid, sc, key, op_, runner, tactic, pol, cid, updated, sel in conn.execute(
+                    query
+                ):
+                    shapes, extras = _shapes_and_extras(key)
+                    yield StoredEntry(
+                        fid, sc, key, op_, runner, shapes, extras, tactic, pol, cid, updated, sel
+                    )
         except (OperationalError, DatabaseError) as exc:
             raise schema.translate_operational_error(exc, self.location) from None
 
@@ -646,7 +672,7 @@ class Registry:
                     for scope in scopes:
                         rows = conn.execute(
                             select(
-                                E.c.key, E.c.runner, E.c.tactic, E.c.policy, E.c.selection
+                                E.c.key, E.c.runner, E.c.tactic, ENTRY_POLICY, E.c.selection
                             ).where(E.c.fingerprint_id == fid, E.c.scope == scope)
                         )
                         result.update({row[0]: row for row in rows})
@@ -1012,7 +1038,7 @@ class Registry:
                         continue
                     fid_of[fp] = int(found)
                 scopes_by_fid.setdefault(fid_of[fp], set()).add(scope)
-            # (row id, runner, tactic, policy, commit id, tuned_at, selection)
+            # (row id, runner, tactic, policy id, commit id, tuned_at, selection)
             existing: dict[tuple[int, str, str], _Existing] = {}
             for fid, scopes in scopes_by_fid.items():
                 if fid in new_fids:
@@ -1023,7 +1049,7 @@ class Registry:
                     E.c.key,
                     E.c.runner,
                     E.c.tactic,
-                    E.c.policy,
+                    E.c.policy_id,
                     E.c.commit_id,
                     E.c.tuned_at,
                     E.c.selection,
@@ -1052,6 +1078,11 @@ class Registry:
             added: list[tuple[int, str, str, NewEntry]] = []
             replaced: list[tuple[int, str, str, NewEntry, _Existing]] = []
             unchanged = kept = 0
+            # Policies by id (inserting new ones: a write that ends up writing
+            # nothing rolls them back); an entry's NULL policy maps to NULL.
+            ids: dict[str | None, int | None] = {None: None}
+            ids.update(policy_ids(conn, {e[4] for e in wanted.values()}))  # NewEntry.policy_json
+            policy_id = ids.get
             if not existing:  # the common bulk case: new keys (or a new fingerprint) only
                 added = [(fp_ids[i], scope, key, e) for (i, scope, key), e in wanted.items()]
             else:
@@ -1060,7 +1091,9 @@ class Registry:
                     old = existing.get((fid, scope, key))
                     if old is None:
                         added.append((fid, scope, key, entry))
-                    elif old[2] == entry[3] and old[3] == entry[4] and old[1] == entry[2]:
+                    elif (
+                        old[2] == entry[3] and old[3] == policy_id(entry[4]) and old[1] == entry[2]
+                    ):
                         # the same tactic, policy and runner (NewEntry[2:5])
                         unchanged += 1
                     elif keep_existing:
@@ -1103,12 +1136,10 @@ class Registry:
                     fid,
                     scope,
                     key,
-                    (kf := e[6] or fields[key])[0],
+                    (e[6] or fields[key])[0],
                     e[2],
-                    kf[3],
-                    kf[2],
                     e[3],
-                    e[4],
+                    policy_id(e[4]),
                     commit_id,
                     now,
                     now if (tuned_at := e[7]) is None else tuned_at,
@@ -1116,11 +1147,14 @@ class Registry:
                 )
                 for fid, scope, key, e in added
             ]
+            after = conn.execute(select(func.max(E.c.id))).scalar() if added else None
             _insert_many(conn, E, rows, _ENTRY_COLUMNS)
             if added:
                 # Their change rows, copied inside the database: the only
                 # entries of this new commit so far are the ones just added.
-                conn.execute(_added_changes_from_entries(), {"commit_id": commit_id})
+                conn.execute(
+                    _added_changes_from_entries(), {"commit_id": commit_id, "after": after or 0}
+                )
             if replaced:
                 conn.execute(
                     update(E)
@@ -1128,7 +1162,7 @@ class Registry:
                     .values(
                         runner=bindparam("runner"),
                         tactic=bindparam("tactic"),
-                        policy=bindparam("policy"),
+                        policy_id=bindparam("policy_id"),
                         commit_id=bindparam("commit_id"),
                         updated_at=bindparam("updated_at"),
                         tuned_at=bindparam("tuned_at"),
@@ -1139,7 +1173,7 @@ class Registry:
                             "b_id": old[0],
                             "runner": entry.runner,
                             "tactic": entry.tactic_json,
-                            "policy": entry.policy_json,
+                            "policy_id": policy_id(entry.policy_json),
                             "commit_id": commit_id,
                             "updated_at": now,
                             "tuned_at": entry.tuned_at if entry.tuned_at is not None else now,
@@ -1166,7 +1200,7 @@ class Registry:
                             old[5],
                             e.runner,
                             e.tactic_json,
-                            e.policy_json,
+                            policy_id(e.policy_json),
                             old[6],
                             e.selection_json,
                         )
@@ -1428,7 +1462,7 @@ class Registry:
                             "action": "removed",
                             "old_runner": r.runner,
                             "old_tactic": r.tactic,
-                            "old_policy": r.policy,
+                            "old_policy_id": r.policy_id,
                             "old_commit_id": r.commit_id,
                             "old_tuned_at": r.tuned_at,
                             "old_selection": r.selection,
@@ -1516,7 +1550,7 @@ class Registry:
                         .values(
                             runner=ch.old_runner,
                             tactic=ch.old_tactic,
-                            policy=ch.old_policy,
+                            policy_id=ch.old_policy_id,
                             commit_id=new_id,
                             updated_at=now,
                             tuned_at=ch.old_tuned_at if ch.old_tuned_at is not None else now,
@@ -1526,18 +1560,15 @@ class Registry:
                     history.append((ch, "replaced", now_row))
                     replaced += 1
                 else:
-                    kf = parse_key(ch.key)
                     conn.execute(
                         insert(E).values(
                             fingerprint_id=ch.fingerprint_id,
                             scope=ch.scope,
                             key=ch.key,
-                            op=kf.op,
+                            op=parse_key(ch.key).op,
                             runner=ch.old_runner,
-                            shapes=kf.shapes_json,
-                            extras=kf.extras,
                             tactic=ch.old_tactic,
-                            policy=ch.old_policy,
+                            policy_id=ch.old_policy_id,
                             commit_id=new_id,
                             updated_at=now,
                             tuned_at=ch.old_tuned_at if ch.old_tuned_at is not None else now,
@@ -1558,13 +1589,13 @@ class Registry:
                             "action": action,
                             "old_runner": old.runner if old is not None else None,
                             "old_tactic": old.tactic if old is not None else None,
-                            "old_policy": old.policy if old is not None else None,
+                            "old_policy_id": old.policy_id if old is not None else None,
                             "old_commit_id": old.commit_id if old is not None else None,
                             "old_tuned_at": old.tuned_at if old is not None else None,
                             # A revert writes back the value the reverted change replaced.
                             "new_runner": ch.old_runner if action != "removed" else None,
                             "new_tactic": ch.old_tactic if action != "removed" else None,
-                            "new_policy": ch.old_policy if action != "removed" else None,
+                            "new_policy_id": ch.old_policy_id if action != "removed" else None,
                             "old_selection": old.selection if old is not None else None,
                             "new_selection": ch.old_selection if action != "removed" else None,
                         }

@@ -50,14 +50,19 @@ Rows (SQL joins for orphans, the rest in Python over the bulk reads)
   ``fp.digest`` with ``fp.as_dict()``).
 - ``bad_key``: every key (entries and changes) parses
   (``flashinfer_format.parse_key``): writers parse it before storing it.
-- ``key_columns``: an entry's ``op``, ``shapes`` and ``extras`` are what its
-  key parses to (writers store ``parse_key``'s fields) and its ``runner`` is
-  the key's runner (every source ficache imports from checks that).
+- ``key_columns``: an entry's ``op`` is what its key parses to (writers
+  store ``parse_key``'s op) and its ``runner`` is the key's runner (every
+  source ficache imports from checks that).
 - ``bad_scope``: every scope is ``validate_scope``'s own form (writers
   validate scopes before storing them).
-- ``bad_json``: every tactic and policy (entries, and the old and new values
-  of changes) is canonical JSON, a policy a JSON list: readers of files,
-  bundles, stores and the tuner store ``canonical_json`` text.
+- ``bad_json``: every tactic (entries, and the old and new values of
+  changes) and every stored policy (``policies``) is canonical JSON, a
+  policy a JSON list: readers of files, bundles, stores and the tuner store
+  ``canonical_json`` text. Entries and changes name policies by id, so
+  values are compared by id (one text has one id).
+- ``policy_digest``: every policy's ``digest`` is the SHA-256 of its text
+  (``ficache.policies`` writes them together); policy ids that name no
+  policy are orphans (``orphan_entry``, ``orphan_change``).
 - ``bad_selection``: every selection (entries, and the old and new
   selections of changes) is NULL or what ``flashinfer_format.selection_json``
   makes of it: the canonical JSON of an object within its limits (every
@@ -164,7 +169,9 @@ from ficache.models import COMMITS as C
 from ficache.models import ENTRIES as E
 from ficache.models import ENTRY_CHANGES as H
 from ficache.models import FINGERPRINTS as F
+from ficache.models import POLICIES as P
 from ficache.models import Base
+from ficache.policies import policy_digest
 from ficache.registry import COMMIT_KINDS, validate_scope
 
 #: Every kind of problem, in report order, with what it means.
@@ -173,13 +180,14 @@ KINDS: dict[str, str] = {
     "foreign_key": "foreign keys are violated or not enforced",
     "schema_revision": "the schema is not at this ficache's head",
     "schema_drift": "tables, columns or indexes differ from the models",
-    "orphan_entry": "an entry's fingerprint or commit is missing",
-    "orphan_change": "a change's commit or fingerprint is missing",
+    "orphan_entry": "an entry's fingerprint, commit or policy is missing",
+    "orphan_change": "a change's commit, fingerprint or policy is missing",
     "fingerprint_digest": "a fingerprint's digest does not match its fields",
     "bad_key": "a key does not parse as a FlashInfer key",
-    "key_columns": "an entry's op, runner, shapes or extras differ from its key",
+    "key_columns": "an entry's op or runner differs from its key",
     "bad_scope": "a scope is not 'shared' or '<layout>/rank<N>'",
     "bad_json": "a tactic or policy is not canonical JSON",
+    "policy_digest": "a policy's digest is not the SHA-256 of its text",
     "bad_selection": "a selection is not the canonical JSON of an object",
     "duplicate_entry": "two entries share a fingerprint, scope and key",
     "bad_commit": "a commit's kind, provenance or reverted commit is invalid",
@@ -200,16 +208,26 @@ _ORPHAN_CHECKED = {
     ("entries", "commits"),
     ("entry_changes", "commits"),
     ("entry_changes", "fingerprints"),
+    ("entries", "policies"),
+    ("entry_changes", "policies"),
     ("commits", "commits"),
     ("records", "fingerprints"),
     ("records", "commits"),
     ("record_changes", "commits"),
     ("record_changes", "fingerprints"),
 }
-_TABLES = ("fingerprints", "commits", "entries", "entry_changes", "records", "record_changes")
+_TABLES = (
+    "fingerprints",
+    "commits",
+    "policies",
+    "entries",
+    "entry_changes",
+    "records",
+    "record_changes",
+)
 _BATCH = 10_000  # rows fetched at a time
 _Ident = tuple[int, str, str]  # (fingerprint id, scope, key): one entry
-_KeyColumns = tuple[str, str, str, str]  # (op, runner, shapes, extras) as entries store them
+_KeyColumns = tuple[str, str]  # (op, runner) as entries store them
 _INVERSE = {"added": "removed", "removed": "added", "replaced": "replaced"}
 
 
@@ -236,6 +254,7 @@ class Checked:
     changes: int = 0
     records: int = 0  # namespaced records (``records``)
     record_changes: int = 0
+    policies: int = 0  # measurement policies (``policies``)
 
 
 @dataclass(frozen=True)
@@ -405,7 +424,6 @@ class _Verifier:
         self._bad_keys: dict[str, str] = {}
         self._good_scopes: set[str] = set()
         self._good_tactics: set[str] = set()
-        self._good_policies: set[str] = set()
         self._record_commits: set[int] = set()  # commits with record changes
 
     def problem(
@@ -556,13 +574,16 @@ class _Verifier:
             ("orphan_entry", E, "commit_id", C, "commit"),
             ("orphan_change", H, "commit_id", C, "commit"),
             ("orphan_change", H, "fingerprint_id", F, "fingerprint"),
+            ("orphan_entry", E, "policy_id", P, "policy"),
+            ("orphan_change", H, "old_policy_id", P, "old policy"),
+            ("orphan_change", H, "new_policy_id", P, "new policy"),
         ]
         for kind, child, column, parent, what in checks:
             ref = child.c[column]
             query = (
                 select(child.c.id, ref)
                 .select_from(child.outerjoin(parent, parent.c.id == ref))
-                .where(parent.c.id.is_(None))
+                .where(ref.is_not(None), parent.c.id.is_(None))
                 .order_by(child.c.id)
             )
             noun = "entry" if child is E else "change"
@@ -609,13 +630,8 @@ class _Verifier:
         except ValueError as exc:
             self._bad_keys[key] = str(exc)
             return str(exc)
-        # Ops, runners and extras repeat across keys: keep one copy of each.
-        columns = (
-            intern(fields.op),
-            intern(fields.runner),
-            fields.shapes_json,
-            intern(fields.extras),
-        )
+        # Ops and runners repeat across keys: keep one copy of each.
+        columns = (intern(fields.op), intern(fields.runner))
         self._good_keys[key] = columns
         return columns
 
@@ -628,24 +644,41 @@ class _Verifier:
             self._good_scopes.add(scope)
         return valid
 
-    def _check_json(self, where: tuple[str, int], label: str, value: str, is_policy: bool) -> None:
-        good = self._good_policies if is_policy else self._good_tactics
-        why = _json_problem(value, is_policy=is_policy)
+    def _check_json(self, where: tuple[str, int], label: str, value: str) -> None:
+        why = _json_problem(value, is_policy=False)
         if why is None:
-            good.add(value)
+            self._good_tactics.add(value)
             return
         table, row_id = where
         noun = "entry" if table == "entries" else "change"
         self.problem("bad_json", f"{noun} {row_id}: {label} {_short(value)} {why}", *where)
+
+    def _policies(self) -> int:
+        """Check every stored policy's text and digest; return how many there are."""
+        count = 0
+        rows = self._stream(select(P.c.id, P.c.digest, P.c.policy).order_by(P.c.id))
+        for pid, digest, policy in rows:
+            count += 1
+            where = ("policies", pid)
+            why = _json_problem(policy, is_policy=True)
+            if why is not None:
+                self.problem("bad_json", f"policy {pid}: {_short(policy)} {why}", *where)
+            if digest != policy_digest(policy):
+                self.problem(
+                    "policy_digest",
+                    f"policy {pid}: digest {_short(digest)} is not the SHA-256 of its text",
+                    *where,
+                )
+        return count
 
     def _check_row(
         self,
         where: tuple[str, int],
         scope: str,
         key: str,
-        values: tuple[tuple[str, str | None, str | None], ...],
+        tactics: tuple[tuple[str, str | None], ...],
     ) -> _KeyColumns | None:
-        """Scope, key and JSON values of one entry or change; the key's columns when it parses."""
+        """Scope, key and JSON tactics of one entry or change; the key's columns when it parses."""
         table, row_id = where
         noun = "entry" if table == "entries" else "change"
         if scope not in self._good_scopes and not self._scope_is_valid(scope):
@@ -661,11 +694,9 @@ class _Verifier:
                 )
             else:
                 columns = parsed
-        for label, tactic, policy in values:
+        for label, tactic in tactics:
             if tactic is not None and tactic not in self._good_tactics:
-                self._check_json(where, f"{label}tactic", tactic, False)
-            if policy is not None and policy not in self._good_policies:
-                self._check_json(where, f"{label}policy", policy, True)
+                self._check_json(where, f"{label}tactic", tactic)
         return columns
 
     def _rows(self) -> Checked:
@@ -696,11 +727,11 @@ class _Verifier:
                 H.c.action,
                 H.c.old_runner,
                 H.c.old_tactic,
-                H.c.old_policy,
+                H.c.old_policy_id,
                 H.c.old_commit_id,
                 H.c.new_runner,
                 H.c.new_tactic,
-                H.c.new_policy,
+                H.c.new_policy_id,
             ).order_by(H.c.id)
         )
         state, n_changes = self._replay(changes, commits, reverts)
@@ -712,14 +743,13 @@ class _Verifier:
                 E.c.key,
                 E.c.op,
                 E.c.runner,
-                E.c.shapes,
-                E.c.extras,
                 E.c.tactic,
-                E.c.policy,
+                E.c.policy_id,
                 E.c.commit_id,
             ).order_by(E.c.id)
         )
         n_entries = self._entries(entries, state)
+        n_policies = self._policies()
         self._selections()
         record_rows: Counter[str] = Counter()
         for kind, message, table, row_id in rec.check(self.conn, record_rows):
@@ -731,6 +761,7 @@ class _Verifier:
             n_changes,
             record_rows["records"],
             record_rows["record_changes"],
+            n_policies,
         )
 
     def _selections(self) -> None:
@@ -815,16 +846,16 @@ class _Verifier:
         what stays unmarked was lost. Returns the number of entries.
         """
         count = 0
-        for eid, fid, scope, key, op, runner, shapes, extras, tactic, policy, cid in rows:
+        for eid, fid, scope, key, op, runner, tactic, policy, cid in rows:
             count += 1
             where = ("entries", eid)
-            columns = self._check_row(where, scope, key, (("", tactic, policy),))
-            if columns is not None and (op, runner, shapes, extras) != columns:
+            columns = self._check_row(where, scope, key, (("", tactic),))
+            if columns is not None and (op, runner) != columns:
                 differ = [
                     name
                     for name, stored, parsed in zip(
-                        ("op", "runner", "shapes", "extras"),
-                        (op, runner, shapes, extras),
+                        ("op", "runner"),
+                        (op, runner),
                         columns,
                         strict=True,
                     )
@@ -832,7 +863,8 @@ class _Verifier:
                 ]
                 self.problem(
                     "key_columns",
-                    f"entry {eid}: {', '.join(differ)} differ from its key {_short(key)}",
+                    f"entry {eid}: {' and '.join(differ)} "
+                    f"{'differs' if len(differ) == 1 else 'differ'} from its key {_short(key)}",
                     *where,
                 )
             ident = (fid, scope, key)
@@ -890,7 +922,7 @@ class _Verifier:
         last_commit = None
         problem = self.problem
         good_scopes, good_keys = self._good_scopes, self._good_keys
-        good_tactics, good_policies = self._good_tactics, self._good_policies
+        good_tactics = self._good_tactics
         for row in rows:
             (hid, cid, fid, scope, key, action, old_runner, old_tactic, old_policy, old_cid,
              new_runner, new_tactic, new_policy) = row  # fmt: skip
@@ -912,15 +944,8 @@ class _Verifier:
                 and key in good_keys
                 and (old_tactic is None or old_tactic in good_tactics)
                 and (new_tactic is None or new_tactic in good_tactics)
-                and (old_policy is None or old_policy in good_policies)
-                and (new_policy is None or new_policy in good_policies)
             ):
-                self._check_row(
-                    where,
-                    scope,
-                    key,
-                    (("old ", old_tactic, old_policy), ("new ", new_tactic, new_policy)),
-                )
+                self._check_row(where, scope, key, (("old ", old_tactic), ("new ", new_tactic)))
             if action not in _INVERSE:
                 problem("bad_change", f"change {hid}: unknown action {_short(str(action))}", *where)
                 continue

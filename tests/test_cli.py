@@ -391,7 +391,7 @@ def test_stats(cli, populated: str) -> None:
 
     assert result.stdout.splitlines() == [
         f"registry         {schema.resolve(str(populated)).display}",
-        "schema revision  0005_drop_op_index",
+        "schema revision  0006_policies",
         f"size             {stats.size_bytes} bytes",
         "fingerprints     1",
         "entries          2 (2 shared, 0 rank-scoped)",
@@ -675,21 +675,21 @@ def test_revert_dry_run_and_conflict(cli, populated: str, cache_file, dump_db) -
 
 @both_backends
 def test_db_commands(cli, populated: str, tmp_path: Path) -> None:
-    assert cli("db", "current").stdout == (
-        "0005_drop_op_index (head 0005_drop_op_index: up to date)\n"
-    )
+    assert cli("db", "current").stdout == ("0006_policies (head 0006_policies: up to date)\n")
     assert cli("db", "history", db=None).stdout.splitlines() == [
-        "revision            down            title",
-        "0001_registry                       ficache 0.1: fingerprints, entries, commits and the entry change log.",
-        "0002_fleet          0001_registry   ficache 0.2: tuned times, last served times, new values in the change log.",
-        "0003_records        0002_fleet      ficache 0.3: FlashInfer's namespaced records and their change log.",
-        "0004_selection      0003_records    ficache 0.4: how FlashInfer chose each value (a cache value's fourth element).",
-        "0005_drop_op_index  0004_selection  ficache 0.5: entries lose their index on op, which cost every write and "
+        "revision            down                title",
+        "0001_registry                           ficache 0.1: fingerprints, entries, commits and the entry change log.",
+        "0002_fleet          0001_registry       ficache 0.2: tuned times, last served times, new values in the change log.",
+        "0003_records        0002_fleet          ficache 0.3: FlashInfer's namespaced records and their change log.",
+        "0004_selection      0003_records        ficache 0.4: how FlashInfer chose each value (a cache value's fourth element).",
+        "0005_drop_op_index  0004_selection      ficache 0.5: entries lose their index on op, which cost every write and "
         "served no read.",
+        "0006_policies       0005_drop_op_index  ficache 0.6: measurement policies stored once; entries lose the columns "
+        "their key holds.",
     ]
     dry = cli("db", "downgrade", "base", "--dry-run")
     assert dry.stdout.splitlines() == [
-        f"downgrade plan: {schema.resolve(str(populated)).display} from 0005_drop_op_index to base "
+        f"downgrade plan: {schema.resolve(str(populated)).display} from 0006_policies to base "
         "(drops all stored entries)",
         "dry run: nothing changed",
     ]
@@ -885,7 +885,7 @@ def test_a_newer_schema_is_refused(cli, populated: Path, cache_file) -> None:
     one_error_line(
         result,
         f"registry {populated} has schema revision '0099_future', newer than this ficache knows "
-        "(head '0005_drop_op_index'); upgrade ficache (pip install -U ficache)",
+        "(head '0006_policies'); upgrade ficache (pip install -U ficache)",
     )
     assert populated.read_bytes() == before
 

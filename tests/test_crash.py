@@ -68,7 +68,7 @@ import pytest
 import reliability_log
 from forker import Child, Forker
 from samples import SHORT_H200_METADATA
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
@@ -188,8 +188,9 @@ def registry_state(db: str) -> State:
             tuple(row)
             for row in conn.execute(
                 text(
-                    "SELECT f.digest, e.scope, e.key, e.runner, e.tactic, e.policy "
-                    "FROM entries e JOIN fingerprints f ON f.id = e.fingerprint_id"
+                    "SELECT f.digest, e.scope, e.key, e.runner, e.tactic, p.policy "
+                    "FROM entries e JOIN fingerprints f ON f.id = e.fingerprint_id "
+                    "LEFT JOIN policies p ON p.id = e.policy_id"
                 )
             )
         )
@@ -296,8 +297,21 @@ def _build_0001_base(db: str, backend: str, registry_path: Path) -> str:
     return db
 
 
+#: Columns of the frozen 0001 registry that later revisions no longer store as
+#: such: a policy's text (0006 keeps it once, in ``policies``, by id) and the
+#: shapes and extras an entry's key holds (0006 reads them from the key).
+_POLICY_TEXT_COLUMNS = {
+    "policy": "policy_id",
+    "old_policy": "old_policy_id",
+    "new_policy": "new_policy_id",
+}
+_KEY_COLUMNS = {"shapes", "extras"}
+
+
 def schema_state(db: str) -> tuple[str | None, dict[str, list[tuple[Any, ...]]]]:
-    """The revision and the frozen registry's columns of every table, read without upgrading."""
+    """The revision and the frozen registry's data in every table, read without
+    upgrading: its columns, each policy as its text whichever way the revision
+    stores it, and not the shapes and extras its keys hold."""
     url = db if "://" in db else f"sqlite:///{db}"
     engine = create_engine(url, poolclass=NullPool)
     try:
@@ -305,10 +319,21 @@ def schema_state(db: str) -> tuple[str | None, dict[str, list[tuple[Any, ...]]]]
             revision = schema.current_revision(conn)
             rows = {}
             for table, (names, _rows) in _frozen_rows().items():
-                columns = ", ".join(f'"{n}"' for n in names)
+                present = {c["name"] for c in inspect(conn).get_columns(table)}
+                columns = []
+                for name in names:
+                    if name in _KEY_COLUMNS:
+                        continue
+                    by_id = _POLICY_TEXT_COLUMNS.get(name)
+                    if name in present or by_id is None:
+                        columns.append(f'"{name}"')
+                    else:
+                        columns.append(f'(SELECT p.policy FROM policies p WHERE p.id = "{by_id}")')
                 rows[table] = [
                     tuple(r)
-                    for r in conn.execute(text(f'SELECT {columns} FROM "{table}" ORDER BY id'))
+                    for r in conn.execute(
+                        text(f'SELECT {", ".join(columns)} FROM "{table}" ORDER BY id')
+                    )
                 ]
         return revision, rows
     finally:

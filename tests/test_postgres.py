@@ -44,6 +44,7 @@ TABLES = {
     "alembic_version",
     "fingerprints",
     "commits",
+    "policies",
     "entries",
     "entry_changes",
     "records",
@@ -133,7 +134,7 @@ def test_records_down_to_0002_and_up_again(cli, postgres_url: str, cache_file) -
     down = cli("db", "downgrade", "0002_fleet", "--yes", db=postgres_url)
 
     assert down.exit_code == 0, down.stderr
-    assert tables(postgres_url) == TABLES - {"records", "record_changes"}
+    assert tables(postgres_url) == TABLES - {"records", "record_changes", "policies"}
     assert sql(postgres_url, "SELECT id, added FROM commits") == [(1, 1)]
     assert cli("db", "upgrade", db=postgres_url).exit_code == 0
     assert tables(postgres_url) == TABLES

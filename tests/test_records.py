@@ -684,6 +684,7 @@ def test_verify_counts_the_records_tables(cli, registry_db: str, cache_file) -> 
             "changes": 3,
             "records": 3,
             "record_changes": 5,
+            "policies": 0,
         },
     )
 

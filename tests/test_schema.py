@@ -29,6 +29,7 @@ TABLES = {
     "alembic_version",
     "fingerprints",
     "commits",
+    "policies",
     "entries",
     "entry_changes",
     "records",
@@ -39,9 +40,9 @@ FROZEN = sorted(DATA.glob("registry-*.db"))
 REPO = Path(__file__).resolve().parent.parent
 
 
-def query(path: Path, sql: str) -> list[tuple]:
+def query(path: Path, sql: str, params: tuple = ()) -> list[tuple]:
     with closing(sqlite3.connect(path)) as conn:
-        return conn.execute(sql).fetchall()
+        return conn.execute(sql, params).fetchall()
 
 
 def tables(path: Path) -> set[str]:
@@ -310,6 +311,19 @@ def test_a_frozen_registry_upgrades_to_head_and_keeps_its_data(
         key=repr,
     )
     assert untimed == (0,)
+    # 0006 stored the one policy once, named by the entry and its change rows.
+    assert query(path, "SELECT policy FROM policies") == [
+        ('["cuda_graph_profile_replays",null,"l2_cache_policy","hot"]',)
+    ]
+    assert (
+        query(
+            path,
+            "SELECT e.scope, e.key FROM entries e JOIN policies p ON p.id = e.policy_id "
+            "UNION ALL SELECT h.scope, h.key FROM entry_changes h "
+            "JOIN policies p ON p.id = h.new_policy_id",
+        )
+        == [("shared", _frozen_key(16))] * 2
+    )
     if frozen.name >= "registry-0003":  # records are frozen from 0003_records on
         with Registry.open(str(path)) as reg:
             text, _n = reg.export_text(infos[h200].id, scope="tp2/rank1")
@@ -360,7 +374,7 @@ def test_downgrading_below_0003_drops_records_and_their_commits_only(
 
     assert down.exit_code == 0, down.stderr
     assert revision(registry_path) == [("0002_fleet",)]
-    assert tables(registry_path) == TABLES - {"records", "record_changes"}
+    assert tables(registry_path) == TABLES - {"records", "record_changes", "policies"}
     # The import of entries and records keeps its entries; the records-only ones are gone.
     assert query(registry_path, "SELECT id, added FROM commits") == [(1, 1)]
     assert cli("verify").exit_code == 1  # stale (0002), and says so
@@ -398,6 +412,57 @@ def test_downgrading_below_0004_drops_selections_and_keeps_values(
     # The same value again is unchanged: the selection is not part of it.
     again = cli("import", four)
     assert again.stdout.startswith("imported 1 entries from 1 file(s): 0 added, 0 replaced, 1 unch")
+
+
+def test_downgrading_below_0006_puts_policies_and_key_columns_back(
+    cli, cache_file, registry_path: Path
+) -> None:
+    def key(m: int) -> str:
+        return str(("flashinfer::mm_fp4", "CutlassRunner", ((m, 4096),), ("torch.bfloat16", 1)))
+
+    hot = ["cuda_graph_profile_replays", None, "l2_cache_policy", "hot"]
+    meta = {"gpu": "NVIDIA H200"}
+    first = cache_file(
+        "a.json",
+        {key(16): ["CutlassRunner", 1, hot], key(32): ["CutlassRunner", 2, ["cold"]]},
+        metadata=meta,
+    )
+    second = cache_file(
+        "b.json",
+        {key(16): ["CutlassRunner", 3, ["cold"]], key(64): ["CutlassRunner", [4, 5]]},
+        metadata=meta,
+    )
+    assert cli("import", first).exit_code == 0
+    assert cli("import", second).exit_code == 0  # replaces key(16): the hot policy is an old value
+    before = cli("export", "--fingerprint", "1").stdout
+    assert json.loads(before)[key(16)] == ["CutlassRunner", 3, ["cold"]]
+    assert query(registry_path, "SELECT count(*) FROM policies") == [(2,)]
+
+    down = cli("db", "downgrade", "0005_drop_op_index", "--yes")
+
+    assert down.exit_code == 0, down.stderr
+    assert "policies" not in tables(registry_path)
+    assert query(registry_path, "SELECT key, shapes, extras, policy FROM entries ORDER BY key") == [
+        (key(16), "[[16, 4096]]", "('torch.bfloat16', 1)", '["cold"]'),
+        (key(32), "[[32, 4096]]", "('torch.bfloat16', 1)", '["cold"]'),
+        (key(64), "[[64, 4096]]", "('torch.bfloat16', 1)", None),
+    ]
+    hot_json = '["cuda_graph_profile_replays",null,"l2_cache_policy","hot"]'
+    assert query(
+        registry_path,
+        "SELECT action, key, old_policy, new_policy FROM entry_changes ORDER BY id",
+    ) == [
+        ("added", key(16), None, hot_json),
+        ("added", key(32), None, '["cold"]'),
+        ("added", key(64), None, None),
+        ("replaced", key(16), hot_json, '["cold"]'),
+    ]
+    assert cli("db", "upgrade").exit_code == 0
+    assert cli("verify").stdout.endswith("ok: no problems\n")
+    assert cli("export", "--fingerprint", "1").stdout == before
+    assert cli("revert", "2", "--yes").exit_code == 0  # the old policy comes back by its id
+    restored = json.loads(cli("export", "--fingerprint", "1").stdout)
+    assert restored[key(16)] == ["CutlassRunner", 1, hot]
 
 
 _FROZEN_FIELDS = {

@@ -101,8 +101,9 @@ def registry_log(db: str) -> tuple[dict[int, tuple[Any, ...]], list[Any], dict[I
             conn.execute(
                 text(
                     "SELECT h.commit_id, f.digest, h.scope, h.key, h.action, "
-                    "h.new_runner, h.new_tactic, h.new_policy "
+                    "h.new_runner, h.new_tactic, p.policy AS new_policy "
                     "FROM entry_changes h JOIN fingerprints f ON f.id = h.fingerprint_id "
+                    "LEFT JOIN policies p ON p.id = h.new_policy_id "
                     "ORDER BY h.id"
                 )
             )
@@ -111,8 +112,9 @@ def registry_log(db: str) -> tuple[dict[int, tuple[Any, ...]], list[Any], dict[I
             (row[0], row[1], row[2]): (row[3], row[4], row[5])
             for row in conn.execute(
                 text(
-                    "SELECT f.digest, e.scope, e.key, e.runner, e.tactic, e.policy "
-                    "FROM entries e JOIN fingerprints f ON f.id = e.fingerprint_id"
+                    "SELECT f.digest, e.scope, e.key, e.runner, e.tactic, p.policy "
+                    "FROM entries e JOIN fingerprints f ON f.id = e.fingerprint_id "
+                    "LEFT JOIN policies p ON p.id = e.policy_id"
                 )
             )
         }

@@ -6,6 +6,7 @@ cases in ``tox -e postgres``); the others are about SQLite files."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import sqlite3
@@ -66,8 +67,10 @@ def build(db: str) -> None:
     revert) under every commit kind.
 
     Ids (the same on both backends): fingerprints H200 1, B200 2. Entries
-    1 H200 m16, 2 m32, 3 m64 (removed by commit 3, re-added by commit 5),
-    4 H200 m16 tp2/rank1, 5 and 6 B200 (pruned by commit 4), 7 H200 m128.
+    1 H200 m16, 2 m32, 3 m64 (removed by commit 3, re-added by commit 5 as
+    ``READDED``, the one id the backends give differently), 4 H200 m16
+    tp2/rank1, 5 and 6 B200 (pruned by commit 4), 7 H200 m128, 8 H200 m256
+    tp2/rank0 (removed by commit 5). Policy 1 is m64's.
     Commits: 1 import (6 added, changes 1-6), 2 merge (changes 7 added m128,
     8 replaced m32), 3 startup (9 added m256 tp2/rank0, 10 removed m64),
     4 prune of B200 (11, 12), 5 revert of 3 (13 removed m256, 14 added m64),
@@ -99,6 +102,11 @@ def build(db: str) -> None:
         assert reg.plan_prune(fingerprint_ids=[2]).execute(reg).commit_id == 4
         assert reg.revert(3).commit_id == 5
         assert reg.write([new(H200, 16, "[12]")], kind="import").commit_id == 6
+
+
+#: The id of the m64 entry commit 5 re-added: SQLite gives the largest rowid
+#: plus one (entry 8, m256, was removed), PostgreSQL the sequence's next value.
+READDED = {"sqlite": 8, "postgres": 9}
 
 
 def display(db: str) -> str:
@@ -171,7 +179,7 @@ def test_the_library_report(registry_db: str, backend: str) -> None:
         "sqlite" if backend == "sqlite" else "postgresql",
         HEAD,
         HEAD,
-        Checked(fingerprints=2, entries=5, commits=6, changes=15),
+        Checked(fingerprints=2, entries=5, commits=6, changes=15, policies=1),
         (),
         (AMCHECK_NOTE,) if backend == "postgres" else (),
     )
@@ -214,6 +222,7 @@ def test_real_imports_merges_prunes_and_reverts_stay_clean(
             "changes": 10,
             "records": 0,
             "record_changes": 0,
+            "policies": 1,
         },
         [],
     )
@@ -238,6 +247,7 @@ def test_every_frozen_registry_upgraded_to_head_is_clean(frozen: Path, tmp_path:
             changes=7,
             records=records,
             record_changes=records,
+            policies=1,
         ),
     )
 
@@ -327,6 +337,11 @@ def test_verify_is_clean_while_a_writer_commits(
 
 # -- damage ----------------------------------------------------------------------------
 
+#: A policy as no writer stores it (not canonical JSON), with its SHA-256 (so only its text is off).
+OTHER_POLICY = '[ "hot" ]'
+OTHER_DIGEST = hashlib.sha256(OTHER_POLICY.encode()).hexdigest()
+CANON_DIGEST = hashlib.sha256(b"[1]").hexdigest()
+
 #: ``(statements, {kind: count}, the first problem's message)``, made on ``build``'s registry.
 DAMAGE = {
     "unparsable key": (
@@ -338,9 +353,32 @@ DAMAGE = {
         "change 7: key 'mm(16)' does not parse: trailing text after the key tuple at offset 2",
     ),
     "key columns": (
-        ["UPDATE entries SET op = 'other', extras = '()' WHERE id = 2"],
+        ["UPDATE entries SET op = 'other' WHERE id = 2"],
         {"key_columns": 1},
-        f"entry 2: op, extras differ from its key {short(key(32))}",
+        f"entry 2: op differs from its key {short(key(32))}",
+    ),
+    "missing policy": (
+        ["DELETE FROM policies"],
+        {"orphan_entry": 1, "orphan_change": 3},
+        "entry {readded}: policy 1 is missing",
+    ),
+    "policy digest": (
+        ["UPDATE policies SET digest = 'abc'"],
+        {"policy_digest": 1},
+        "policy 1: digest 'abc' is not the SHA-256 of its text",
+    ),
+    "policy not canonical": (
+        [f"UPDATE policies SET policy = '{OTHER_POLICY}', digest = '{OTHER_DIGEST}'"],
+        {"bad_json": 1},
+        f"policy 1: {OTHER_POLICY!r} is not canonical JSON",
+    ),
+    "entry names another policy": (
+        [
+            f"INSERT INTO policies (id, digest, policy) VALUES (2, '{CANON_DIGEST}', '[1]')",
+            "UPDATE entries SET policy_id = 2 WHERE policy_id = 1",
+        ],
+        {"entry_value": 1},
+        "entry {readded}: value differs from the one commit 5 wrote",
     ),
     "missing commit": (
         ["DELETE FROM commits WHERE id = 6"],
@@ -450,13 +488,13 @@ def test_damage_is_found_read_only(
     result = cli("verify")
 
     assert dict(report.counts) == counts
-    assert report.problems[0].message == first
+    assert report.problems[0].message == first.replace("{readded}", str(READDED[backend]))
     assert all(p.kind in KINDS for p in report.problems)
     assert (result.exit_code, result.stderr) == (1, "")
     lines = result.stdout.splitlines()
     found = len(report.problems)
     assert lines[2 + len(report.notes)] == f"{found} problem{'s' if found > 1 else ''}:"
-    assert f"  {first}" in lines
+    assert f"  {first.replace('{readded}', str(READDED[backend]))}" in lines
     assert dump_db(registry_db) == before
     reliability_log.record(
         item="2. verify",
@@ -526,6 +564,7 @@ def test_the_json_report(cli, registry_db: str, backend: str) -> None:
             "changes": 15,
             "records": 0,
             "record_changes": 0,
+            "policies": 1,
         },
         "counts": {"entry_value": 1},
         "problems": [
@@ -653,7 +692,7 @@ def test_an_empty_database_is_no_registry(cli, registry_db: str, registry_path: 
 
 def test_a_missing_column_is_drift_and_skips_the_data_checks(cli, registry_path: Path) -> None:
     build(str(registry_path))
-    behind_the_back(str(registry_path), "ALTER TABLE entry_changes DROP COLUMN new_policy")
+    behind_the_back(str(registry_path), "ALTER TABLE entry_changes DROP COLUMN new_tactic")
 
     result = cli("verify")
 
@@ -663,7 +702,7 @@ def test_a_missing_column_is_drift_and_skips_the_data_checks(cli, registry_path:
         "note: data checks skipped: the schema lacks tables or columns\n"
         "1 problem:\n"
         "schema_drift: 1\n"
-        "  column entry_changes.new_policy is missing\n"
+        "  column entry_changes.new_tactic is missing\n"
     )
 
 
@@ -762,7 +801,7 @@ def test_postgres_foreign_keys_not_enforced(postgres_url: str) -> None:
 
     assert report.counts == (("foreign_key", 1),)
     assert report.problems[0].message == (
-        "4 internal trigger(s) of entries are disabled, so its foreign keys are not enforced "
+        "6 internal trigger(s) of entries are disabled, so its foreign keys are not enforced "
         "(ALTER TABLE ... ENABLE TRIGGER ALL)"
     )
 
