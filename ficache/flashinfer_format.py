@@ -84,35 +84,43 @@ Shapes = tuple[tuple[int, ...], ...]
 _tuple_new = tuple.__new__
 
 
-def _shapes_to_json(shapes: Shapes) -> str:
-    """The canonical JSON text of integer shape tuples: ``((1,), (2, 3))`` -> ``[[1], [2, 3]]``."""
-    # Python's repr of a list of int lists is exactly its JSON (and faster).
-    return repr([list(s) for s in shapes])
+def _shapes_text(shapes: Shapes) -> str:
+    """Python's ``repr`` of integer shape tuples, the canonical text ``KeyFields`` keeps."""
+    return repr(tuple(tuple(int(d) for d in s) for s in shapes))
 
 
 class KeyFields(tuple[str, str, str, str]):
     """The readable parts of a ``file_key``; extras stay as their source text.
 
-    A tuple ``(op, runner, extras, shapes_json)`` with named fields, so it is
-    immutable, and equal and hashed by op, runner, shapes and extras (the
-    JSON form of shapes is canonical: one text per value). Bulk parsing makes
-    it with one ``tuple.__new__`` from the JSON text it read from the key;
-    ``shapes`` is read back from that text when asked for (rarely: display).
+    A tuple ``(op, runner, extras, shapes_text)`` with named fields, so it is
+    immutable, and equal and hashed by op, runner, shapes and extras.
+    ``shapes_text`` is Python's ``repr`` of the shapes, exactly as
+    FlashInfer's keys write them (``((16, 4096), (4096, 2048))``; a 1-tuple
+    with its comma): one text per value, so it is canonical. Bulk parsing
+    makes a ``KeyFields`` with one ``tuple.__new__`` from that text as the key
+    holds it; ``shapes_json`` and ``shapes`` are made from it when asked for
+    (rarely: display; writers store only op and runner).
     """
 
     __slots__ = ()
 
     def __new__(cls, op: str, runner: str, shapes: Shapes, extras: str) -> KeyFields:
-        return _tuple_new(cls, (op, runner, extras, _shapes_to_json(shapes)))
+        return _tuple_new(cls, (op, runner, extras, _shapes_text(shapes)))
 
     op = property(operator.itemgetter(0), doc="The custom op's name.")
     runner = property(operator.itemgetter(1), doc="The runner class's name.")
     extras = property(operator.itemgetter(2), doc="The key's own text of its fourth element.")
-    shapes_json = property(operator.itemgetter(3), doc="The shapes as canonical JSON text.")
+    shapes_text = property(operator.itemgetter(3), doc="The shapes as Python's repr writes them.")
+
+    @property
+    def shapes_json(self) -> str:
+        """The shapes as JSON text: ``((1,), (2, 3))`` -> ``[[1], [2, 3]]``."""
+        # Three replaces cost a fifth of one str.translate.
+        return self[3].replace(",)", ")").replace("(", "[").replace(")", "]")
 
     @property
     def shapes(self) -> Shapes:
-        return tuple(map(tuple, json.loads(self[3])))
+        return tuple(map(tuple, json.loads(self.shapes_json)))
 
     def __repr__(self) -> str:
         return (
@@ -139,9 +147,9 @@ class FileEntry(NamedTuple):
     selection_json: str | None = None  # None when absent
 
 
-def _key_fields(op: str, runner: str, shapes_json: str, extras: str) -> KeyFields:
-    """``KeyFields`` of a key whose shapes were read as JSON text (valid, canonical)."""
-    return _tuple_new(KeyFields, (op, runner, extras, shapes_json))
+def _key_fields(op: str, runner: str, shapes_text: str, extras: str) -> KeyFields:
+    """``KeyFields`` of a key whose shapes text ``_COMMON_KEY`` matched (repr form)."""
+    return _tuple_new(KeyFields, (op, runner, extras, shapes_text))
 
 
 @dataclass(frozen=True)
@@ -298,21 +306,28 @@ def _parse_literal(text: str) -> tuple[Any, list[tuple[int, int]]]:
 
 
 # The shape of nearly every key FlashInfer writes: quoted op and runner
-# without escapes, integer shape tuples exactly as ``repr`` writes them.
+# without escapes, integer shape tuples exactly as ``repr`` writes them (a
+# comma after the one item of a 1-tuple, none after the last of several:
+# the matched text is ``KeyFields.shapes_text``, canonical).
 # Matching it in one step makes bulk imports cheap; the extras are still read
 # by the literal parser (memoised: they repeat across keys), and any other
 # shape of key falls through to the general path, which accepts more.
 # No leading zeros, no "-0": also valid JSON. At most 19 digits: a longer
 # integer takes the general path, which refuses one past Python's int limit.
 _REPR_INT = r"(?:0|-?[1-9][0-9]{0,18})"
-_REPR_SHAPE = rf"\((?:{_REPR_INT}(?:, {_REPR_INT})*+,?)?\)"
+
+
+def _repr_tuple(item: str) -> str:
+    """A pattern of a tuple of ``item`` as ``repr`` writes it: ``()``, ``(x,)``,
+    ``(x, y, ...)``. The comma of a 1-tuple is told apart by a lookahead, so
+    no item is matched twice (an alternation of the two forms would be)."""
+    return rf"(?:\((?:{item})(?:,(?=\))|(?:, (?:{item}))++)\)|\(\))"
+
+
 _COMMON_KEY = re.compile(
-    rf"\('([^'\\\n]++)', '([^'\\\n]++)', (\((?:{_REPR_SHAPE}(?:, {_REPR_SHAPE})*+,?)?\)), (\(.*\))\)",
+    rf"\('([^'\\\n]++)', '([^'\\\n]++)', ({_repr_tuple(_repr_tuple(_REPR_INT))}), (\(.*\))\)",
     re.DOTALL,
 )
-# A matched shapes text becomes JSON by dropping trailing commas and turning
-# parentheses into brackets (``_shapes_json``); that JSON is
-# ``KeyFields.shapes_json`` exactly.
 
 
 @functools.lru_cache(maxsize=4096)
@@ -333,13 +348,7 @@ def _common_key(key: str) -> KeyFields | None:
     op, runner, shapes_text, extras = m.groups()
     if not _is_tuple_literal(extras):
         return None
-    return _key_fields(op, runner, _shapes_json(shapes_text), extras)
-
-
-def _shapes_json(shapes_text: str) -> str:
-    """The JSON of a shapes text ``_COMMON_KEY`` matched: ``((1,), (2, 3))`` -> ``[[1], [2, 3]]``."""
-    # Three replaces cost a fifth of one str.translate.
-    return shapes_text.replace(",)", ")").replace("(", "[").replace(")", "]")
+    return _key_fields(op, runner, shapes_text, extras)
 
 
 def parse_key(key: str) -> KeyFields:
@@ -585,7 +594,6 @@ def _read_entries(top: dict[str, Any]) -> tuple[list[FileEntry], list[str], int]
     is_tuple_literal = _is_tuple_literal
     chunks = _json_chunks
     join = "".join
-    to_json = _shapes_json
     new = _tuple_new
     max_key, max_depth = MAX_KEY_CHARS, MAX_TACTIC_DEPTH
     max_sel_depth, max_sel_chars = MAX_SELECTION_DEPTH, MAX_SELECTION_CHARS
@@ -632,7 +640,7 @@ def _read_entries(top: dict[str, Any]) -> tuple[list[FileEntry], list[str], int]
                             )
                         )
                     ):
-                        kf = new(KeyFields, (op, runner, extras, to_json(shapes_text)))
+                        kf = new(KeyFields, (op, runner, extras, shapes_text))
                         entry = new(
                             FileEntry, (key, runner, tactic_json, policy_json, kf, sel_json)
                         )

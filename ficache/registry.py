@@ -1238,8 +1238,12 @@ class Registry:
                 removed=len(removed),
                 unchanged=unchanged,
                 kept=kept,
-                shared_written=sum(1 for a in added if a[1] == SHARED_SCOPE)
-                + sum(1 for r in replaced if r[1] == SHARED_SCOPE),
+                shared_written=(
+                    len(added) + len(replaced)  # the common case: every scope written is shared
+                    if all(scopes == {SHARED_SCOPE} for scopes in scopes_by_fp)
+                    else [a[1] for a in added].count(SHARED_SCOPE)
+                    + [r[1] for r in replaced].count(SHARED_SCOPE)
+                ),
                 records_added=len(staged.added),
                 records_replaced=len(staged.replaced),
                 records_removed=len(staged.removed),

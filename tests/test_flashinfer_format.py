@@ -107,6 +107,21 @@ def test_the_common_key_fast_path_agrees_with_the_general_parser(parts: tuple) -
         assert fast.shapes_json == general.shapes_json  # read from the key's text
 
 
+@pytest.mark.parametrize(
+    "written",
+    [
+        "('op', 'R', ((16, 4096,),), (1,))",  # a comma after the last of several
+        "('op', 'R', ((16,4096),), (1,))",  # no space
+        "('op', 'R', ( (16, 4096), ), (1,))",  # spaces inside the brackets
+    ],
+)
+def test_shapes_not_written_as_repr_writes_them_take_the_general_path(written: str) -> None:
+    assert _common_key(written) is None
+    fields = parse_key(written)
+    assert fields == parse_key("('op', 'R', ((16, 4096),), (1,))")  # one text per value
+    assert (fields.shapes_text, fields.shapes_json) == ("((16, 4096),)", "[[16, 4096]]")
+
+
 def test_parse_key_of_a_real_profiling_cache_key() -> None:
     from flashinfer.autotuner import ProfilingCacheKey
 
