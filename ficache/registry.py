@@ -1060,10 +1060,12 @@ class Registry:
                 stale = 0
                 last_fp, fid = None, -1
                 pairs = expected.items() if isinstance(expected, Mapping) else expected
-                for (fp, scope, key), commit in pairs:
+                if not existing:  # nothing stored: only an expected absence holds
+                    stale = sum(commit is not None for _ident, commit in pairs)
+                for (fp, scope, key), commit in pairs if existing else ():
                     if fp is not last_fp:  # runs of one fingerprint: hash it once
                         last_fp, fid = fp, fid_of.get(fp, -1)
-                    now_row = existing.get((fid, scope, key)) if existing else None
+                    now_row = existing.get((fid, scope, key))
                     stale += (now_row[4] if now_row is not None else None) != commit
                 if stale:
                     raise ConflictError(

@@ -615,6 +615,25 @@ def test_a_plan_is_refused_when_the_registry_changed_since(
     assert stored(cli)[(1, "shared", K16)] == 42
 
 
+def test_a_plan_is_refused_when_the_entries_it_was_made_against_are_gone(
+    cli, sources: list[Path], registry_db: str, dump_db
+) -> None:
+    opened = [open_source(str(p)) for p in sources]
+    with Registry.open(registry_db) as reg:
+        plan = plan_merge(reg, opened, "theirs")  # replaces K16, keeps K32, adds K64
+        # Someone prunes every stored entry between the plan and its execution.
+        assert cli("prune", "--fingerprint", "1", "--yes").exit_code == 0
+        before = dump_db(registry_db)
+
+        with pytest.raises(ConflictError) as raised:
+            plan.execute(reg)
+
+    assert str(raised.value) == (
+        "1 of 2 entries changed since the plan was made; nothing written, run the command again"
+    )
+    assert dump_db(registry_db) == before
+
+
 def test_a_refused_plan_raises_before_writing(sources: list[Path], target, registry_db: str):
     with Registry.open(registry_db) as reg:
         plan = plan_merge(reg, [open_source(str(p)) for p in sources], "fail")
