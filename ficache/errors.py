@@ -31,6 +31,10 @@ class RegistryBusyError(RegistryError):
     """Another writer held the registry longer than the busy timeout."""
 
 
+class RegistryTimeoutError(RegistryError):
+    """A registry server did not answer within the client's deadline (``ficache.deadline``)."""
+
+
 class SchemaTooNewError(RegistryError):
     """The registry was written by a newer ficache; it is left untouched."""
 

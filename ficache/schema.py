@@ -22,6 +22,8 @@ Invariants:
   SQLite's busy timeout) and reported as ``RegistryBusyError``; connecting
   gives up after ``CONNECT_TIMEOUT_S``. A server that cannot be reached or drops the
   connection is one ``RegistryError`` line, never a driver's multi-line text.
+  Its engines are watched by ``ficache.deadline``, so a caller can bound
+  work on a server that stops answering mid-query.
 - Opening without ``create`` never creates a registry: a missing SQLite file
   and a database without any table are refused.
 """
@@ -49,6 +51,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError
 from sqlalchemy.pool import NullPool
 
+from ficache.deadline import watch_engine
 from ficache.errors import (
     NotARegistryError,
     RegistryBusyError,
@@ -285,6 +288,8 @@ def make_engine(location: Location, *, create: bool = True) -> tuple[Engine, boo
         raise RegistryError(f"cannot use registry URL {location.display}: {exc}") from None
     if engine.dialect.name == "sqlite":
         _install_sqlite_events(engine, readonly=False)
+    elif engine.dialect.name == "postgresql":
+        watch_engine(engine)  # a frozen server ends in an error under registry_deadline
     return engine, False
 
 

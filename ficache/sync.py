@@ -58,6 +58,12 @@ Decisions:
 - A registry that can be read but not written (read-only, or locked longer
   than ``busy_timeout``) still serves its entries; only the commit is
   skipped, or fails and leaves the registry as it was.
+- A registry server that stops answering (PostgreSQL frozen mid-query) costs
+  at most ``registry_timeout`` per phase: rank 0's export (step 2) and its
+  commit (step 9) each run under ``ficache.deadline.registry_deadline``,
+  which cuts the connection when the limit passes. A cut export means "tune
+  uncached"; a cut commit means nothing was committed as far as this start
+  knows, and every rank keeps what it tuned.
 - Concurrent servers: when two servers of one fingerprint commit the same
   key (and scope) with different values, the value committed first wins;
   the later one is not written and is counted in ``report.kept`` (see
@@ -127,7 +133,14 @@ import torch.distributed as dist
 from sqlalchemy import event
 
 from ficache import schema
-from ficache.errors import FicacheError, RegistryBusyError, RegistryReadOnlyError, TunerError
+from ficache.deadline import registry_deadline
+from ficache.errors import (
+    FicacheError,
+    RegistryBusyError,
+    RegistryReadOnlyError,
+    RegistryTimeoutError,
+    TunerError,
+)
 from ficache.fingerprint import ALL_FIELDS, Fingerprint, collect
 from ficache.flashinfer_format import (
     RECORDS_KEY,
@@ -148,6 +161,11 @@ T = TypeVar("T")
 
 #: gloo's default timeout, used when ``timeout`` is None.
 DEFAULT_TIMEOUT_S = 1800.0
+
+#: How long rank 0's export, and its commit, may wait on a registry server that
+#: stopped answering: above the worst legitimate commit (4 attempts, each waiting
+#: up to ``busy_timeout`` for the lock), far below the group's own timeout.
+DEFAULT_REGISTRY_TIMEOUT_S = 60.0
 
 # caller group id -> (caller group, its dedicated tuning group)
 _TUNING_GROUPS: dict[int, tuple[Any, Any]] = {}
@@ -451,7 +469,9 @@ class WarmStart:
     the whole start; ``release_grace`` is how long a rank that
     left its block waits before releasing the tuning group;
     ``busy_timeout`` bounds each wait for the registry's write lock (the
-    registry retries a busy write a few times). ``slice_cache=False``
+    registry retries a busy write a few times). ``registry_timeout`` bounds
+    rank 0's export and its commit, each, on a registry server that stops
+    answering (PostgreSQL; None: no bound). ``slice_cache=False``
     bypasses the on-disk cache of rendered slices. ``provenance`` (rank 0's)
     is added to the commit's provenance (framework, model, ...).
 
@@ -470,6 +490,7 @@ class WarmStart:
         timeout: float | None = None,
         release_grace: float = 5.0,
         busy_timeout: float | None = 5.0,
+        registry_timeout: float | None = DEFAULT_REGISTRY_TIMEOUT_S,
         slice_cache: bool = True,
         provenance: dict[str, Any] | None = None,
     ) -> None:
@@ -482,6 +503,7 @@ class WarmStart:
         self.timeout = float(timeout) if timeout is not None else DEFAULT_TIMEOUT_S
         self.release_grace = release_grace
         self.busy_timeout = busy_timeout
+        self.registry_timeout = registry_timeout
         self.slice_cache = slice_cache
         self.provenance = dict(provenance or {})
         self.report = WarmStartReport()
@@ -511,6 +533,12 @@ class WarmStart:
     def _warn(self, message: str) -> None:
         if message not in self.report.warnings:
             self.report.warnings.append(message)
+
+    def _deadline(self) -> Any:
+        """The bound on one phase of rank 0's work on the registry (``registry_timeout``)."""
+        return registry_deadline(
+            self.registry_timeout, f"registry {schema.resolve(self.db).display}"
+        )
 
     def _registry(self) -> Registry:
         reg = Registry.open(self.db)
@@ -697,7 +725,7 @@ class WarmStart:
                 payload["readonly"] = path is not None and schema.is_read_only_file(path)
         else:
             try:
-                with self._registry() as reg:
+                with self._deadline(), self._registry() as reg:
                     payload["registry"] = reg.location.display
                     payload["readonly"] = reg.readonly
                     slices = export_slices(reg, self._fp, layout, world, use_cache=self.slice_cache)
@@ -996,7 +1024,7 @@ class WarmStart:
             if records:
                 provenance["records"] = len(records)
             try:
-                with self._registry() as reg:
+                with self._deadline(), self._registry() as reg:
                     if reg.readonly:
                         raise RegistryReadOnlyError(f"registry {reg.location.display} is read-only")
                     written = reg.write(
@@ -1039,6 +1067,11 @@ class WarmStart:
                         result["warnings"].append(
                             f"could not export the final slices: {_one_line(exc)}"
                         )
+            except RegistryTimeoutError as exc:
+                self._no_commit = (
+                    f"commit failed: {exc}; if the server had received the commit before it "
+                    "stopped answering, it lands when the server resumes, whole"
+                )
             except RegistryBusyError:
                 self._no_commit = (
                     f"commit failed: registry {report.registry} stayed locked by another writer "

@@ -13,8 +13,9 @@ Fault injection is named as such: ``FailingLoadTuner`` is the real
 PostgreSQL: ``run_plan(..., dbs={scenario: url})`` gives a scenario a
 database URL instead of its SQLite file (``tests/test_postgres.py``). The
 scenarios that read their registry through ``registry(tmp)`` (cold_warm,
-partial, per_rank_keys, disagree, locked) run on either backend; the others
-are about SQLite files.
+partial, per_rank_keys, disagree, locked) run on either backend; frozen_export
+and frozen_commit run on PostgreSQL behind a freezing proxy; the others are
+about SQLite files.
 """
 
 from __future__ import annotations
@@ -324,6 +325,22 @@ def locked(rank: int, world: int, tmp: Path) -> dict[str, Any]:
     return out
 
 
+#: ``registry_timeout`` of the frozen-server scenarios, in seconds.
+FROZEN_LIMIT = 2.0
+
+
+def frozen_export(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    """Rank 0's registry server stops answering during the export (its URL is a
+    ``tests/frozen_proxy.py`` proxy that freezes on the export's query)."""
+    return {"first": start(registry(tmp), registry_timeout=FROZEN_LIMIT)}
+
+
+def frozen_commit(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    """Rank 0's registry server stops answering during the commit (a proxy that
+    freezes on the insert of the new entries)."""
+    return {"first": start(registry(tmp), registry_timeout=FROZEN_LIMIT)}
+
+
 def read_only(rank: int, world: int, tmp: Path) -> dict[str, Any]:
     db = tmp / "registry.db"
     out = {"setup": start(db, tune={"shapes": SHAPES_A})}
@@ -409,6 +426,8 @@ SCENARIOS: dict[str, Callable[[int, int, Path], dict[str, Any]]] = {
         truncated,
         newer_schema,
         locked,
+        frozen_export,
+        frozen_commit,
         read_only,
         load_fails,
         heterogeneous,

@@ -5,8 +5,10 @@ backend-independent tests on PostgreSQL too (the ``backend`` fixture). This
 file holds what is PostgreSQL's own: migrations up to head, down to base and
 up again, a frozen 0001 registry copied into PostgreSQL and upgraded, the
 concurrent-upgrade lock, refusals (newer schema, foreign database, empty
-database on read), one clear line for a server that cannot be reached, and
-warm starts on real gloo ranks whose rank 0 uses PostgreSQL.
+database on read), one clear line for a server that cannot be reached,
+warm starts on real gloo ranks whose rank 0 uses PostgreSQL, and a server
+that stops answering mid-query (``ficache.deadline``; a proxy in
+``tests/frozen_proxy.py`` freezes the connection, the server behind it is real).
 """
 
 from __future__ import annotations
@@ -505,3 +507,168 @@ def test_gloo_a_held_write_lock_serves_but_commits_nothing_on_postgresql(pg_rank
         )
     assert len({r["first"]["report"]["reason"] for r in per_rank}) == 1
     assert per_rank[0]["registry"] == {"commits": 1, "scopes": {"shared": 12}}
+
+
+# -- a server that stops answering (ficache.deadline) ---------------------------------------
+
+#: What each freezing proxy waits for: a query of the test's own, the warm start's
+#: read of its fingerprint (step 2), the commit's insert of the new entries (step 9).
+OWN_QUERY = b"SELECT 'the server freezes here'"
+EXPORT_QUERY = b"fingerprints.digest, fingerprints.flashinfer_version"
+COMMIT_INSERT = b"INSERT INTO entries"
+
+#: Run in a child (a deadline that never fires would hang it; the parent kills it):
+#: a cut read, a block that ended in time, and a descriptor reused after a close.
+_DEADLINE_CHILD = r"""
+import json, socket, sys, time
+from sqlalchemy import text
+from ficache.deadline import registry_deadline
+from ficache.registry import Registry
+
+frozen_url, direct_url = sys.argv[1:3]
+out = {}
+reg = Registry.open(frozen_url)  # through the proxy, before anything froze
+try:
+    with registry_deadline(1.0, "registry under test"):
+        with reg.engine.connect() as conn:
+            conn.execute(text("SELECT 'the server freezes here'"))
+    out["frozen"] = "no error"
+except Exception as exc:
+    out["frozen"] = f"{type(exc).__name__}: {exc}"
+reg.close()
+
+with Registry.open(direct_url) as reg:
+    with registry_deadline(0.5, "registry under test"):
+        commits = reg.stats().commits
+    time.sleep(1.0)  # past the deadline: the block ended in time, nothing is cut
+    out["in_time"] = [commits, reg.stats().commits]
+
+with registry_deadline(0.5, "registry under test"):
+    with Registry.open(direct_url) as reg:
+        reg.stats()
+    # The registry's connections are closed; their descriptors are free for reuse.
+    a, b = socket.socketpair()
+    time.sleep(1.0)  # the deadline passes with nothing of the registry left open
+a.sendall(b"x")
+out["reused"] = b.recv(1).decode()
+print(json.dumps(out))
+"""
+
+
+def test_a_frozen_server_is_cut_at_the_deadline_and_nothing_else_is(
+    postgres_server: pg_server.PostgresServer, postgres_url: str
+) -> None:
+    from frozen_proxy import freezing_proxy
+
+    name = postgres_url.rsplit("/", 1)[1]
+    with freezing_proxy("127.0.0.1", postgres_server.port, OWN_QUERY) as proxy:
+        child = subprocess.run(
+            [sys.executable, "-c", _DEADLINE_CHILD, proxy.url(name), postgres_url],
+            capture_output=True,
+            text=True,
+            timeout=120,  # the hang guard: a deadline that never fires fails here
+            cwd=REPO,
+        )
+        assert child.returncode == 0, child.stderr
+        assert proxy.frozen == 1
+    import json
+
+    out = json.loads(child.stdout)
+    assert out["frozen"] == (
+        "RegistryTimeoutError: registry under test did not answer within 1 s, so its "
+        "connection was cut: check that the server is running and reachable, or raise the limit"
+    )
+    assert out["in_time"] == [0, 0]
+    assert out["reused"] == "x"
+
+
+FROZEN = {"frozen_export": EXPORT_QUERY, "frozen_commit": COMMIT_INSERT}
+
+
+@pytest.fixture(scope="module")
+def frozen_ranks(
+    postgres_server: pg_server.PostgresServer, tmp_path_factory: pytest.TempPathFactory
+) -> Any:
+    from frozen_proxy import FreezingProxy
+
+    names = {scenario: postgres_server.create_database() for scenario in FROZEN}
+    proxies = {
+        scenario: FreezingProxy("127.0.0.1", postgres_server.port, trigger)
+        for scenario, trigger in FROZEN.items()
+    }
+    try:
+        root = str(tmp_path_factory.mktemp("frozen-ranks"))
+        dbs = {scenario: proxies[scenario].url(names[scenario]) for scenario in FROZEN}
+        results = run_ranks(
+            gloo_scenarios.run_plan, WORLD, root, list(FROZEN), dbs, timeout=300, group_timeout=60
+        )
+        frozen = {scenario: proxy.frozen for scenario, proxy in proxies.items()}
+        for proxy in proxies.values():
+            proxy.close()  # the server sees the frozen connections go and rolls back
+        after = {
+            scenario: gloo_scenarios.registry_summary(postgres_server.url(name))
+            for scenario, name in names.items()
+        }
+        yield {"ranks": dict(enumerate(results)), "frozen": frozen, "after": after, "dbs": dbs}
+    finally:
+        for proxy in proxies.values():
+            proxy.close()
+        for name in names.values():
+            postgres_server.drop_database(name)
+
+
+def _frozen_reason(url_shown: str) -> str:
+    return (
+        f"registry {url_shown} did not answer within {gloo_scenarios.FROZEN_LIMIT:g} s, so its "
+        "connection was cut: check that the server is running and reachable, or raise the limit"
+    )
+
+
+def test_gloo_a_server_frozen_in_the_export_costs_the_limit_and_every_rank_tunes_uncached(
+    frozen_ranks: Any,
+) -> None:
+    per_rank = scenario(frozen_ranks["ranks"], "frozen_export")
+    assert frozen_ranks["frozen"]["frozen_export"] == 1
+    reasons = set()
+    for r in per_rank:
+        rep = r["first"]["report"]
+        assert (rep["status"], rep["loaded"], rep["tuned"], rep["committed"]) == (
+            f"uncached: {rep['reason']}",
+            0,
+            ALL,
+            0,
+        )
+        assert r["first"]["exception"] is None
+        assert len(r["first"]["entries"]) == ALL  # every rank tuned, from the same empty cache
+        reasons.add(rep["reason"])
+    # The same line on every rank.
+    assert reasons == {_frozen_reason(display(frozen_ranks["dbs"]["frozen_export"]))}
+    assert per_rank[0]["first"]["entries"] == per_rank[1]["first"]["entries"]
+    assert frozen_ranks["after"]["frozen_export"] == {"commits": 0, "scopes": {}}
+
+
+def test_gloo_a_server_frozen_in_the_commit_costs_the_limit_and_writes_nothing(
+    frozen_ranks: Any,
+) -> None:
+    per_rank = scenario(frozen_ranks["ranks"], "frozen_commit")
+    assert frozen_ranks["frozen"]["frozen_commit"] == 1
+    reasons = set()
+    for r in per_rank:
+        rep = r["first"]["report"]
+        assert (rep["loaded"], rep["tuned"], rep["committed"], rep["commit_id"]) == (
+            0,
+            ALL,
+            0,
+            None,
+        )
+        assert r["first"]["exception"] is None
+        assert len(r["first"]["entries"]) == ALL  # every rank keeps what it tuned
+        reasons.add(rep["reason"])
+    assert reasons == {
+        "nothing committed: commit failed: "
+        + _frozen_reason(display(frozen_ranks["dbs"]["frozen_commit"]))
+        + "; if the server had received the commit before it stopped answering, it lands "
+        "when the server resumes, whole"
+    }
+    # The cut transaction never reached COMMIT: the server rolled it back whole.
+    assert frozen_ranks["after"]["frozen_commit"] == {"commits": 0, "scopes": {}}
