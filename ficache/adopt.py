@@ -129,6 +129,7 @@ from pathlib import Path
 from typing import Any
 
 from ficache import schema
+from ficache.deadline import DEFAULT_REGISTRY_TIMEOUT_S, registry_deadline
 from ficache.errors import CacheFileError, FingerprintError, V2StoreError, VllmCacheError
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
 from ficache.flashinfer_format import read_cache_file
@@ -863,22 +864,28 @@ def adopt_into_empty_registry(
     known: KnownLayout | None = None,
     provenance: Mapping[str, Any] | None = None,
     busy_timeout: float = 5.0,
+    registry_timeout: float | None = DEFAULT_REGISTRY_TIMEOUT_S,
 ) -> StartupAdoption | None:
     """Adopt ``sources`` when the registry holds nothing for ``fingerprint``.
 
     Returns None (having read no cache) when it holds something already.
     Opens the registry for writing only when there is something to adopt,
     and then waits at most ``busy_timeout`` seconds for a lock per attempt.
-    Raises ``FicacheError`` for a registry it cannot use; the caller (server
+    The check and the write each wait at most ``registry_timeout`` seconds
+    on a registry server that stopped answering (``ficache.deadline``;
+    reading vLLM's files in between is not counted). Raises
+    ``FicacheError`` for a registry it cannot use; the caller (server
     startup) logs it and starts without adopting.
     """
-    if registry_holds_entries_for(db, fingerprint):
-        return None
+    what = f"registry {schema.resolve(db).display}"
+    with registry_deadline(registry_timeout, what):
+        if registry_holds_entries_for(db, fingerprint):
+            return None
     plan = plan_adoption(sources, known=known)
     if plan.is_empty:
         return StartupAdoption(plan, WriteResult(None))
     from ficache.sync import _bound_busy_timeout
 
-    with Registry.open(_db_text(db)) as reg:
+    with registry_deadline(registry_timeout, what), Registry.open(_db_text(db)) as reg:
         _bound_busy_timeout(reg, busy_timeout)
         return StartupAdoption(plan, plan.execute(reg, provenance=provenance))

@@ -54,6 +54,12 @@ from sqlalchemy.engine import Engine
 
 from .errors import RegistryTimeoutError
 
+#: How long a server start waits on a registry server that stopped answering, per
+#: phase (rank 0's export, its commit, the vLLM plugin's adoption): above the worst
+#: legitimate commit (4 attempts, each waiting up to a 5 s busy timeout for the lock),
+#: far below a process group's own timeout (30 minutes by default).
+DEFAULT_REGISTRY_TIMEOUT_S = 60.0
+
 _local = threading.local()
 
 

@@ -133,7 +133,7 @@ import torch.distributed as dist
 from sqlalchemy import event
 
 from ficache import schema
-from ficache.deadline import registry_deadline
+from ficache.deadline import DEFAULT_REGISTRY_TIMEOUT_S, registry_deadline
 from ficache.errors import (
     FicacheError,
     RegistryBusyError,
@@ -161,11 +161,6 @@ T = TypeVar("T")
 
 #: gloo's default timeout, used when ``timeout`` is None.
 DEFAULT_TIMEOUT_S = 1800.0
-
-#: How long rank 0's export, and its commit, may wait on a registry server that
-#: stopped answering: above the worst legitimate commit (4 attempts, each waiting
-#: up to ``busy_timeout`` for the lock), far below the group's own timeout.
-DEFAULT_REGISTRY_TIMEOUT_S = 60.0
 
 # caller group id -> (caller group, its dedicated tuning group)
 _TUNING_GROUPS: dict[int, tuple[Any, Any]] = {}

@@ -70,6 +70,11 @@ vLLM's files. It is tried once per start and costs one read-only query
 once the registry holds entries. Any failure is logged and ignored (the
 start goes on without it). ``FICACHE_ADOPT=0`` turns it off.
 
+A registry server that stops answering (PostgreSQL) costs the adoption, the
+warm start's export and its commit at most ``FICACHE_REGISTRY_TIMEOUT``
+seconds each (default 60; ``ficache.deadline``), then the start goes on
+without the registry.
+
 Invariants:
 - ``register`` never raises and imports nothing heavy (vLLM calls plugins
   outside any ``try``: a raising plugin would stop the server).
@@ -112,6 +117,7 @@ TARGET_MODULE = "vllm.model_executor.warmup.kernel_warmup"
 TARGET_FUNCTION = "flashinfer_autotune"
 ENV_SWITCH = "FICACHE_VLLM"
 ENV_ADOPT = "FICACHE_ADOPT"
+ENV_REGISTRY_TIMEOUT = "FICACHE_REGISTRY_TIMEOUT"
 #: vLLM's module of autotune cache helpers (where its deployment directory is named).
 CACHE_HELPERS_MODULE = "vllm.model_executor.warmup.flashinfer_autotune_cache"
 #: Module attributes of ``kernel_warmup`` the wrapper relies on.
@@ -139,6 +145,29 @@ def enabled() -> bool:
 def adopt_enabled() -> bool:
     """``FICACHE_ADOPT`` (default on): adopt vLLM's own caches into an empty registry."""
     return _switch(ENV_ADOPT)
+
+
+def registry_timeout() -> float:
+    """``FICACHE_REGISTRY_TIMEOUT``: seconds a start waits, per phase, on a registry
+    server that stopped answering (``ficache.deadline``; default 60). A value that is
+    not a positive number is one warning, and the default."""
+    from ficache.deadline import DEFAULT_REGISTRY_TIMEOUT_S
+
+    raw = os.environ.get(ENV_REGISTRY_TIMEOUT, "").strip()
+    if not raw:
+        return DEFAULT_REGISTRY_TIMEOUT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        _warn_once(
+            "timeout",
+            f"ficache: {ENV_REGISTRY_TIMEOUT}={raw!r} is not a positive number of seconds; "
+            f"using {DEFAULT_REGISTRY_TIMEOUT_S:g}",
+        )
+        return DEFAULT_REGISTRY_TIMEOUT_S
+    return seconds
 
 
 def register() -> None:
@@ -363,6 +392,7 @@ def _run(
                 db=os.environ.get("FICACHE_DB"),
                 layout=plan.layout,
                 provenance=plan.provenance,
+                registry_timeout=registry_timeout(),
             )
         )
     except Exception as exc:  # noqa: BLE001 - fails before any collective, alike on every rank
@@ -430,6 +460,7 @@ def _adopt_vllm_caches(plan: _Plan, runner: Any) -> None:
             default_sources(),
             known=_known_layout(plan, runner),
             provenance=plan.provenance,
+            registry_timeout=registry_timeout(),
         )
     except Exception as exc:  # noqa: BLE001 - adoption must never stop a start
         logger.warning(

@@ -582,6 +582,52 @@ def test_a_frozen_server_is_cut_at_the_deadline_and_nothing_else_is(
     assert out["reused"] == "x"
 
 
+_ADOPTION_CHILD = r"""
+import sys
+from pathlib import Path
+sys.path.insert(0, "tests")
+from samples import H200_METADATA
+from ficache.adopt import Sources, adopt_into_empty_registry
+from ficache.fingerprint import Fingerprint
+
+url, root = sys.argv[1:3]
+fingerprint = Fingerprint.from_flashinfer_metadata(H200_METADATA)
+try:
+    adopt_into_empty_registry(url, fingerprint, Sources((Path(root),)), registry_timeout=1.0)
+    print("no error")
+except Exception as exc:
+    print(f"{type(exc).__name__}: {exc}")
+"""
+
+
+def test_a_server_frozen_in_the_adoption_costs_the_limit_and_writes_nothing(
+    postgres_server: pg_server.PostgresServer, postgres_url: str, tmp_path: Path
+) -> None:
+    from frozen_proxy import freezing_proxy
+    from test_adopt import vllm_tree
+
+    tree = vllm_tree(tmp_path)
+    name = postgres_url.rsplit("/", 1)[1]
+    with freezing_proxy("127.0.0.1", postgres_server.port, COMMIT_INSERT) as proxy:
+        child = subprocess.run(
+            [sys.executable, "-c", _ADOPTION_CHILD, proxy.url(name), str(tree["vllm"])],
+            capture_output=True,
+            text=True,
+            timeout=120,  # the hang guard
+            cwd=REPO,
+        )
+        assert child.returncode == 0, child.stderr
+        assert proxy.frozen == 1  # the check passed through; the adoption's write froze
+        url_shown = display(proxy.url(name))
+    assert child.stdout == (
+        f"RegistryTimeoutError: registry {url_shown} did not answer within 1 s, so its "
+        "connection was cut: check that the server is running and reachable, or raise the "
+        "limit\n"
+    )
+    # The server rolled the cut transaction back: the registry holds no commit.
+    assert sql(postgres_url, "SELECT count(*) FROM commits") == [(0,)]
+
+
 FROZEN = {"frozen_export": EXPORT_QUERY, "frozen_commit": COMMIT_INSERT}
 
 

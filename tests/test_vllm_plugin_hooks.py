@@ -99,6 +99,46 @@ def test_switch(monkeypatch: pytest.MonkeyPatch, value: str | None, expected: bo
     assert plugin.enabled() is expected
 
 
+@pytest.mark.parametrize(
+    ("value", "expected", "warned"),
+    [
+        (None, 60.0, False),
+        ("", 60.0, False),
+        ("5", 5.0, False),
+        (" 0.5 ", 0.5, False),
+        ("0", 60.0, True),
+        ("-3", 60.0, True),
+        ("inf", 60.0, True),
+        ("nan", 60.0, True),
+        ("ten", 60.0, True),
+    ],
+)
+def test_registry_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    value: str | None,
+    expected: float,
+    warned: bool,
+) -> None:
+    monkeypatch.setattr(plugin, "_warned", set())
+    if value is None:
+        monkeypatch.delenv("FICACHE_REGISTRY_TIMEOUT", raising=False)
+    else:
+        monkeypatch.setenv("FICACHE_REGISTRY_TIMEOUT", value)
+    with caplog.at_level(logging.WARNING, logger="ficache.vllm"):
+        assert plugin.registry_timeout() == expected
+        assert plugin.registry_timeout() == expected
+    expected_lines = (
+        [
+            f"ficache: FICACHE_REGISTRY_TIMEOUT={value.strip()!r} is not a positive number of "
+            "seconds; using 60"
+        ]
+        if warned and value is not None
+        else []
+    )
+    assert [r.getMessage() for r in caplog.records] == expected_lines  # once, not per call
+
+
 def test_import_hook_patches_the_module_when_it_is_imported(standin_target: str) -> None:
     plugin.register()
     plugin.register()  # idempotent: one finder
