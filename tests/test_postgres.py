@@ -14,6 +14,7 @@ that stops answering mid-query (``ficache.deadline``; a proxy in
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 import sqlite3
 import subprocess
@@ -26,6 +27,7 @@ from typing import Any
 import gloo_scenarios
 import pg_server
 import pytest
+from frozen_proxy import FreezingProxy, freezing_proxy
 from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.pool import NullPool
 
@@ -80,6 +82,14 @@ def tables(url: str) -> set[str]:
 
 def display(url: str) -> str:
     return schema.resolve(url).display
+
+
+def cut_line(what: str, seconds: float) -> str:
+    """``RegistryTimeoutError``'s line for ``what`` cut after ``seconds``."""
+    return (
+        f"{what} did not answer within {seconds:g} s, so its connection was cut: "
+        "check that the server is running and reachable, or raise the limit"
+    )
 
 
 def one_error_line(result: Any, message: str) -> None:
@@ -558,8 +568,6 @@ print(json.dumps(out))
 def test_a_frozen_server_is_cut_at_the_deadline_and_nothing_else_is(
     postgres_server: pg_server.PostgresServer, postgres_url: str
 ) -> None:
-    from frozen_proxy import freezing_proxy
-
     name = postgres_url.rsplit("/", 1)[1]
     with freezing_proxy("127.0.0.1", postgres_server.port, OWN_QUERY) as proxy:
         child = subprocess.run(
@@ -571,13 +579,8 @@ def test_a_frozen_server_is_cut_at_the_deadline_and_nothing_else_is(
         )
         assert child.returncode == 0, child.stderr
         assert proxy.frozen == 1
-    import json
-
     out = json.loads(child.stdout)
-    assert out["frozen"] == (
-        "RegistryTimeoutError: registry under test did not answer within 1 s, so its "
-        "connection was cut: check that the server is running and reachable, or raise the limit"
-    )
+    assert out["frozen"] == "RegistryTimeoutError: " + cut_line("registry under test", 1)
     assert out["in_time"] == [0, 0]
     assert out["reused"] == "x"
 
@@ -603,7 +606,6 @@ except Exception as exc:
 def test_a_server_frozen_in_the_adoption_costs_the_limit_and_writes_nothing(
     postgres_server: pg_server.PostgresServer, postgres_url: str, tmp_path: Path
 ) -> None:
-    from frozen_proxy import freezing_proxy
     from test_adopt import vllm_tree
 
     tree = vllm_tree(tmp_path)
@@ -619,11 +621,7 @@ def test_a_server_frozen_in_the_adoption_costs_the_limit_and_writes_nothing(
         assert child.returncode == 0, child.stderr
         assert proxy.frozen == 1  # the check passed through; the adoption's write froze
         url_shown = display(proxy.url(name))
-    assert child.stdout == (
-        f"RegistryTimeoutError: registry {url_shown} did not answer within 1 s, so its "
-        "connection was cut: check that the server is running and reachable, or raise the "
-        "limit\n"
-    )
+    assert child.stdout == f"RegistryTimeoutError: {cut_line(f'registry {url_shown}', 1)}\n"
     # The server rolled the cut transaction back: the registry holds no commit.
     assert sql(postgres_url, "SELECT count(*) FROM commits") == [(0,)]
 
@@ -635,8 +633,6 @@ FROZEN = {"frozen_export": EXPORT_QUERY, "frozen_commit": COMMIT_INSERT}
 def frozen_ranks(
     postgres_server: pg_server.PostgresServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Any:
-    from frozen_proxy import FreezingProxy
-
     names = {scenario: postgres_server.create_database() for scenario in FROZEN}
     proxies = {
         scenario: FreezingProxy("127.0.0.1", postgres_server.port, trigger)
@@ -663,58 +659,49 @@ def frozen_ranks(
             postgres_server.drop_database(name)
 
 
-def _frozen_reason(url_shown: str) -> str:
-    return (
-        f"registry {url_shown} did not answer within {gloo_scenarios.FROZEN_LIMIT:g} s, so its "
-        "connection was cut: check that the server is running and reachable, or raise the limit"
-    )
+def frozen_starts(frozen_ranks: Any, name: str) -> list[dict[str, Any]]:
+    """Each rank's start of scenario ``name``, after what every frozen start shares: the
+    proxy froze once, no rank raised, every rank tuned every key and holds the same
+    entries, nothing was loaded or committed, and every rank gives the same reason."""
+    starts = [r["first"] for r in scenario(frozen_ranks["ranks"], name)]
+    assert frozen_ranks["frozen"][name] == 1
+    for start in starts:
+        rep = start["report"]
+        assert (rep["loaded"], rep["tuned"], rep["committed"]) == (0, ALL, 0)
+        assert start["exception"] is None
+        assert len(start["entries"]) == ALL
+    assert all(start["entries"] == starts[0]["entries"] for start in starts)
+    assert len({start["report"]["reason"] for start in starts}) == 1
+    return starts
 
 
 def test_gloo_a_server_frozen_in_the_export_costs_the_limit_and_every_rank_tunes_uncached(
     frozen_ranks: Any,
 ) -> None:
-    per_rank = scenario(frozen_ranks["ranks"], "frozen_export")
-    assert frozen_ranks["frozen"]["frozen_export"] == 1
-    reasons = set()
-    for r in per_rank:
-        rep = r["first"]["report"]
-        assert (rep["status"], rep["loaded"], rep["tuned"], rep["committed"]) == (
-            f"uncached: {rep['reason']}",
-            0,
-            ALL,
-            0,
+    starts = frozen_starts(frozen_ranks, "frozen_export")
+    reason = cut_line(
+        f"registry {display(frozen_ranks['dbs']['frozen_export'])}", gloo_scenarios.FROZEN_LIMIT
+    )
+    for start in starts:  # tuned from the same empty cache
+        assert (start["report"]["status"], start["report"]["reason"]) == (
+            f"uncached: {reason}",
+            reason,
         )
-        assert r["first"]["exception"] is None
-        assert len(r["first"]["entries"]) == ALL  # every rank tuned, from the same empty cache
-        reasons.add(rep["reason"])
-    # The same line on every rank.
-    assert reasons == {_frozen_reason(display(frozen_ranks["dbs"]["frozen_export"]))}
-    assert per_rank[0]["first"]["entries"] == per_rank[1]["first"]["entries"]
     assert frozen_ranks["after"]["frozen_export"] == {"commits": 0, "scopes": {}}
 
 
 def test_gloo_a_server_frozen_in_the_commit_costs_the_limit_and_writes_nothing(
     frozen_ranks: Any,
 ) -> None:
-    per_rank = scenario(frozen_ranks["ranks"], "frozen_commit")
-    assert frozen_ranks["frozen"]["frozen_commit"] == 1
-    reasons = set()
-    for r in per_rank:
-        rep = r["first"]["report"]
-        assert (rep["loaded"], rep["tuned"], rep["committed"], rep["commit_id"]) == (
-            0,
-            ALL,
-            0,
+    starts = frozen_starts(frozen_ranks, "frozen_commit")
+    what = f"registry {display(frozen_ranks['dbs']['frozen_commit'])}"
+    for start in starts:  # every rank keeps what it tuned
+        assert (start["report"]["commit_id"], start["report"]["reason"]) == (
             None,
+            "nothing committed: commit failed: "
+            + cut_line(what, gloo_scenarios.FROZEN_LIMIT)
+            + "; if the server had received the commit before it stopped answering, it lands "
+            "when the server resumes, whole",
         )
-        assert r["first"]["exception"] is None
-        assert len(r["first"]["entries"]) == ALL  # every rank keeps what it tuned
-        reasons.add(rep["reason"])
-    assert reasons == {
-        "nothing committed: commit failed: "
-        + _frozen_reason(display(frozen_ranks["dbs"]["frozen_commit"]))
-        + "; if the server had received the commit before it stopped answering, it lands "
-        "when the server resumes, whole"
-    }
     # The cut transaction never reached COMMIT: the server rolled it back whole.
     assert frozen_ranks["after"]["frozen_commit"] == {"commits": 0, "scopes": {}}
