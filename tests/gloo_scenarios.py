@@ -329,15 +329,10 @@ def locked(rank: int, world: int, tmp: Path) -> dict[str, Any]:
 FROZEN_LIMIT = 2.0
 
 
-def frozen_export(rank: int, world: int, tmp: Path) -> dict[str, Any]:
-    """Rank 0's registry server stops answering during the export (its URL is a
-    ``tests/frozen_proxy.py`` proxy that freezes on the export's query)."""
-    return {"first": start(registry(tmp), registry_timeout=FROZEN_LIMIT)}
-
-
-def frozen_commit(rank: int, world: int, tmp: Path) -> dict[str, Any]:
-    """Rank 0's registry server stops answering during the commit (a proxy that
-    freezes on the insert of the new entries)."""
+def frozen(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    """A start whose registry server stops answering: its URL is a
+    ``tests/frozen_proxy.py`` proxy. Run as ``frozen_export`` (the proxy freezes on
+    the export's query) and as ``frozen_commit`` (on the insert of the new entries)."""
     return {"first": start(registry(tmp), registry_timeout=FROZEN_LIMIT)}
 
 
@@ -426,8 +421,6 @@ SCENARIOS: dict[str, Callable[[int, int, Path], dict[str, Any]]] = {
         truncated,
         newer_schema,
         locked,
-        frozen_export,
-        frozen_commit,
         read_only,
         load_fails,
         heterogeneous,
@@ -436,6 +429,7 @@ SCENARIOS: dict[str, Callable[[int, int, Path], dict[str, Any]]] = {
         stuck_peer,
     )
 }
+SCENARIOS.update(frozen_export=frozen, frozen_commit=frozen)
 
 
 def run_plan(
