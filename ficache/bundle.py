@@ -56,21 +56,22 @@ Invariants:
   readable (``tail -n +2 FILE | jq``), diffs one entry per line, and leaves
   no decompression bomb to defend against.
 - Writing renders, re-reads its own bytes (a bundle ficache cannot read is
-  never published), then publishes atomically: temp file in the target's
-  directory, ``os.replace``, temp removed on any failure.
+  never published), then publishes with ``ficache.publish.publish``
+  (atomically for a regular file or a new path, temp removed on any
+  failure; a device or FIFO is written to; a new file follows the umask, a
+  replaced one keeps its mode, so a bundle baked into an image is readable).
+  ``bundle_bytes`` renders without writing, for a caller that streams.
 - Bump ``FORMAT_VERSION`` for any change a version-1 reader would refuse or
   misread; readers refuse versions newer than their own.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,7 @@ from ficache.flashinfer_format import (
     record_value_json,
     selection_json,
 )
+from ficache.publish import publish
 from ficache.records import NewRecord, record_values
 from ficache.registry import NewEntry, Registry, WriteResult, validate_scope
 
@@ -132,7 +134,7 @@ class Bundle:
 
 @dataclass(frozen=True)
 class BundleSummary:
-    """What ``write_bundle`` wrote."""
+    """What ``write_bundle`` wrote (``bundle_bytes`` rendered)."""
 
     path: Path
     digest: str  # sha256 hex of the file
@@ -581,31 +583,34 @@ def read_bundle(path: str | os.PathLike[str]) -> Bundle:
 # Registry in and out.
 
 
-def _write_bytes_atomic(target: Path, data: bytes) -> None:
-    directory = target.parent if str(target.parent) else Path(".")
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def write_bundle(
     registry: Registry, path: str | os.PathLike[str], fingerprint_ids: Sequence[int] | None
 ) -> BundleSummary:
     """Write the entries of ``fingerprint_ids`` (None: all) as one bundle at ``path``.
 
-    Fingerprints without entries are left out (a bundle carries what it
-    holds). Raises ``NotFoundError`` for an unknown id or when nothing
-    would be bundled, ``BundleError`` when the registry holds an entry a
-    bundle cannot carry or ``path`` cannot be written.
+    What ``bundle_bytes`` renders, published with ``ficache.publish.publish``.
+    Raises what ``bundle_bytes`` raises, and ``BundleError`` when ``path``
+    cannot be written.
+    """
+    target = Path(path)
+    data, summary = bundle_bytes(registry, fingerprint_ids, path=target)
+    try:
+        publish(target, data)
+    except OSError as exc:
+        raise BundleError(f"cannot write {target}: {exc.strerror}") from None
+    return summary
+
+
+def bundle_bytes(
+    registry: Registry, fingerprint_ids: Sequence[int] | None, *, path: Path
+) -> tuple[bytes, BundleSummary]:
+    """The bundle of the entries of ``fingerprint_ids`` (None: all), and its summary.
+
+    ``path`` is where the bytes will go (named in the summary and in
+    errors). Fingerprints without entries are left out (a bundle carries
+    what it holds). Raises ``NotFoundError`` for an unknown id or when
+    nothing would be bundled, ``BundleError`` when the registry holds an
+    entry a bundle cannot carry.
     """
     infos = registry.fingerprints(ids=fingerprint_ids)
     if fingerprint_ids is not None:
@@ -630,18 +635,13 @@ def write_bundle(
     for fid, scope, ns, key, value, _tuned_at in stored_records:
         by_scope = records.setdefault(by_id[fid].digest, {})
         by_scope.setdefault(scope, {}).setdefault(ns, {})[key] = json.loads(value)
-    target = Path(path)
     try:
         data = render_bundle(entries, records, [by_id[fid] for fid, *_rest in stored_records])
-        bundle = parse_bundle_bytes(data, source=str(target))
+        bundle = parse_bundle_bytes(data, source=str(path))
     except (ValueError, BundleError) as exc:
         raise BundleError(f"the registry holds an entry a bundle cannot carry: {exc}") from None
-    try:
-        _write_bytes_atomic(target, data)
-    except OSError as exc:
-        raise BundleError(f"cannot write {target}: {exc.strerror}") from None
-    return BundleSummary(
-        target,
+    summary = BundleSummary(
+        path,
         bundle.digest,
         len(data),
         bundle.format_version,
@@ -649,6 +649,7 @@ def write_bundle(
         len(bundle.entries),
         int(bundle.provenance["records"]),
     )
+    return data, summary
 
 
 def import_bundles(registry: Registry, bundles: Sequence[tuple[str, Bundle]]) -> WriteResult:

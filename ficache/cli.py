@@ -677,15 +677,16 @@ def _import_bundles(
 @click.option(
     "-o",
     "--output",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Write the cache file here (atomically) instead of stdout.",
+    type=click.Path(dir_okay=False, allow_dash=True, path_type=Path),
+    help="Write the cache file here instead of stdout (`-`: stdout). A file is "
+    "replaced atomically, keeping its mode; a device or FIFO is written to.",
 )
 @click.option(
     "--bundle",
     "bundle_path",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Write a ficache bundle here instead: every scope of the given fingerprints "
-    "(or --all), reproducible byte for byte.",
+    type=click.Path(dir_okay=False, allow_dash=True, path_type=Path),
+    help="Write a ficache bundle here instead (`-`: stdout): every scope of the given "
+    "fingerprints (or --all), reproducible byte for byte.",
 )
 @click.option("--all", "all_fingerprints", is_flag=True, help="With --bundle: every fingerprint.")
 @click.option(
@@ -722,8 +723,6 @@ def export_cmd(
     With --v2-store DIR, publish one environment directory of a FlashInfer
     v2 store (`autotune_v2`) instead; exporting twice gives identical files.
     """
-    from ficache.flashinfer_format import write_atomic
-
     if v2_root is not None:
         if bundle_path is not None or output is not None or all_fingerprints:
             raise click.UsageError("--v2-store is its own output; drop --bundle/--all/-o")
@@ -751,11 +750,29 @@ def export_cmd(
     if output is None:
         click.echo(text, nl=False)
         return
+    _write_output(output, text.encode("utf-8"))
+    click.echo(f"wrote {count} entries to {_output_name(output)}", err=True)
+
+
+def _is_stdout(path: Path) -> bool:
+    return str(path) == "-"
+
+
+def _output_name(path: Path) -> str:
+    return "standard output" if _is_stdout(path) else str(path)
+
+
+def _write_output(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` (``-``: standard output) or fail with one line."""
+    from ficache.publish import publish
+
+    if _is_stdout(path):
+        click.echo(data, nl=False)  # bytes go to the binary stream, as they are
+        return
     try:
-        write_atomic(output, text)
+        publish(path, data)
     except OSError as exc:
-        _fail(f"cannot write {output}: {exc.strerror}")
-    click.echo(f"wrote {count} entries to {output}", err=True)
+        _fail(f"cannot write {path}: {exc.strerror}")
 
 
 def _export_v2_store(
@@ -791,7 +808,7 @@ def _export_bundle(
     output: Path | None,
 ) -> None:
     """``export --bundle``: the library writes, the CLI checks options and prints."""
-    from ficache.bundle import write_bundle
+    from ficache.bundle import bundle_bytes, write_bundle
 
     if all_fingerprints == bool(fingerprint_refs):
         raise click.UsageError("--bundle needs --fingerprint ID (repeatable) or --all")
@@ -801,11 +818,18 @@ def _export_bundle(
         raise click.UsageError("--bundle holds every scope and is its own output; drop --scope/-o")
     with obj.registry(create=False) as reg:
         ids = None if all_fingerprints else [reg.fingerprint(ref).id for ref in fingerprint_refs]
-        summary = write_bundle(reg, path, ids)
+        if _is_stdout(path):
+            data, summary = bundle_bytes(reg, ids, path=path)
+        else:
+            summary = write_bundle(reg, path, ids)
+    if _is_stdout(path):
+        _write_output(path, data)
     records = f" and {summary.records} records" if summary.records else ""
     click.echo(
-        f"wrote bundle {path}: {summary.entries} entries{records} of {summary.fingerprints} "
-        f"fingerprint(s), {summary.size_bytes} bytes, sha256 {summary.digest}"
+        f"wrote bundle {_output_name(path)}: {summary.entries} entries{records} of "
+        f"{summary.fingerprints} fingerprint(s), {summary.size_bytes} bytes, "
+        f"sha256 {summary.digest}",
+        err=_is_stdout(path),  # stdout is then exactly the bundle
     )
 
 

@@ -30,8 +30,10 @@ Invariants:
   that is not an object is dropped, as FlashInfer drops it: the entry is
   kept without a selection and counted (``CacheFile.ignored_selections``).
   A selection is never part of an entry's value (``ficache.models``).
-- Files are published atomically: temp file in the target's directory,
-  ``os.replace``, temp removed on any failure.
+- Files are published by ``ficache.publish.publish``: a regular file or a
+  new path atomically (temp file in the target's directory, ``os.replace``,
+  temp removed on any failure), a device or FIFO written to; new files
+  follow the umask, a replaced file keeps its mode.
 - ``_records`` (FlashInfer's namespaced records) is validated as strictly
   as entries: an object of namespaces (non-empty, not starting with ``_``,
   as ``AutoTuner.publish_namespaced_records`` demands), each an object of
@@ -48,13 +50,11 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import operator
 import os
 import re
-import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +62,7 @@ from typing import Any, NamedTuple
 
 from ficache._gcpause import paused_gc
 from ficache.errors import CacheFileError
+from ficache.publish import publish
 
 METADATA_KEY = "_metadata"
 RECORDS_KEY = "_records"
@@ -726,18 +727,9 @@ def render_cache(
 
 
 def write_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` so readers see the old file or the new one."""
-    target = Path(path)
-    directory = target.parent if str(target.parent) else Path(".")
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    """Publish ``text`` at ``path``: readers see the old file or the new one.
+
+    ``ficache.publish.publish`` decides how (devices and FIFOs are written
+    to, symlinks followed, modes kept or taken from the umask).
+    """
+    publish(path, text)

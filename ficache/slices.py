@@ -58,6 +58,7 @@ from ficache import schema
 from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import render_cache
 from ficache.models import SHARED_SCOPE, CommitRow, EntryRow, RecordRow
+from ficache.publish import publish
 from ficache.registry import Registry, rank_scope
 
 FORMAT = 2
@@ -239,19 +240,16 @@ def _write_cache(path: Path, header_base: dict[str, Any], slices: RankSlices) ->
         "warnings": list(slices.warnings),
         "record_counts": list(slices.record_counts),
     }
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as handle:
-            handle.write(MAGIC + b" " + json.dumps(header, separators=(",", ":")).encode() + b"\n")
-            for segment in segments:
-                handle.write(segment)
-        os.replace(tmp, path)
-    except OSError:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+    data = b"".join(
+        [MAGIC, b" ", json.dumps(header, separators=(",", ":")).encode(), b"\n", *segments]
+    )
+    # The same publication as every file ficache writes, without the fsync (the
+    # cache is derived data that a crash may lose) and never into a FIFO or a
+    # device (startup must not block on one planted there). Its mode follows the umask,
+    # as the registry file's beside it does: it holds nothing the registry
+    # does not, so it need not be more private than the registry.
+    with contextlib.suppress(OSError):
+        publish(path, data, durable=False, streams=False)
 
 
 def export_slices(

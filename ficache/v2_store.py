@@ -61,9 +61,11 @@ Invariants:
 - Exports are deterministic: every file is a pure function of the stored
   entries and the manifest, written with FlashInfer's own JSON layout, so
   exporting twice gives byte-identical files (and files that FlashInfer's
-  own ``publish`` would write byte for byte). Each file is published
-  atomically (temp file in its directory, ``os.replace``); a file whose
-  bytes are already right is left alone.
+  own ``publish`` would write byte for byte). Each file is published by
+  ``ficache.publish.publish``, atomically (temp file in its directory,
+  ``os.replace``): a new file follows the umask (a server running as
+  another user reads the store) and a replaced one keeps its mode; a file
+  whose bytes are already right is left alone.
 - An export writes only its environment's manifest and the entry files of
   the keys it exports; it never deletes or rewrites anything else. It
   writes only into a store root, an empty directory or a new one, and
@@ -87,9 +89,9 @@ from ficache.flashinfer_format import (
     FileEntry,
     _check_entry,
     _unquote,
-    write_atomic,
 )
 from ficache.models import SHARED_SCOPE
+from ficache.publish import publish
 from ficache.registry import NewEntry, Registry, WriteResult, validate_scope
 
 SCHEMA = "v2"
@@ -692,7 +694,7 @@ def _write_store(root: Path, export: StoreExport) -> ExportResult:
                 )
         entries_dir.mkdir(parents=True, exist_ok=True)
         if not manifest_path.exists():
-            write_atomic(manifest_path, export.manifest_text)
+            publish(manifest_path, export.manifest_text)
         written = unchanged = 0
         for name, text in export.files:
             path = entries_dir / name
@@ -704,7 +706,7 @@ def _write_store(root: Path, export: StoreExport) -> ExportResult:
             if same:
                 unchanged += 1
                 continue
-            write_atomic(path, text)
+            publish(path, text)
             written += 1
     except OSError as exc:
         raise V2StoreError(

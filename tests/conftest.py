@@ -36,6 +36,7 @@ Every test runs with ``FICACHE_DB`` unset and the user cache dir inside
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -238,6 +239,17 @@ def _dump_postgres(url: str) -> list[str]:
 @pytest.fixture
 def dump_db() -> Callable[[str | Path], list[str]]:
     return _dump
+
+
+@pytest.fixture
+def umask() -> Iterator[Callable[[int], int]]:
+    """``umask(MASK)`` sets the process umask for the rest of the test; restored after."""
+    old = os.umask(0o022)
+    os.umask(old)
+    try:
+        yield os.umask
+    finally:
+        os.umask(old)
 
 
 @pytest.fixture(scope="module")
