@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import sqlite3
+import stat
 import subprocess
 import sys
 import time
@@ -463,6 +464,136 @@ def test_export_to_a_file(cli, populated: str, tmp_path: Path) -> None:
         K32: ["Runner", 4],
     }
     assert os.listdir(out.parent) == ["cache.json"]
+
+
+def test_export_to_dash_is_standard_output(
+    cli, populated: str, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    plain = cli("export", "--fingerprint", "1")
+
+    result = cli("export", "--fingerprint", "1", "-o", "-")
+
+    assert (result.exit_code, result.stderr) == (0, "wrote 2 entries to standard output\n")
+    assert result.stdout_bytes == plain.stdout_bytes
+    assert json.loads(result.stdout) == json.loads(plain.stdout)
+    assert not (tmp_path / "-").exists()
+
+
+def test_export_into_a_fifo_streams_and_leaves_the_fifo(
+    cli, populated: str, tmp_path: Path
+) -> None:
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    plain = cli("export", "--fingerprint", "1").stdout_bytes
+    assert len(plain) < 65536  # fits the pipe's buffer: the writer never waits for the read
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # the writer's open does not wait
+    try:
+        result = cli("export", "--fingerprint", "1", "-o", fifo)
+        got = os.read(reader, 1 << 16)
+    finally:
+        os.close(reader)
+
+    assert (result.exit_code, result.stderr) == (0, f"wrote 2 entries to {fifo}\n")
+    assert got == plain
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_export_into_a_character_device_leaves_the_device(
+    cli, populated: str, tmp_path: Path
+) -> None:
+    null = tmp_path / "null"
+    devnull = os.stat(os.devnull)
+    try:
+        os.mknod(null, stat.S_IFCHR | 0o666, devnull.st_rdev)  # a /dev/null of the test's own
+    except PermissionError:
+        pytest.skip("creating a device node needs CAP_MKNOD")
+    before = os.lstat(null)
+
+    result = cli("export", "--fingerprint", "1", "-o", null)
+
+    after = os.lstat(null)
+    assert (result.exit_code, result.stderr) == (0, f"wrote 2 entries to {null}\n")
+    assert stat.S_ISCHR(after.st_mode)
+    assert (after.st_rdev, after.st_mode, after.st_ino) == (
+        before.st_rdev,
+        before.st_mode,
+        before.st_ino,
+    )
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_export_through_a_symlink_replaces_its_target(cli, populated: str, tmp_path: Path) -> None:
+    plain = cli("export", "--fingerprint", "1").stdout_bytes
+    (tmp_path / "real").mkdir()
+    real = tmp_path / "real" / "cache.json"
+    real.write_text("old")
+    real.chmod(0o644)
+    link = tmp_path / "link.json"
+    link.symlink_to("real/cache.json")
+
+    result = cli("export", "--fingerprint", "1", "-o", link)
+
+    assert result.exit_code == 0
+    assert (link.is_symlink(), os.readlink(link)) == (True, "real/cache.json")
+    assert real.read_bytes() == plain
+    assert stat.S_IMODE(real.stat().st_mode) == 0o644
+    assert os.listdir(real.parent) == ["cache.json"]
+
+
+def test_export_through_a_dangling_symlink_creates_its_target(
+    cli, populated: str, tmp_path: Path, umask
+) -> None:
+    plain = cli("export", "--fingerprint", "1").stdout_bytes
+    link = tmp_path / "link.json"
+    link.symlink_to("made/cache.json")
+    umask(0o022)
+
+    result = cli("export", "--fingerprint", "1", "-o", link)
+
+    made = tmp_path / "made" / "cache.json"
+    assert result.exit_code == 0
+    assert (link.is_symlink(), os.readlink(link)) == (True, "made/cache.json")
+    assert (made.read_bytes(), stat.S_IMODE(made.stat().st_mode)) == (plain, 0o644)
+
+
+@pytest.mark.parametrize(("mask", "expected"), [(0o022, 0o644), (0o077, 0o600)], ids=oct)
+def test_export_to_a_new_file_follows_the_umask(
+    cli, populated: str, tmp_path: Path, umask, mask: int, expected: int
+) -> None:
+    out = tmp_path / "cache.json"
+    umask(mask)
+
+    assert cli("export", "--fingerprint", "1", "-o", out).exit_code == 0
+
+    assert stat.S_IMODE(out.stat().st_mode) == expected
+
+
+@pytest.mark.parametrize("kept", [0o644, 0o640], ids=oct)
+def test_export_over_a_file_keeps_its_mode(
+    cli, populated: str, tmp_path: Path, umask, kept: int
+) -> None:
+    out = tmp_path / "cache.json"
+    out.write_text("old")
+    out.chmod(kept)
+    umask(0o077)  # not what decides a replaced file's mode
+
+    assert cli("export", "--fingerprint", "1", "-o", out).exit_code == 0
+
+    assert json.loads(out.read_text())["_metadata"] == META
+    assert stat.S_IMODE(out.stat().st_mode) == kept
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_export_to_what_cannot_be_written_is_one_line(cli, populated: str, tmp_path: Path) -> None:
+    sock_path = tmp_path / "sock"
+    with closing(socket.socket(socket.AF_UNIX)) as sock:
+        sock.bind(str(sock_path))
+        one_error_line(
+            cli("export", "--fingerprint", "1", "-o", sock_path),
+            f"cannot write {sock_path}: a socket, not a file ficache can write",
+        )
+    assert stat.S_ISSOCK(os.lstat(sock_path).st_mode)
 
 
 @both_backends
