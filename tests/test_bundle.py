@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -216,6 +218,50 @@ def test_export_leaves_out_fingerprints_without_entries(cli, source: Path, tmp_p
         empty, "no entries to bundle in the selected fingerprints; see `ficache fingerprints`"
     )
     assert not (tmp_path / "empty.bundle").exists()
+
+
+def test_export_bundle_to_dash_is_standard_output(
+    cli, source: Path, bundle_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+
+    result = cli("export", "--bundle", "-", "--all")
+
+    assert result.exit_code == 0
+    assert result.stdout_bytes == bundle_file.read_bytes()
+    assert result.stderr == wrote(bundle_file, 4, 2).replace(str(bundle_file), "standard output")
+    assert not (tmp_path / "-").exists()
+
+
+@pytest.mark.parametrize(("mask", "expected"), [(0o022, 0o644), (0o077, 0o600)], ids=oct)
+def test_a_new_bundle_follows_the_umask(
+    cli, source: Path, tmp_path: Path, umask: Callable[[int], int], mask: int, expected: int
+) -> None:
+    path = tmp_path / "image" / "all.bundle"
+    umask(mask)
+
+    assert cli("export", "--bundle", path, "--all").exit_code == 0
+
+    assert stat.S_IMODE(path.stat().st_mode) == expected
+
+
+def test_a_replaced_bundle_keeps_its_mode_and_its_link(
+    cli, source: Path, tmp_path: Path, umask: Callable[[int], int]
+) -> None:
+    real = tmp_path / "real.bundle"
+    real.write_bytes(b"an older bundle")
+    real.chmod(0o640)
+    link = tmp_path / "link.bundle"
+    link.symlink_to(real.name)
+    umask(0o077)
+
+    result = cli("export", "--bundle", link, "--all")
+
+    assert (result.exit_code, result.stdout) == (0, wrote(link, 4, 2))
+    assert (link.is_symlink(), os.readlink(link)) == (True, real.name)
+    assert read_bundle(real).entries
+    assert stat.S_IMODE(real.stat().st_mode) == 0o640
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
 def test_export_bundle_errors(cli, source: Path, tmp_path: Path) -> None:
