@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -617,6 +618,32 @@ def test_export_refuses_what_is_not_a_store(cli, populated: Path, dump_db, tmp_p
     assert a_file.read_text() == "{}"
     assert files_of(env_dir) == env_before
     assert dump_db(populated) == before
+
+
+def test_exported_files_follow_the_umask_and_replaced_ones_keep_their_mode(
+    cli, populated: Path, tmp_path: Path, umask: Callable[[int], int]
+) -> None:
+    """A store read by a server running as another user must be readable by it."""
+    out = tmp_path / "out"
+    umask(0o022)
+    assert cli("export", "--v2-store", out, "--fingerprint", "1").exit_code == 0
+    exported = sorted(p for p in out.rglob("*") if p.is_file())
+    assert {stat.S_IMODE(p.stat().st_mode) for p in exported} == {0o644}
+    manifest = next(p for p in exported if p.name == "manifest.json")
+    changed, removed = [p for p in exported if p.parent.name == "entries"][:2]
+    changed.write_text("stale")
+    changed.chmod(0o640)
+    removed.unlink()
+    umask(0o077)
+
+    again = cli("export", "--v2-store", out, "--fingerprint", "1")
+
+    assert again.stdout.endswith(": 2 written, 3 unchanged\n")
+    assert stat.S_IMODE(changed.stat().st_mode) == 0o640  # replaced: its mode is kept
+    assert stat.S_IMODE(removed.stat().st_mode) == 0o600  # new: the umask's
+    assert stat.S_IMODE(manifest.stat().st_mode) == 0o644
+    assert files_of(out) == files_of(tmp_path / "tuned")
+    assert not [p for p in out.rglob("*.tmp")]
 
 
 def test_export_refuses_an_environment_with_a_different_manifest(
