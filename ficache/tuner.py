@@ -118,6 +118,8 @@ class FlashInferTuner:
     def load(self, text: str) -> int:
         before = len(getattr(self.autotuner, "_file_configs", {}))
         try:
+            # Not ficache.publish: a private scratch file FlashInfer reads once and
+            # that is removed below, so mkstemp's 0600 is right for it.
             fd, path = tempfile.mkstemp(prefix="ficache-load-", suffix=".json", dir=self.tmpdir)
         except OSError as exc:
             raise TunerError(
