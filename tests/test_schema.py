@@ -34,6 +34,7 @@ TABLES = {
     "entry_changes",
     "records",
     "record_changes",
+    "schema_compat",
 }
 DATA = Path(__file__).parent / "data"
 FROZEN = sorted(DATA.glob("registry-*.db"))
@@ -101,7 +102,16 @@ def test_down_to_base_and_up_again_through_the_cli(cli, cache_file, registry_pat
 
     assert (down.exit_code, down.stdout) == (
         0,
-        f"downgrade plan: {where} from {HEAD} to base (drops all stored entries)\nregistry {where} is at base\n",
+        f"downgrade plan: {where} from {HEAD} to base (drops all stored entries)\n"
+        "  0007_compat -> 0006_policies: keeps every stored value\n"
+        "  0006_policies -> 0005_drop_op_index: keeps every stored value\n"
+        "  0005_drop_op_index -> 0004_selection: keeps every stored value\n"
+        "  0004_selection -> 0003_records: keeps every stored value\n"
+        "  0003_records -> 0002_fleet: keeps every stored value\n"
+        "  0002_fleet -> 0001_registry: keeps every stored value\n"
+        "  0001_registry -> base: 1 entries, 1 fingerprints, 1 commits and 1 change rows\n"
+        "upgrading again does not bring back what a step drops\n"
+        f"registry {where} is at base\n",
     )
     assert tables(registry_path) == {"alembic_version"}
     assert revision(registry_path) == []
@@ -374,7 +384,12 @@ def test_downgrading_below_0003_drops_records_and_their_commits_only(
 
     assert down.exit_code == 0, down.stderr
     assert revision(registry_path) == [("0002_fleet",)]
-    assert tables(registry_path) == TABLES - {"records", "record_changes", "policies"}
+    assert tables(registry_path) == TABLES - {
+        "records",
+        "record_changes",
+        "policies",
+        "schema_compat",
+    }
     # The import of entries and records keeps its entries; the records-only ones are gone.
     assert query(registry_path, "SELECT id, added FROM commits") == [(1, 1)]
     assert cli("verify").exit_code == 1  # stale (0002), and says so
