@@ -14,8 +14,32 @@ Invariants:
 - The schema changes only through Alembic revisions, under the registry's
   write lock (``BEGIN IMMEDIATE`` on SQLite, an advisory lock on
   PostgreSQL), after reading the revision again inside the lock.
-- A registry whose revision this code does not know is newer than the code:
-  it is refused with ``SchemaTooNewError`` and never written.
+- Rolling upgrades (servers of two ficache versions share one registry).
+  Each revision module declares ``readable_from`` and ``writable_from``: the
+  oldest schema heads whose code can still read and write that revision (a
+  revision that only adds is readable, often writable, by the code before
+  it). From ``0007_compat`` on, the registry stores them for its current
+  revision in ``schema_compat``, rewritten by every upgrade and downgrade
+  (``_stamp_compat``), because only the registry can tell older code about
+  a revision it does not know.
+- A registry whose revision this code does not know is newer than the code.
+  Where its ``schema_compat`` row names a ``readable_from`` this code knows,
+  it is used: served, and committed to when ``writable_from`` is known too
+  (else each write is refused with one line, ``write_refusal``); its schema
+  is never changed. Otherwise (no row: written before 0007, or by a tool
+  that moved the revision) it is refused with ``SchemaTooNewError`` and
+  never written.
+- Reads never change the schema (``ensure_schema(write=False)``): an older
+  one is refused with ``SchemaTooOldError``, "run `ficache db upgrade`".
+  A write creates a new registry at head; it upgrades an older schema only
+  in a local SQLite file. A server-backed registry (PostgreSQL, shared by a
+  fleet) is upgraded only by ``ficache db upgrade`` (``upgrade``): a warm
+  start or import against an older one is refused with that hint (a warm
+  start then tunes uncached and says why).
+- A downgrade is planned first (``plan_downgrade``): each revision undone
+  says what it drops, counted from the registry (its module's
+  ``lost_on_downgrade``), and the plan executes only at the revision it was
+  made at.
 - PostgreSQL (``postgresql+psycopg://``, the ``ficache[postgres]`` extra)
   behaves like SQLite: writers queue on one transaction-scoped advisory
   lock, and the wait for it is bounded (``SET LOCAL lock_timeout``, like
