@@ -48,10 +48,11 @@ class _Context:
         self.db = db
         self.debug = debug
 
-    def registry(self, *, create: bool = True) -> Any:
+    def registry(self, *, create: bool = True, write: bool = True) -> Any:
+        """The registry, opened to write (its schema may be upgraded) or, ``write=False``, to read."""
         from ficache.registry import Registry
 
-        return Registry.open(self.db, create=create)
+        return Registry.open(self.db, create=create, write=write)
 
 
 def _fail(message: str) -> NoReturn:
@@ -254,7 +255,7 @@ def fingerprint_cmd(fmt: str) -> None:
 @pass_ctx
 def fingerprints_cmd(obj: _Context, fmt: str) -> None:
     """List stored fingerprints with their entry counts and when a start last served each."""
-    with obj.registry(create=False) as reg:
+    with obj.registry(create=False, write=False) as reg:
         infos = reg.fingerprints()
     if fmt == "json":
         _dump_json([i.as_json() for i in infos])
@@ -740,7 +741,7 @@ def export_cmd(
     if len(fingerprint_refs) != 1:
         raise click.UsageError("give one --fingerprint ID|current (several need --bundle FILE)")
     [fingerprint_ref] = fingerprint_refs
-    with obj.registry(create=False) as reg:
+    with obj.registry(create=False, write=False) as reg:
         if fingerprint_ref == "current":
             from ficache.fingerprint import collect
 
@@ -784,7 +785,7 @@ def _export_v2_store(
     measurement = (
         parse_measurement_policy(measurement_spec) if measurement_spec is not None else None
     )
-    with obj.registry(create=False) as reg:
+    with obj.registry(create=False, write=False) as reg:
         export = plan_export(reg, fingerprint_ref, scope=scope, measurement=measurement)
     result = export.write(root)
     lazy = (
@@ -816,7 +817,7 @@ def _export_bundle(
         raise click.UsageError("--bundle takes stored fingerprint ids or digests, not `current`")
     if scope != "shared" or output is not None:
         raise click.UsageError("--bundle holds every scope and is its own output; drop --scope/-o")
-    with obj.registry(create=False) as reg:
+    with obj.registry(create=False, write=False) as reg:
         ids = None if all_fingerprints else [reg.fingerprint(ref).id for ref in fingerprint_refs]
         if _is_stdout(path):
             data, summary = bundle_bytes(reg, ids, path=path)
@@ -880,7 +881,7 @@ def list_cmd(
         raise click.UsageError("--records takes --fingerprint, --scope, --namespace and --limit")
     if namespace is not None and not show_records:
         raise click.UsageError("--namespace goes with --records")
-    with obj.registry(create=False) as reg:
+    with obj.registry(create=False, write=False) as reg:
         ids = [reg.fingerprint(fingerprint_ref).id] if fingerprint_ref else None
         if show_records:
             _list_records(reg, ids, scope, namespace, limit, fmt)
@@ -957,7 +958,7 @@ def _list_records(
 @pass_ctx
 def stats_cmd(obj: _Context, fmt: str) -> None:
     """Summarise the registry: fingerprints, entries, ops, commits, last served times."""
-    with obj.registry(create=False) as reg:
+    with obj.registry(create=False, write=False) as reg:
         stats = reg.stats()
     if fmt == "json":
         _dump_json(stats.as_json())
@@ -1008,7 +1009,7 @@ def stats_cmd(obj: _Context, fmt: str) -> None:
 @pass_ctx
 def log_cmd(obj: _Context, limit: int, fmt: str) -> None:
     """Show the newest commits with their provenance."""
-    with obj.registry(create=False) as reg:
+    with obj.registry(create=False, write=False) as reg:
         commits = reg.log(limit)
     if fmt == "json":
         _dump_json([c.as_json() for c in commits])
@@ -1069,7 +1070,7 @@ def show_cmd(obj: _Context, commit_id: int, fmt: str) -> None:
     """Show one commit: its provenance and every entry it added, replaced or removed."""
     from ficache.history import commit_details
 
-    with obj.registry(create=False) as reg:
+    with obj.registry(create=False, write=False) as reg:
         details = commit_details(reg, commit_id)
     if fmt == "json":
         _dump_json(details.as_json())
@@ -1257,7 +1258,7 @@ def merge_cmd(
 
     with _progress(sources, "reading sources") as items:
         opened = read_sources(items)
-    with obj.registry(create=not dry_run) as reg:
+    with obj.registry(create=not dry_run, write=not dry_run) as reg:
         if not dry_run:
             reg.require_writable()
         plan = plan_merge(reg, opened, policy)
@@ -1577,18 +1578,26 @@ def db_upgrade(obj: _Context, revision: str) -> None:
 @click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
 @pass_ctx
 def db_downgrade(obj: _Context, revision: str, dry_run: bool, yes: bool) -> None:
-    """Downgrade the schema to REVISION (`base` drops every table and entry)."""
+    """Downgrade the schema to REVISION (`base` drops every table and entry).
+
+    The plan lists each revision undone and what it drops, counted from the
+    registry; upgrading again does not bring dropped data back.
+    """
     from ficache import schema
 
     location, engine = _schema_engine(obj, create=False)
     try:
-        current = _checked_revision(engine, location)
+        plan = schema.plan_downgrade(engine, location, revision)
         click.echo(
-            f"downgrade plan: {location.display} from {current} to {revision}"
+            f"downgrade plan: {location.display} from {plan.current} to {revision}"
             + (" (drops all stored entries)" if revision == "base" else "")
         )
+        for step in plan.steps:
+            click.echo(f"  {step.revision} -> {step.down_revision or 'base'}: {step.lost_str}")
+        if plan.loses_data:
+            click.echo("upgrading again does not bring back what a step drops")
         _confirm_or_stop(f"Downgrade to {revision}?", dry_run=dry_run, yes=yes)
-        schema.downgrade(engine, location, revision)
+        plan.execute(engine)
     finally:
         engine.dispose()
     click.echo(f"registry {location.display} is at {revision}")

@@ -43,6 +43,10 @@ class SchemaError(RegistryError):
     """The registry's schema is not one this ficache can use."""
 
 
+class SchemaTooOldError(SchemaError):
+    """The registry's schema is older than this ficache and only ``ficache db upgrade`` may move it."""
+
+
 class CacheFileError(FicacheError):
     """A FlashInfer cache file is unreadable, malformed or hostile."""
 

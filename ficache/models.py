@@ -29,6 +29,10 @@ Tables:
   scope, namespace, record key); ``value`` is canonical JSON text
   (``flashinfer_format.record_value_json``). ``record_changes`` is their
   change log, as ``entry_changes`` is the entries' (``ficache.records``).
+- ``schema_compat`` (from ``0007_compat``): one row naming the registry's
+  revision and the oldest ficache schema heads that can still read it
+  (``readable_from``) and write it (``writable_from``), so code older than
+  the schema can tell whether it may serve and commit (``ficache.schema``).
 
 Invariants:
 - ``(fingerprint_id, scope, namespace, key)`` is unique in ``records``.
@@ -107,6 +111,14 @@ class PolicyRow(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     digest: Mapped[str] = mapped_column(String(64), unique=True, nullable=False)  # sha256 hex
     policy: Mapped[str] = mapped_column(Text, nullable=False)  # canonical JSON list
+
+
+class SchemaCompatRow(Base):
+    __tablename__ = "schema_compat"
+
+    revision: Mapped[str] = mapped_column(String(64), primary_key=True)
+    readable_from: Mapped[str] = mapped_column(String(64), nullable=False)
+    writable_from: Mapped[str] = mapped_column(String(64), nullable=False)
 
 
 class CommitRow(Base):

@@ -68,6 +68,7 @@ from ficache.errors import (
     NotFoundError,
     RegistryBusyError,
     RegistryReadOnlyError,
+    SchemaTooNewError,
 )
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
 from ficache.flashinfer_format import CacheFile, KeyFields, parse_key, render_cache
@@ -504,24 +505,37 @@ def _chunks(items: Sequence[Any], size: int = _CHUNK) -> Iterator[Sequence[Any]]
 class Registry:
     """A registry opened on one database. Use ``Registry.open`` (a context manager)."""
 
-    def __init__(self, location: schema.Location, engine: Engine, readonly: bool) -> None:
+    def __init__(
+        self,
+        location: schema.Location,
+        engine: Engine,
+        readonly: bool,
+        write_refusal: str | None = None,
+    ) -> None:
         self.location = location
         self.engine = engine
         self.readonly = readonly
+        #: Why this code may not write a newer schema it can read (``schema.write_refusal``).
+        self.write_refusal = write_refusal
 
     # -- opening ----------------------------------------------------------
 
     @classmethod
-    def open(cls, db: str | None = None, *, create: bool = True) -> Registry:
-        """Open (creating or upgrading as needed) the registry at ``db``."""
+    def open(cls, db: str | None = None, *, create: bool = True, write: bool = True) -> Registry:
+        """Open the registry at ``db``, creating or upgrading it as ``schema.ensure_schema`` allows.
+
+        ``write=False`` opens it to read only: its schema is never changed.
+        """
         location = schema.resolve(db)
         engine, readonly = schema.make_engine(location, create=create)
         try:
-            schema.ensure_schema(engine, location, readonly=readonly, create=create)
+            refusal = schema.ensure_schema(
+                engine, location, readonly=readonly, create=create, write=write
+            )
         except BaseException:
             engine.dispose()
             raise
-        return cls(location, engine, readonly)
+        return cls(location, engine, readonly, refusal)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -834,7 +848,9 @@ class Registry:
     # -- writing ----------------------------------------------------------
 
     def require_writable(self) -> None:
-        """Raise ``RegistryReadOnlyError`` unless this registry may be written."""
+        """Raise ``RegistryReadOnlyError`` (``SchemaTooNewError``) unless this registry may be written."""
+        if self.write_refusal is not None:
+            raise SchemaTooNewError(self.write_refusal)
         if self.readonly:
             raise RegistryReadOnlyError(
                 f"registry {self.location.display} is read-only; pass a writable --db"

@@ -14,8 +14,32 @@ Invariants:
 - The schema changes only through Alembic revisions, under the registry's
   write lock (``BEGIN IMMEDIATE`` on SQLite, an advisory lock on
   PostgreSQL), after reading the revision again inside the lock.
-- A registry whose revision this code does not know is newer than the code:
-  it is refused with ``SchemaTooNewError`` and never written.
+- Rolling upgrades (servers of two ficache versions share one registry).
+  Each revision module declares ``readable_from`` and ``writable_from``: the
+  oldest schema heads whose code can still read and write that revision (a
+  revision that only adds is readable, often writable, by the code before
+  it). From ``0007_compat`` on, the registry stores them for its current
+  revision in ``schema_compat``, rewritten by every upgrade and downgrade
+  (``_stamp_compat``), because only the registry can tell older code about
+  a revision it does not know.
+- A registry whose revision this code does not know is newer than the code.
+  Where its ``schema_compat`` row names a ``readable_from`` this code knows,
+  it is used: served, and committed to when ``writable_from`` is known too
+  (else each write is refused with one line, ``write_refusal``); its schema
+  is never changed. Otherwise (no row: written before 0007, or by a tool
+  that moved the revision) it is refused with ``SchemaTooNewError`` and
+  never written.
+- Reads never change the schema (``ensure_schema(write=False)``): an older
+  one is refused with ``SchemaTooOldError``, "run `ficache db upgrade`".
+  A write creates a new registry at head; it upgrades an older schema only
+  in a local SQLite file. A server-backed registry (PostgreSQL, shared by a
+  fleet) is upgraded only by ``ficache db upgrade`` (``upgrade``): a warm
+  start or import against an older one is refused with that hint (a warm
+  start then tunes uncached and says why).
+- A downgrade is planned first (``plan_downgrade``): each revision undone
+  says what it drops, counted from the registry (its module's
+  ``lost_on_downgrade``), and the plan executes only at the revision it was
+  made at.
 - PostgreSQL (``postgresql+psycopg://``, the ``ficache[postgres]`` extra)
   behaves like SQLite: writers queue on one transaction-scoped advisory
   lock, and the wait for it is bounded (``SET LOCAL lock_timeout``, like
@@ -53,12 +77,14 @@ from sqlalchemy.pool import NullPool
 
 from ficache.deadline import watch_engine
 from ficache.errors import (
+    ConflictError,
     NotARegistryError,
     RegistryBusyError,
     RegistryError,
     RegistryReadOnlyError,
     SchemaError,
     SchemaTooNewError,
+    SchemaTooOldError,
 )
 
 ENV_VAR = "FICACHE_DB"
@@ -67,6 +93,8 @@ CONNECT_TIMEOUT_S = 10
 SQLITE_MAGIC = b"SQLite format 3\x00"
 # Arbitrary constant naming ficache's migration lock on PostgreSQL.
 PG_MIGRATION_LOCK_ID = 0x6669636163686501
+#: The table (from ``0007_compat``) that says which older ficache may read and write the schema.
+COMPAT_TABLE = "schema_compat"
 
 
 def default_registry_path() -> Path:
@@ -443,54 +471,156 @@ def _free_bytes(directory: Path) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def check_revision(connection: Connection, location: Location) -> str | None:
-    """Return the registry's revision; raise if it is foreign or too new."""
+def check_revision(
+    connection: Connection, location: Location, *, newer_ok: bool = False
+) -> str | None:
+    """Return the registry's revision; raise if it is foreign or too new.
+
+    A revision this code does not know is too new, unless ``newer_ok`` and
+    the registry's ``schema_compat`` row says this code can read it
+    (``newer_compat``): then it is returned, and ``write_refusal`` says
+    whether this code may also write it.
+    """
     if _is_foreign_database(connection):
         raise NotARegistryError(
             f"{location.display} is a database but not a ficache registry; pass another --db"
         )
     revision = current_revision(connection)
     if revision is not None and not _revision_exists(revision):
-        raise SchemaTooNewError(
-            f"registry {location.display} has schema revision {revision!r}, newer than this "
-            f"ficache knows (head {head_revision()!r}); upgrade ficache (pip install -U ficache)"
-        )
+        compat = stored_compat(connection, revision) if newer_ok else None
+        if compat is None or not _revision_exists(compat[0]):
+            raise SchemaTooNewError(
+                f"registry {location.display} has schema revision {revision!r}, newer than this "
+                f"ficache knows (head {head_revision()!r}); upgrade ficache (pip install -U ficache)"
+            )
     return revision
 
 
-def ensure_schema(
-    engine: Engine, location: Location, *, readonly: bool, create: bool = True
-) -> None:
-    """Create a new registry at head, or upgrade an older one under the lock.
+def compat_constants(revision: str) -> tuple[str, str]:
+    """``(readable_from, writable_from)`` that the installed revision module declares."""
+    module = script_directory().get_revision(revision).module
+    return str(module.readable_from), str(module.writable_from)
 
-    ``create=False`` refuses a database without any table (a new, empty one).
+
+def stored_compat(connection: Connection, revision: str) -> tuple[str, str] | None:
+    """``(readable_from, writable_from)`` the registry stores for ``revision``; None: no row.
+
+    A row naming another revision than ``alembic_version`` (a tool that moved
+    the revision without ficache) describes nothing and counts as none.
+    """
+    if COMPAT_TABLE not in inspect(connection).get_table_names():
+        return None
+    row = connection.execute(
+        text(f"SELECT readable_from, writable_from FROM {COMPAT_TABLE} WHERE revision = :r"),
+        {"r": revision},
+    ).first()
+    return None if row is None else (str(row[0]), str(row[1]))
+
+
+def write_refusal(connection: Connection, location: Location, revision: str | None) -> str | None:
+    """Why this code may not write the registry at ``revision`` (None: it may).
+
+    Only a newer revision is refused here: one whose stored ``writable_from``
+    is a revision this code does not know.
+    """
+    if revision is None or _revision_exists(revision):
+        return None
+    compat = stored_compat(connection, revision)
+    if compat is not None and _revision_exists(compat[1]):
+        return None
+    needs = compat[1] if compat is not None else revision
+    return (
+        f"registry {location.display} has schema revision {revision!r}, which only ficache "
+        f"with schema {needs!r} or newer may write (this one's head is {head_revision()!r}); "
+        "upgrade ficache (pip install -U ficache)"
+    )
+
+
+def _stamp_compat(connection: Connection) -> None:
+    """Make the ``schema_compat`` row describe the revision the registry is at now."""
+    if COMPAT_TABLE not in inspect(connection).get_table_names():
+        return
+    revision = current_revision(connection)
+    connection.execute(text(f"DELETE FROM {COMPAT_TABLE}"))
+    if revision is None:
+        return
+    readable, writable = compat_constants(revision)
+    connection.execute(
+        text(
+            f"INSERT INTO {COMPAT_TABLE} (revision, readable_from, writable_from) "
+            "VALUES (:r, :rf, :wf)"
+        ),
+        {"r": revision, "rf": readable, "wf": writable},
+    )
+
+
+def _older_schema_error(
+    location: Location, revision: str | None, *, shared: bool
+) -> SchemaTooOldError:
+    state = "empty (no schema revision)" if revision is None else f"at schema {revision!r}"
+    where = "a shared registry is upgraded only by" if shared else "run"
+    return SchemaTooOldError(
+        f"registry {location.display} is {state}, older than this ficache "
+        f"({head_revision()!r}); {where} `ficache db upgrade`"
+    )
+
+
+def ensure_schema(
+    engine: Engine,
+    location: Location,
+    *,
+    readonly: bool,
+    create: bool = True,
+    write: bool = True,
+) -> str | None:
+    """Check the registry's schema before use; create or upgrade it where that is allowed.
+
+    Returns why this code may not write the registry (a newer schema that
+    only older-compatible readers may use: ``write_refusal``), else None.
+
+    - A newer revision is used as its ``schema_compat`` row allows, never touched.
+    - ``write=False`` (a read) never changes the schema: an older one is
+      refused with ``SchemaTooOldError`` (this code's queries need head).
+    - A write creates a new registry at head (``create=False`` refuses a
+      database without any table). An older schema is upgraded under the
+      lock only in a local SQLite file; a server-backed registry (PostgreSQL)
+      is refused, because servers of another ficache share it: only
+      ``ficache db upgrade`` (``upgrade``) moves it.
     """
     head = head_revision()
     try:
         with engine.connect() as conn:
-            revision = check_revision(conn, location)
-            if not create and revision is None and not inspect(conn).get_table_names():
+            revision = check_revision(conn, location, newer_ok=True)
+            empty = revision is None and not inspect(conn).get_table_names()
+            if not create and empty:
                 raise RegistryError(
                     f"no registry in {location.display}; import a cache file first "
                     "(ficache import FILE)"
                 )
-        if revision == head:
-            if not readonly:
+            refusal = write_refusal(conn, location, revision)
+        if revision == head or (revision is not None and not _revision_exists(revision)):
+            if not readonly and refusal is None:
                 _enable_wal(engine)
-            return
+            return refusal
+        if not write:
+            raise _older_schema_error(location, revision, shared=False)
         if readonly:
             state = "empty" if revision is None else f"at revision {revision!r}"
             raise RegistryReadOnlyError(
                 f"registry {location.display} is {state}, needs {head!r}, and is read-only; "
                 "upgrade it where it is writable (ficache db upgrade)"
             )
+        if engine.dialect.name != "sqlite" and not empty:
+            raise _older_schema_error(location, revision, shared=True)
         with write_transaction(engine) as conn:
             revision = check_revision(conn, location)  # again, inside the lock
             if revision != head:
                 command.upgrade(alembic_config(conn), "head")
+                _stamp_compat(conn)
         _enable_wal(engine)
     except DatabaseError as exc:
         raise translate_operational_error(exc, location) from None
+    return None
 
 
 def _enable_wal(engine: Engine) -> None:
@@ -522,17 +652,91 @@ def upgrade(engine: Engine, location: Location, revision: str = "head") -> None:
         with write_transaction(engine) as conn:
             check_revision(conn, location)
             command.upgrade(alembic_config(conn), revision)
+            _stamp_compat(conn)
     except (OperationalError, DatabaseError) as exc:
         raise translate_operational_error(exc, location) from None
 
 
-def downgrade(engine: Engine, location: Location, revision: str) -> None:
+@dataclass(frozen=True)
+class DowngradeStep:
+    """Undoing one revision: ``revision`` to ``down_revision``, and what that loses."""
+
+    revision: str
+    down_revision: str | None
+    lost: tuple[str, ...]  # what the registry holds that this step drops, with counts
+
+    @property
+    def lost_str(self) -> str:
+        return "; ".join(self.lost) if self.lost else "keeps every stored value"
+
+
+@dataclass(frozen=True)
+class DowngradePlan:
+    """What ``ficache db downgrade`` would do to one registry: each step, and what it loses.
+
+    Counted from the registry itself when planned; ``execute`` applies it only
+    while the registry is still at ``current``.
+    """
+
+    location: Location
+    current: str | None
+    target: str
+    steps: tuple[DowngradeStep, ...]
+
+    @property
+    def loses_data(self) -> bool:
+        return any(step.lost for step in self.steps)
+
+    def execute(self, engine: Engine) -> None:
+        downgrade(engine, self.location, self.target, expected=self.current)
+
+
+def plan_downgrade(engine: Engine, location: Location, revision: str) -> DowngradePlan:
+    """The steps from the registry's revision down to ``revision`` (or ``base``), counted."""
+    if revision != "base" and not _revision_exists(revision):
+        raise SchemaError(f"unknown revision {revision!r}; see ficache db history")
+    target = None if revision == "base" else revision
+    try:
+        with engine.connect() as conn:
+            current = check_revision(conn, location)
+            steps = []
+            at = current
+            while at != target:
+                if at is None:
+                    raise SchemaError(
+                        f"revision {revision!r} is not below the registry's revision "
+                        f"{current!r}; see ficache db current"
+                    )
+                script = script_directory().get_revision(at)
+                down = script.down_revision
+                assert down is None or isinstance(down, str), "ficache's revisions are linear"
+                lost = tuple(getattr(script.module, "lost_on_downgrade", lambda _c: [])(conn))
+                steps.append(DowngradeStep(at, down, lost))
+                at = down
+    except DatabaseError as exc:
+        raise translate_operational_error(exc, location) from None
+    return DowngradePlan(location, current, revision, tuple(steps))
+
+
+_ANY = object()
+
+
+def downgrade(
+    engine: Engine, location: Location, revision: str, *, expected: object = _ANY
+) -> None:
+    """Downgrade to ``revision``; ``expected``: the revision a plan was made at (else refused)."""
     if revision != "base" and not _revision_exists(revision):
         raise SchemaError(f"unknown revision {revision!r}; see ficache db history")
     try:
         with write_transaction(engine) as conn:
-            check_revision(conn, location)
+            current = check_revision(conn, location)
+            if expected is not _ANY and current != expected:
+                raise ConflictError(
+                    f"registry {location.display} moved to revision {current!r} since the "
+                    f"downgrade was planned at {expected!r}; plan it again"
+                )
             command.downgrade(alembic_config(conn), revision)
+            _stamp_compat(conn)
     except (OperationalError, DatabaseError) as exc:
         raise translate_operational_error(exc, location) from None
 

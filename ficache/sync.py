@@ -1022,6 +1022,7 @@ class WarmStart:
                 with self._deadline(), self._registry() as reg:
                     if reg.readonly:
                         raise RegistryReadOnlyError(f"registry {reg.location.display} is read-only")
+                    reg.require_writable()  # a newer schema only older readers may use
                     written = reg.write(
                         entries,
                         kind="startup",

@@ -77,6 +77,8 @@ def mark_served(
     try:
         if isinstance(target, Registry) and target.readonly:
             reason = "the registry is read-only"
+        elif isinstance(target, Registry) and target.write_refusal is not None:
+            reason = target.write_refusal
         elif location.path is not None:
             reason = _mark_sqlite_file(location.path, ids, when, stale_before, timeout)
         elif isinstance(target, Registry):

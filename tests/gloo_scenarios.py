@@ -432,6 +432,29 @@ SCENARIOS: dict[str, Callable[[int, int, Path], dict[str, Any]]] = {
 SCENARIOS.update(frozen_export=frozen, frozen_commit=frozen)
 
 
+def future_schema(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    """A rolling upgrade: the registry moves to a newer, compatible schema between two starts.
+
+    The test puts the registry (a SQLite file, or ``dbs``' URL) and the future
+    migrations (``tests/future_schema.py``) in ``tmp``; this code tunes part,
+    rank 0 upgrades the registry as the future ficache would, and this code
+    (now the previous release) starts again: it must serve and commit.
+    """
+    import future_schema as future
+
+    db = registry(tmp)
+    out = {"setup": start(db, tune={"shapes": SHAPES_A})}
+    if rank == 0:
+        future.upgrade_to_future(db, tmp / "migrations")
+    dist.barrier()
+    out["future"] = start(db)
+    return out
+
+
+#: Scenarios run only when named (``run_plan``), not in ``tests/test_sync.py``'s sweep of SCENARIOS.
+ON_REQUEST: dict[str, Callable[[int, int, Path], dict[str, Any]]] = {"future_schema": future_schema}
+
+
 def run_plan(
     rank: int,
     world: int,
@@ -462,7 +485,7 @@ def run_plan(
         dist.barrier()
         started = time.monotonic()
         try:
-            out = SCENARIOS[name](rank, world, tmp)
+            out = (SCENARIOS.get(name) or ON_REQUEST[name])(rank, world, tmp)
         except Exception:  # noqa: BLE001
             out = {"error": traceback.format_exc()}
         out["seconds"] = time.monotonic() - started

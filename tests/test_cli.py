@@ -392,7 +392,7 @@ def test_stats(cli, populated: str) -> None:
 
     assert result.stdout.splitlines() == [
         f"registry         {schema.resolve(str(populated)).display}",
-        "schema revision  0006_policies",
+        "schema revision  0007_compat",
         f"size             {stats.size_bytes} bytes",
         "fingerprints     1",
         "entries          2 (2 shared, 0 rank-scoped)",
@@ -806,7 +806,7 @@ def test_revert_dry_run_and_conflict(cli, populated: str, cache_file, dump_db) -
 
 @both_backends
 def test_db_commands(cli, populated: str, tmp_path: Path) -> None:
-    assert cli("db", "current").stdout == ("0006_policies (head 0006_policies: up to date)\n")
+    assert cli("db", "current").stdout == ("0007_compat (head 0007_compat: up to date)\n")
     assert cli("db", "history", db=None).stdout.splitlines() == [
         "revision            down                title",
         "0001_registry                           ficache 0.1: fingerprints, entries, commits and the entry change log.",
@@ -817,11 +817,21 @@ def test_db_commands(cli, populated: str, tmp_path: Path) -> None:
         "served no read.",
         "0006_policies       0005_drop_op_index  ficache 0.6: measurement policies stored once; entries lose the columns "
         "their key holds.",
+        "0007_compat         0006_policies       ficache 0.7: the registry says which older ficache may "
+        "still read and write it.",
     ]
     dry = cli("db", "downgrade", "base", "--dry-run")
     assert dry.stdout.splitlines() == [
-        f"downgrade plan: {schema.resolve(str(populated)).display} from 0006_policies to base "
+        f"downgrade plan: {schema.resolve(str(populated)).display} from 0007_compat to base "
         "(drops all stored entries)",
+        "  0007_compat -> 0006_policies: keeps every stored value",
+        "  0006_policies -> 0005_drop_op_index: keeps every stored value",
+        "  0005_drop_op_index -> 0004_selection: keeps every stored value",
+        "  0004_selection -> 0003_records: keeps every stored value",
+        "  0003_records -> 0002_fleet: keeps every stored value",
+        "  0002_fleet -> 0001_registry: keeps every stored value",
+        "  0001_registry -> base: 2 entries, 1 fingerprints, 1 commits and 2 change rows",
+        "upgrading again does not bring back what a step drops",
         "dry run: nothing changed",
     ]
     refused = cli("db", "downgrade", "base")
@@ -1016,7 +1026,7 @@ def test_a_newer_schema_is_refused(cli, populated: Path, cache_file) -> None:
     one_error_line(
         result,
         f"registry {populated} has schema revision '0099_future', newer than this ficache knows "
-        "(head '0006_policies'); upgrade ficache (pip install -U ficache)",
+        "(head '0007_compat'); upgrade ficache (pip install -U ficache)",
     )
     assert populated.read_bytes() == before
 

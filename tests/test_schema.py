@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, text
 
 from ficache import schema
 from ficache.errors import NotARegistryError, RegistryReadOnlyError, SchemaTooNewError
@@ -34,6 +34,7 @@ TABLES = {
     "entry_changes",
     "records",
     "record_changes",
+    "schema_compat",
 }
 DATA = Path(__file__).parent / "data"
 FROZEN = sorted(DATA.glob("registry-*.db"))
@@ -101,7 +102,16 @@ def test_down_to_base_and_up_again_through_the_cli(cli, cache_file, registry_pat
 
     assert (down.exit_code, down.stdout) == (
         0,
-        f"downgrade plan: {where} from {HEAD} to base (drops all stored entries)\nregistry {where} is at base\n",
+        f"downgrade plan: {where} from {HEAD} to base (drops all stored entries)\n"
+        "  0007_compat -> 0006_policies: keeps every stored value\n"
+        "  0006_policies -> 0005_drop_op_index: keeps every stored value\n"
+        "  0005_drop_op_index -> 0004_selection: keeps every stored value\n"
+        "  0004_selection -> 0003_records: keeps every stored value\n"
+        "  0003_records -> 0002_fleet: keeps every stored value\n"
+        "  0002_fleet -> 0001_registry: keeps every stored value\n"
+        "  0001_registry -> base: 1 entries, 1 fingerprints, 1 commits and 1 change rows\n"
+        "upgrading again does not bring back what a step drops\n"
+        f"registry {where} is at base\n",
     )
     assert tables(registry_path) == {"alembic_version"}
     assert revision(registry_path) == []
@@ -374,7 +384,12 @@ def test_downgrading_below_0003_drops_records_and_their_commits_only(
 
     assert down.exit_code == 0, down.stderr
     assert revision(registry_path) == [("0002_fleet",)]
-    assert tables(registry_path) == TABLES - {"records", "record_changes", "policies"}
+    assert tables(registry_path) == TABLES - {
+        "records",
+        "record_changes",
+        "policies",
+        "schema_compat",
+    }
     # The import of entries and records keeps its entries; the records-only ones are gone.
     assert query(registry_path, "SELECT id, added FROM commits") == [(1, 1)]
     assert cli("verify").exit_code == 1  # stale (0002), and says so
@@ -526,3 +541,309 @@ def test_a_registry_path_with_uri_characters(cli, cache_file, tmp_path: Path) ->
     assert [row["key"] for row in json.loads(listed.stdout)] == ["('mm', 'R', ((1,),), ())"]
     assert sorted(os.listdir(tmp_path)) == ["a.json", "odd #1?x=%41 dir"]
     assert os.listdir(odd.parent) == ["registry.db"]
+
+
+# -- reads never upgrade; a shared registry moves only by `db upgrade` ------------------
+
+
+def _older_line(db: str, revision: str) -> str:
+    return (
+        f"error: registry {schema.resolve(db).display} is at schema {revision!r}, older than "
+        f"this ficache ({HEAD!r}); run `ficache db upgrade`\n"
+    )
+
+
+@pytest.mark.usefixtures("backend")
+@pytest.mark.parametrize(
+    "command", [("stats",), ("list",), ("export", "--fingerprint", "1")], ids=lambda c: c[0]
+)
+def test_a_read_never_upgrades_an_older_schema(
+    cli, cache_file, registry_db: str, dump_db, command: tuple[str, ...]
+) -> None:
+    assert cli("import", entry_file(cache_file)).exit_code == 0
+    assert cli("db", "downgrade", "0004_selection", "--yes").exit_code == 0
+    before = dump_db(registry_db)
+
+    result = cli(*command)
+
+    assert (result.exit_code, result.stdout, result.stderr) == (
+        1,
+        "",
+        _older_line(registry_db, "0004_selection"),
+    )
+    assert dump_db(registry_db) == before
+    assert cli("db", "current").stdout == f"0004_selection (head {HEAD}: needs upgrade)\n"
+
+
+@pytest.mark.usefixtures("backend")
+def test_a_read_never_recreates_a_schema_downgraded_to_base(
+    cli, cache_file, registry_db: str, dump_db
+) -> None:
+    assert cli("import", entry_file(cache_file)).exit_code == 0
+    assert cli("db", "downgrade", "base", "--yes").exit_code == 0
+    before = dump_db(registry_db)
+
+    result = cli("stats")
+
+    assert (result.exit_code, result.stderr) == (
+        1,
+        f"error: registry {schema.resolve(registry_db).display} is empty (no schema revision), "
+        f"older than this ficache ({HEAD!r}); run `ficache db upgrade`\n",
+    )
+    assert dump_db(registry_db) == before
+
+
+@pytest.mark.usefixtures("backend")
+def test_a_write_upgrades_an_older_sqlite_file_but_never_a_shared_registry(
+    cli, cache_file, registry_db: str, registry_path: Path, dump_db
+) -> None:
+    assert cli("import", entry_file(cache_file)).exit_code == 0
+    assert cli("db", "downgrade", "0004_selection", "--yes").exit_code == 0
+    before = dump_db(registry_db)
+
+    result = cli("import", entry_file(cache_file, "b.json", m=32))
+
+    if registry_db == str(registry_path):  # a local file: upgraded under the lock, as before
+        assert result.exit_code == 0, result.stderr
+        assert revision(registry_path) == [(HEAD,)]
+    else:  # PostgreSQL, shared by servers of other ficache versions: only `db upgrade`
+        assert (result.exit_code, result.stderr) == (
+            1,
+            f"error: registry {schema.resolve(registry_db).display} is at schema "
+            f"'0004_selection', older than this ficache ({HEAD!r}); a shared registry is "
+            "upgraded only by `ficache db upgrade`\n",
+        )
+        assert dump_db(registry_db) == before
+        assert cli("db", "upgrade").exit_code == 0
+        assert cli("import", entry_file(cache_file, "b.json", m=32)).exit_code == 0
+    assert len(json.loads(cli("list", "--format", "json").stdout)) == 2
+
+
+# -- db downgrade says what it drops --------------------------------------------------------
+
+
+@pytest.mark.usefixtures("backend")
+def test_a_downgrade_plan_counts_what_each_step_drops(
+    cli, cache_file, registry_db: str, dump_db
+) -> None:
+    key = str(("flashinfer::mm_fp4", "CutlassRunner", ((16, 4096),), ("torch.bfloat16",)))
+    selection = {"time_ms": 0.01, "runner_up_ms": 0.012, "margin": 0.2, "candidates": 5}
+    four = cache_file(
+        "four.json",
+        {"_records": {"ns": {"a": 1, "b": 2}}, key: ["CutlassRunner", 3, ["hot"], selection]},
+        metadata={"gpu": "NVIDIA H200"},
+    )
+    only = cache_file("only.json", {"_records": {"ns": {"c": 3}}}, metadata={"gpu": "NVIDIA H200"})
+    assert cli("import", four).exit_code == 0
+    assert cli("import", only).exit_code == 0
+    before = dump_db(registry_db)
+
+    dry = cli("db", "downgrade", "0002_fleet", "--dry-run")
+
+    assert (dry.exit_code, dry.stdout) == (
+        0,
+        f"downgrade plan: {schema.resolve(registry_db).display} from {HEAD} to 0002_fleet\n"
+        "  0007_compat -> 0006_policies: keeps every stored value\n"
+        "  0006_policies -> 0005_drop_op_index: keeps every stored value\n"
+        "  0005_drop_op_index -> 0004_selection: keeps every stored value\n"
+        "  0004_selection -> 0003_records: the selections of 1 entries and 1 change rows\n"
+        "  0003_records -> 0002_fleet: 3 records, 3 record change rows and 1 commits that "
+        "changed only records\n"
+        "upgrading again does not bring back what a step drops\n"
+        "dry run: nothing changed\n",
+    )
+    assert dump_db(registry_db) == before
+    down = cli("db", "downgrade", "0003_records", "--yes")
+    assert down.exit_code == 0, down.stderr
+    assert "0004_selection -> 0003_records: the selections of 1 entries" in down.stdout
+    assert cli("db", "upgrade").exit_code == 0
+    plan = cli("db", "downgrade", "0003_records", "--dry-run")  # nothing left to lose
+    assert "0004_selection -> 0003_records: keeps every stored value\n" in plan.stdout
+    assert "upgrading again" not in plan.stdout
+
+
+# -- rolling upgrades: servers of two ficache versions share one registry -----------------
+
+
+def _stamp_future(db: str, readable_from: str, writable_from: str) -> None:
+    """Make the registry ``db`` look as a future ficache at ``0099_future`` leaves it."""
+    location = schema.resolve(db)
+    engine = create_engine(location.url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE alembic_version SET version_num = '0099_future'"))
+            conn.execute(
+                text(
+                    "UPDATE schema_compat SET revision = '0099_future', "
+                    "readable_from = :r, writable_from = :w"
+                ),
+                {"r": readable_from, "w": writable_from},
+            )
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.usefixtures("backend")
+def test_a_newer_schema_readable_but_not_writable_serves_reads_and_refuses_writes(
+    cli, cache_file, registry_db: str, dump_db
+) -> None:
+    assert cli("import", entry_file(cache_file)).exit_code == 0
+    _stamp_future(registry_db, HEAD, "0099_future")
+    before = dump_db(registry_db)
+
+    listed = cli("list", "--format", "json")
+    imported = cli("import", entry_file(cache_file, "b.json", m=32))
+
+    assert listed.exit_code == 0, listed.stderr
+    assert len(json.loads(listed.stdout)) == 1
+    assert (imported.exit_code, imported.stderr) == (
+        1,
+        f"error: registry {schema.resolve(registry_db).display} has schema revision "
+        f"'0099_future', which only ficache with schema '0099_future' or newer may write "
+        f"(this one's head is {HEAD!r}); upgrade ficache (pip install -U ficache)\n",
+    )
+    assert dump_db(registry_db) == before
+
+
+@pytest.mark.usefixtures("backend")
+def test_a_newer_schema_this_code_cannot_read_is_refused_as_before(
+    cli, cache_file, registry_db: str, dump_db
+) -> None:
+    assert cli("import", entry_file(cache_file)).exit_code == 0
+    _stamp_future(registry_db, "0099_future", "0099_future")
+    before = dump_db(registry_db)
+
+    for command in (("list",), ("import", entry_file(cache_file, "b.json", m=32))):
+        result = cli(*command)
+        assert (result.exit_code, result.stderr) == (
+            1,
+            f"error: registry {schema.resolve(registry_db).display} has schema revision "
+            f"'0099_future', newer than this ficache knows (head {HEAD!r}); "
+            "upgrade ficache (pip install -U ficache)\n",
+        )
+    assert dump_db(registry_db) == before
+
+
+@pytest.mark.usefixtures("backend")
+def test_a_rolling_upgrade_previous_release_serves_and_commits_on_the_newer_schema(
+    cli, cache_file, registry_db: str, registry_path: Path, tmp_path: Path
+) -> None:
+    """2 gloo ranks of this code, a future additive revision applied between two warm starts.
+
+    SQLite starts from this release's frozen registry; PostgreSQL from an empty database.
+    """
+    import future_schema as future
+    import gloo_scenarios
+
+    from ficache._ranks import run_ranks
+
+    root = tmp_path / "ranks"
+    where = root / "future_schema"
+    where.mkdir(parents=True)
+    future.write_future_migrations(where)
+    db = registry_db
+    if registry_db == str(registry_path):
+        db = str(where / "registry.db")
+        shutil.copyfile(DATA / f"registry-{HEAD}.db", db)
+
+    results = run_ranks(
+        gloo_scenarios.run_plan,
+        2,
+        str(root),
+        ["future_schema"],
+        {"future_schema": db},
+        timeout=420,
+        group_timeout=60,
+    )
+
+    for rank, result in enumerate(results):
+        out = result["future_schema"]
+        assert "error" not in out, f"rank {rank}:\n{out['error']}"
+        setup, later = out["setup"]["report"], out["future"]["report"]
+        assert (setup["status"], setup["committed"], setup["reason"]) == ("cold", 12, None)
+        assert (later["status"], later["loaded"], later["tuned"]) == ("partial", 12, 6)
+        assert (later["committed"], later["reason"], out["future"]["exception"]) == (6, None, None)
+        assert later["commit_id"] == setup["commit_id"] + 1
+    imported = cli("import", entry_file(cache_file), db=db)
+    assert imported.exit_code == 0, imported.stderr
+    assert imported.stdout.startswith("imported 1 entries from 1 file(s): 1 added")
+    assert future.future_state(db) == {
+        "revision": [(future.REVISION,)],
+        "compat": [(future.REVISION, HEAD, HEAD)],
+        "notes": [(1, "kept by older ficache")],
+        "future_note": True,
+        "noted": 0,
+    }
+
+
+# -- the previous releases against the newer frozen registries ----------------------------------
+
+
+def _revisions_with_parent_commit() -> list[tuple[str, str]]:
+    """(revision, the commit before the one that added it) for each revision after the first."""
+    out = []
+    for rev, down, _title in schema.history():
+        if down is None:
+            continue
+        try:
+            added = subprocess.run(
+                [
+                    "git",
+                    "-C",
+                    str(REPO),
+                    "log",
+                    "--diff-filter=A",
+                    "--format=%H",
+                    "--",
+                    f"migrations/versions/{rev}.py",
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.split()
+        except (OSError, subprocess.CalledProcessError):
+            added = []
+        out.append((rev, f"{added[-1]}^" if added else ""))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("rev", "parent"), _revisions_with_parent_commit(), ids=lambda v: v if "_" in v else ""
+)
+def test_the_previous_release_refuses_the_newer_frozen_registry_and_leaves_it(
+    rev: str, parent: str, tmp_path: Path
+) -> None:
+    """The code before each migration predates ``schema_compat``: it refuses any newer revision.
+
+    One CLI call (``stats``) per revision, from a ``git archive`` of that commit.
+    """
+    if not parent:
+        pytest.skip(f"no git history for migrations/versions/{rev}.py in this checkout")
+    old = tmp_path / "old"
+    old.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", "--format=tar", parent, "ficache", "migrations"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+    path = tmp_path / "registry.db"
+    shutil.copyfile(DATA / f"registry-{rev}.db", path)
+    before = path.read_bytes()
+
+    result = subprocess.run(
+        [sys.executable, "-m", "ficache", "--db", str(path), "stats"],
+        cwd=old,
+        env={**os.environ, "PYTHONPATH": str(old)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr.startswith(
+        f"error: registry {path} has schema revision {rev!r}, newer than this ficache knows"
+    ), result.stderr
+    assert result.stderr.count("\n") == 1
+    assert path.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["old", "registry.db"]

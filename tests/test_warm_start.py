@@ -138,6 +138,38 @@ def test_registry_faults_become_tune_uncached(tmp_path: Path, autotuner: Any, fa
 
 
 @both_backends
+def test_an_older_schema_is_upgraded_in_a_sqlite_file_but_a_shared_one_tunes_uncached(
+    registry_db: str, registry_path: Path, autotuner: Any, dump_db: Any
+) -> None:
+    db = registry_db
+    start(db, provenance={"framework": "test"})
+    location = schema.resolve(db)
+    engine, _readonly = schema.make_engine(location)
+    try:
+        schema.downgrade(engine, location, "0004_selection")
+    finally:
+        engine.dispose()
+    before = dump_db(db)
+
+    report, tuned = start(db)
+
+    if db == str(registry_path):  # a local file: upgraded under the lock, then served
+        assert (report.status, report.loaded, report.committed) == ("warm", 18, 0)
+        with Registry.open(db) as reg:
+            assert reg.stats().revision == schema.head_revision()
+    else:  # a server other ficache versions share: never upgraded by a start
+        assert report.status.startswith("uncached: ")
+        assert (report.loaded, report.tuned, report.committed, tuned.profiled) == (0, 18, 0, 18)
+        assert report.reason is not None
+        assert report.reason.endswith(
+            "is at schema '0004_selection', older than this ficache "
+            f"({schema.head_revision()!r}); a shared registry is upgraded only by "
+            "`ficache db upgrade`"
+        )
+        assert dump_db(db) == before
+
+
+@both_backends
 def test_load_failure_tunes_from_empty(registry_db: str, autotuner: Any) -> None:
     class FailingLoadTuner(FlashInferTuner):  # fault injection
         def load(self, text: str) -> int:

@@ -14,6 +14,22 @@ revision: str = "0001_registry"
 down_revision: str | Sequence[str] | None = None
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
+# Rolling upgrades (ficache.schema): the oldest schema heads whose code reads and writes this
+# revision; the first schema.
+readable_from: str = "0001_registry"
+writable_from: str = "0001_registry"
+
+
+def lost_on_downgrade(conn: sa.Connection) -> list[str]:
+    """What downgrading below this revision (to base) loses: everything stored."""
+    count = {t: conn.execute(sa.text(f"SELECT count(*) FROM {t}")).scalar_one() for t in _TABLES}
+    return [
+        f"{count['entries']} entries, {count['fingerprints']} fingerprints, "
+        f"{count['commits']} commits and {count['entry_changes']} change rows"
+    ]
+
+
+_TABLES = ("entries", "fingerprints", "commits", "entry_changes")
 
 
 def upgrade() -> None:

@@ -22,6 +22,29 @@ revision: str = "0002_fleet"
 down_revision: str | Sequence[str] | None = "0001_registry"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
+# Rolling upgrades (ficache.schema): the oldest schema heads whose code reads and writes this
+# revision; adds nullable columns only: 0.1 reads it; its writes would leave the new change-log
+# values empty.
+readable_from: str = "0001_registry"
+writable_from: str = "0002_fleet"
+
+
+def lost_on_downgrade(conn: sa.Connection) -> list[str]:
+    """What downgrading to 0001 loses (upgrading again recovers the change rows' new values)."""
+    served = conn.execute(
+        sa.text("SELECT count(*) FROM fingerprints WHERE last_served_at IS NOT NULL")
+    ).scalar_one()
+    tuned = conn.execute(
+        sa.text(
+            "SELECT count(*) FROM entries WHERE tuned_at IS NOT NULL AND tuned_at <> updated_at"
+        )
+    ).scalar_one()
+    lost = []
+    if tuned:
+        lost.append(f"when {tuned} entries were tuned (upgrading again takes their last write)")
+    if served:
+        lost.append(f"when {served} fingerprints were last served")
+    return lost
 
 
 def upgrade() -> None:

@@ -20,8 +20,32 @@ revision: str = "0003_records"
 down_revision: str | Sequence[str] | None = "0002_fleet"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
+# Rolling upgrades (ficache.schema): the oldest schema heads whose code reads and writes this
+# revision; adds tables and defaulted columns only: 0.2 reads it; its prune and revert would
+# ignore records.
+readable_from: str = "0002_fleet"
+writable_from: str = "0003_records"
 
 _COUNTS = ("records_added", "records_replaced", "records_removed")
+
+
+def lost_on_downgrade(conn: sa.Connection) -> list[str]:
+    """What downgrading to 0002 loses: the records, their history, records-only commits."""
+    records = conn.execute(sa.text("SELECT count(*) FROM records")).scalar_one()
+    changes = conn.execute(sa.text("SELECT count(*) FROM record_changes")).scalar_one()
+    commits = conn.execute(
+        sa.text(
+            "SELECT count(*) FROM commits WHERE added = 0 AND replaced = 0 AND removed = 0 "
+            "AND id NOT IN (SELECT commit_id FROM entries) "
+            "AND id NOT IN (SELECT commit_id FROM entry_changes)"
+        )
+    ).scalar_one()
+    if not (records or changes or commits):
+        return []
+    return [
+        f"{records} records, {changes} record change rows and {commits} commits "
+        "that changed only records"
+    ]
 
 
 def upgrade() -> None:

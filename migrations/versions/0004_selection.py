@@ -22,6 +22,27 @@ revision: str = "0004_selection"
 down_revision: str | Sequence[str] | None = "0003_records"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
+# Rolling upgrades (ficache.schema): the oldest schema heads whose code reads and writes this
+# revision; adds nullable columns only: 0.3 reads it; its writes would keep a replaced value's
+# selection.
+readable_from: str = "0003_records"
+writable_from: str = "0004_selection"
+
+
+def lost_on_downgrade(conn: sa.Connection) -> list[str]:
+    """What downgrading to 0003 loses: every selection (values keep runner, tactic, policy)."""
+    entries = conn.execute(
+        sa.text("SELECT count(*) FROM entries WHERE selection IS NOT NULL")
+    ).scalar_one()
+    changes = conn.execute(
+        sa.text(
+            "SELECT count(*) FROM entry_changes "
+            "WHERE old_selection IS NOT NULL OR new_selection IS NOT NULL"
+        )
+    ).scalar_one()
+    if not (entries or changes):
+        return []
+    return [f"the selections of {entries} entries and {changes} change rows"]
 
 
 def upgrade() -> None:

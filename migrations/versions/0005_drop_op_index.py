@@ -16,12 +16,22 @@ Create Date: 2026-12-05
 
 from collections.abc import Sequence
 
+import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0005_drop_op_index"
 down_revision: str | Sequence[str] | None = "0004_selection"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
+# Rolling upgrades (ficache.schema): the oldest schema heads whose code reads and writes this
+# revision; drops an index no query needs: 0.4 reads and writes it.
+readable_from: str = "0004_selection"
+writable_from: str = "0004_selection"
+
+
+def lost_on_downgrade(conn: sa.Connection) -> list[str]:
+    """Downgrading keeps every stored value."""
+    return []
 
 
 def upgrade() -> None:

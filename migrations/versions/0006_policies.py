@@ -33,6 +33,10 @@ revision: str = "0006_policies"
 down_revision: str | Sequence[str] | None = "0005_drop_op_index"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
+# Rolling upgrades (ficache.schema): the oldest schema heads whose code reads and writes this
+# revision; replaces and drops columns: code before it can neither read nor write it.
+readable_from: str = "0006_policies"
+writable_from: str = "0006_policies"
 
 #: (table, text column, id column) of every stored policy.
 _POLICY_COLUMNS = (
@@ -40,6 +44,11 @@ _POLICY_COLUMNS = (
     ("entry_changes", "old_policy", "old_policy_id"),
     ("entry_changes", "new_policy", "new_policy_id"),
 )
+
+
+def lost_on_downgrade(conn: sa.Connection) -> list[str]:
+    """Downgrading keeps every stored value."""
+    return []
 
 
 def upgrade() -> None:
