@@ -16,8 +16,9 @@ engines (``watch_engine``, called by ``ficache.schema.make_engine``) opens or
 hands out on that thread is watched. When the deadline passes, a timer
 thread shuts the watched sockets down (``shutdown(2)``), which wakes a
 blocked read at once with "server closed the connection", and the block's
-exception leaves as ``RegistryTimeoutError``, one line naming ``what`` and the
-limit.
+exception leaves as ``RegistryTimeoutError``, one line naming ``what``, the
+limit and the time the block actually ran before its exception left (what
+happened, not only what was configured).
 
 Invariants:
 - Only this thread's watched connections are touched, and only after the
@@ -46,6 +47,7 @@ import contextlib
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -148,13 +150,16 @@ def registry_deadline(seconds: float | None, what: str) -> Iterator[None]:
     timer = threading.Timer(max(seconds, 0.0), watch.fire)
     timer.daemon = True
     _local.watch = watch
+    started = time.monotonic()
     timer.start()
     try:
         yield
     except Exception as exc:
         if watch.fired:
+            elapsed = time.monotonic() - started
             raise RegistryTimeoutError(
-                f"{what} did not answer within {seconds:g} s, so its connection was cut: "
+                f"{what} did not answer within {seconds:g} s, so its connection was cut "
+                f"after {elapsed:.1f} s: "
                 "check that the server is running and reachable, or raise the limit"
             ) from exc
         raise
