@@ -148,8 +148,19 @@ def _dump_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=False))
 
 
-_AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
-_AGE_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+#: Age units ``--older-than`` / ``--unused-for`` take. A bare ``m`` is refused: it
+#: reads as minutes to some and months to others (``min`` or ``mo``); a month is 30
+#: days and a year 365.
+_AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*$")
+_AGE_SECONDS = {
+    "s": 1,
+    "min": 60,
+    "h": 3600,
+    "d": 86400,
+    "w": 7 * 86400,
+    "mo": 30 * 86400,
+    "y": 365 * 86400,
+}
 
 
 class AgeType(click.ParamType):
@@ -159,8 +170,20 @@ class AgeType(click.ParamType):
         if isinstance(value, (int, float)):
             return float(value)
         m = _AGE.match(str(value))
-        if not m:
-            self.fail(f"{value!r} is not an age like 30d, 12h, 90m, 2w", param, ctx)
+        if m and m.group(2) == "m":
+            self.fail(
+                f"{value!r} is ambiguous: write {m.group(1)}min for minutes or "
+                f"{m.group(1)}mo for months",
+                param,
+                ctx,
+            )
+        if not m or m.group(2) not in _AGE_SECONDS:
+            self.fail(
+                f"{value!r} is not an age like 30d, 12h, 90min, 2w, 6mo, 1y "
+                "(units: s, min, h, d, w, mo, y)",
+                param,
+                ctx,
+            )
         return float(m.group(1)) * _AGE_SECONDS[m.group(2)]
 
 
@@ -1307,7 +1330,7 @@ def merge_cmd(
 @click.option(
     "--older-than",
     type=AgeType(),
-    help="Remove entries and records last written before this age (30d, 12h).",
+    help="Remove entries and records last written before this age (30d, 12h, 90min, 6mo).",
 )
 @click.option(
     "--unused-for",
@@ -1338,6 +1361,11 @@ def prune_cmd(
     fingerprints (all their records go), --scope and --older-than narrow
     records as they narrow entries. `ficache revert` restores both.
     """
+    if not (fingerprint_refs or versions or scope) and older_than is None and unused_for is None:
+        raise click.UsageError(
+            "prune needs a criterion: --fingerprint, --flashinfer-version, --older-than, "
+            "--unused-for or --scope"
+        )
     with obj.registry(create=False) as reg:
         reg.require_writable()
         ids = [reg.fingerprint(ref).id for ref in fingerprint_refs]
@@ -1423,10 +1451,10 @@ VERIFY_EXAMPLES = 3
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["text", "json"]),
-    default="text",
+    type=click.Choice(["table", "text", "json"]),
+    default="table",
     show_default=True,
-    help="Output as a text report or as JSON.",
+    help="Output as a text report (`table`; `text` is the same) or as JSON.",
 )
 @pass_ctx
 def verify_cmd(obj: _Context, fmt: str) -> None:

@@ -685,15 +685,49 @@ def test_prune_other_criteria(cli, populated: str) -> None:
     )
     scoped = cli("prune", "--scope", "shared", "--flashinfer-version", "0.7.2", "--dry-run")
     assert scoped.stdout.splitlines()[0] == "prune plan (flashinfer_version=0.7.2, scope=shared):"
-    one_error_line(
-        cli("prune"),
-        "prune needs a criterion: --fingerprint, --flashinfer-version, --older-than, "
-        "--unused-for or --scope",
+    no_criterion = cli("prune")
+    assert (no_criterion.exit_code, no_criterion.stdout) == (2, "")
+    assert no_criterion.stderr.splitlines()[-1] == (
+        "Error: prune needs a criterion: --fingerprint, --flashinfer-version, --older-than, "
+        "--unused-for or --scope"
     )
     one_error_line(
         cli("prune", "--fingerprint", "9", "--yes"),
         "no fingerprint '9' in the registry; see `ficache fingerprints`",
     )
+
+
+@pytest.mark.parametrize(
+    ("age", "seconds"),
+    [
+        ("30s", 30),
+        ("90min", 5400),
+        ("2h", 7200),
+        ("1d", 86400),
+        ("1w", 604800),
+        ("1mo", 30 * 86400),
+        ("1y", 365 * 86400),
+        ("1.5d", 129600),
+    ],
+)
+def test_ages_take_min_mo_and_y(age: str, seconds: float) -> None:
+    from ficache.cli import AgeType
+
+    assert AgeType().convert(age, None, None) == seconds
+
+
+@pytest.mark.parametrize("option", ["--older-than", "--unused-for"])
+def test_a_bare_m_age_is_refused_as_ambiguous(cli, populated: str, dump_db, option: str) -> None:
+    before = dump_db(populated)
+
+    result = cli("prune", option, "1m", "--yes")
+
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr.splitlines()[-1] == (
+        f"Error: Invalid value for '{option}': '1m' is ambiguous: write 1min for minutes "
+        "or 1mo for months"
+    )
+    assert dump_db(populated) == before
 
 
 HOUR = 3600.0
@@ -1096,3 +1130,16 @@ def test_no_traceback_without_debug_and_one_with_it(tmp_path: Path) -> None:
     assert debug.stderr.rstrip().splitlines()[-1] == (
         f"ficache.errors.NotARegistryError: {notes} is not a SQLite database; pass another --db or move the file away"
     )
+
+
+# -- friction (issue 23) -------------------------------------------------------------
+
+
+def test_verify_takes_table_as_every_command_does_and_text_still(cli, populated: str) -> None:
+    default = cli("verify")
+    table = cli("verify", "--format", "table")
+    text = cli("verify", "--format", "text")
+
+    assert (table.exit_code, table.stderr) == (0, "")
+    assert table.stdout == default.stdout == text.stdout
+    assert table.stdout.endswith("ok: no problems\n")
