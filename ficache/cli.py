@@ -8,6 +8,10 @@ Invariants:
 - Destructive commands (``prune``, ``revert``, ``db downgrade``) build a plan,
   print it, stop on ``--dry-run``, ask unless ``--yes``, then execute.
 - Read-only commands never create a registry.
+- A commit made is reported as made: once a command's registry made a commit
+  (``Registry.commit_listeners``), a Ctrl-C no longer stops it with
+  "interrupted" and exit 130; it finishes, prints its report, notes the
+  interrupt on stderr and exits as it would have.
 """
 
 from __future__ import annotations
@@ -48,11 +52,37 @@ class _Context:
         self.db = db
         self.debug = debug
 
+        #: Commits this command made (``Registry.commit_listeners``): once one is
+        #: made, a Ctrl-C no longer turns the command into a failure.
+        self.commits: list[int] = []
+
     def registry(self, *, create: bool = True, write: bool = True) -> Any:
         """The registry, opened to write (its schema may be upgraded) or, ``write=False``, to read."""
         from ficache.registry import Registry
 
-        return Registry.open(self.db, create=create, write=write)
+        reg = Registry.open(self.db, create=create, write=write)
+        reg.commit_listeners.append(self._made)
+        return reg
+
+    def _made(self, commit_id: int) -> None:
+        self.commits.append(commit_id)
+        pause = os.environ.get(PAUSE_AFTER_COMMIT_ENV)
+        if pause:
+            _pause_after_commit(Path(pause), commit_id)
+
+
+#: Test hook: a file path. After each commit (SIGINT held) the CLI writes the commit
+#: id there and waits, at most 30 s, for a SIGINT to arrive (tests/test_cli.py).
+PAUSE_AFTER_COMMIT_ENV = "FICACHE_TEST_PAUSE_AFTER_COMMIT"
+
+
+def _pause_after_commit(path: Path, commit_id: int) -> None:
+    from ficache._interrupts import interrupt_pending
+
+    path.write_text(str(commit_id))
+    deadline = time.monotonic() + 30
+    while not interrupt_pending() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _fail(message: str) -> NoReturn:
@@ -76,6 +106,20 @@ class _Group(click.Group):
         return ctx
 
     def invoke(self, ctx: click.Context) -> Any:
+        interrupted_after: list[int] = []
+        with _interrupts_after_commits_ignored(ctx, interrupted_after):
+            try:
+                result = self._invoke(ctx)
+            finally:
+                if interrupted_after:
+                    click.echo(
+                        f"interrupted after commit {interrupted_after[-1]} was made; "
+                        "the commit stands",
+                        err=True,
+                    )
+        return result
+
+    def _invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except FicacheError as exc:
@@ -105,6 +149,36 @@ class _Group(click.Group):
 
 
 _ARGV_META = "ficache.argv"
+
+
+@contextlib.contextmanager
+def _interrupts_after_commits_ignored(ctx: click.Context, noted: list[int]) -> Iterator[None]:
+    """While the command runs, a Ctrl-C once it made a commit is noted, not raised.
+
+    Before any commit a Ctrl-C stops the command as ever ("interrupted",
+    exit 130). After one, the registry already holds the result, so the
+    command finishes and reports it; the commit id goes to ``noted``.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        obj = ctx.obj
+        if isinstance(obj, _Context) and obj.commits:
+            noted.append(obj.commits[-1])
+            return
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        if previous is not None:  # None: a handler not set from Python; leave it
+            signal.signal(signal.SIGINT, previous)
 
 
 def _first_non_utf8(args: Sequence[str]) -> str | None:

@@ -30,6 +30,10 @@ Invariants:
   unchanged (the stored selection stays, as ``tuned_at`` does) and never a
   conflict; a written value writes its selection, a replaced or removed one
   keeps its selection in ``entry_changes``, and ``revert`` restores it.
+- A commit made is known: from the end of a write's body until its id is in
+  ``Registry.commits`` and every ``commit_listeners`` was told, SIGINT is
+  held (``ficache._interrupts``), so a Ctrl-C never lands between the
+  database's COMMIT and the caller learning of it.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ from sqlalchemy.exc import DatabaseError, IntegrityError, OperationalError
 from ficache import records as rec
 from ficache import schema
 from ficache._gcpause import paused_gc
+from ficache._interrupts import HeldInterrupts
 from ficache.errors import (
     ConflictError,
     FicacheError,
@@ -517,6 +522,11 @@ class Registry:
         self.readonly = readonly
         #: Why this code may not write a newer schema it can read (``schema.write_refusal``).
         self.write_refusal = write_refusal
+        #: Ids of the commits this object made, in order (see ``_write``).
+        self.commits: list[int] = []
+        #: Called with each commit id right after that commit is made, with SIGINT
+        #: held (``ficache._interrupts``): a Ctrl-C then cannot hide a made commit.
+        self.commit_listeners: list[Callable[[int], None]] = []
 
     # -- opening ----------------------------------------------------------
 
@@ -862,8 +872,12 @@ class Registry:
         delay = 0.05
         for attempt in range(WRITE_ATTEMPTS):
             try:
-                with schema.write_transaction(self.engine) as conn:
-                    return body(conn)
+                with HeldInterrupts() as held:
+                    with schema.write_transaction(self.engine) as conn:
+                        result = body(conn)
+                        held.start()  # from here to the recorded commit id, SIGINT waits
+                    self._made(getattr(result, "commit_id", None))
+                return result
             except (OperationalError, IntegrityError, DatabaseError) as exc:
                 error = schema.translate_operational_error(exc, self.location)
                 retryable = isinstance(error, RegistryBusyError) or isinstance(exc, IntegrityError)
@@ -872,6 +886,14 @@ class Registry:
                 time.sleep(delay)
                 delay *= 4
         raise AssertionError("unreachable")
+
+    def _made(self, commit_id: int | None) -> None:
+        """Record a commit just made and tell the listeners (SIGINT is held)."""
+        if commit_id is None:
+            return
+        self.commits.append(commit_id)
+        for listener in self.commit_listeners:
+            listener(commit_id)
 
     def _fingerprint_id(self, conn: Connection, fp: Fingerprint, now: float) -> tuple[int, bool]:
         """The id of ``fp``'s row, inserting it when absent; True when inserted."""

@@ -1143,3 +1143,58 @@ def test_verify_takes_table_as_every_command_does_and_text_still(cli, populated:
     assert (table.exit_code, table.stderr) == (0, "")
     assert table.stdout == default.stdout == text.stdout
     assert table.stdout.endswith("ok: no problems\n")
+
+
+# -- Ctrl-C after the commit ------------------------------------------------------------------
+
+
+def _interrupted_after_commit(tmp_path: Path, db: Path, *args: str) -> tuple[int, str, str]:
+    """Run ``ficache --db DB ARGS`` in a child, SIGINT it right after its commit is made."""
+    import signal
+
+    marker = tmp_path / f"committed-{len(list(tmp_path.glob('committed-*')))}"
+    env = {k: v for k, v in os.environ.items() if k != "FICACHE_DB"}
+    env["FICACHE_TEST_PAUSE_AFTER_COMMIT"] = str(marker)
+    child = subprocess.Popen(
+        [sys.executable, "-m", "ficache", "--db", str(db), *args],
+        cwd=Path(__file__).resolve().parent.parent,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert marker.exists(), f"ficache {' '.join(args)} made no commit: {child.communicate()}"
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    return child.returncode, out, err
+
+
+def test_ctrl_c_just_after_the_commit_reports_the_commit(cache_file, tmp_path: Path) -> None:
+    db = tmp_path / "reg.db"
+    a = cache_file("a.json", {K16: ["Runner", 1]}, metadata=META)
+    b = cache_file("b.json", {K32: ["Runner", 2]}, metadata=META)
+
+    imported = _interrupted_after_commit(tmp_path, db, "import", str(a))
+    merged = _interrupted_after_commit(tmp_path, db, "merge", str(b))
+    reverted = _interrupted_after_commit(tmp_path, db, "revert", "2", "--yes")
+
+    note = "interrupted after commit {} was made; the commit stands\n"
+    assert imported == (
+        0,
+        "imported 1 entries from 1 file(s): 1 added, 0 replaced, 0 unchanged (commit 1)\n",
+        note.format(1),
+    )
+    assert (merged[0], merged[2]) == (0, note.format(2))
+    assert merged[1].splitlines()[-1].startswith("merged as commit 2")
+    assert (reverted[0], reverted[2]) == (0, note.format(3))
+    assert reverted[1].splitlines()[-1].startswith("reverted commit 2 as commit 3")
+    with Registry.open(str(db)) as reg:
+        assert [c.kind for c in reg.log()] == ["revert", "merge", "import"]

@@ -1,0 +1,52 @@
+"""Hold SIGINT across the end of a commit, so a commit made is a commit known.
+
+``Registry._write`` calls ``held.start()`` as the last step inside its
+transaction; from there until the ``with`` block ends (the database's
+COMMIT, then the registry recording the commit id and telling its
+listeners) a Ctrl-C stays pending instead of raising ``KeyboardInterrupt``
+halfway. It is delivered when the block ends, by which time the caller can
+know the commit landed (``Registry.commits``) and say so: the CLI then
+reports the commit as made instead of "interrupted".
+
+Invariants:
+- Only SIGINT, only in the calling thread, only between ``start()`` and the
+  end of the block; the thread's previous signal mask is restored on every
+  exit, also on exceptions, and a pending SIGINT is delivered then.
+- Where signal masks do not exist (Windows), it does nothing.
+"""
+
+from __future__ import annotations
+
+import signal
+from types import TracebackType
+
+_CAN_MASK = hasattr(signal, "pthread_sigmask")
+
+
+class HeldInterrupts:
+    """``with HeldInterrupts() as held: ...; held.start(); ...``: SIGINT waits from start()."""
+
+    def __init__(self) -> None:
+        self._previous: set[int | signal.Signals] | None = None
+
+    def start(self) -> None:
+        if _CAN_MASK and self._previous is None:
+            self._previous = set(signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}))
+
+    def __enter__(self) -> HeldInterrupts:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._previous is not None:
+            previous, self._previous = self._previous, None
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def interrupt_pending() -> bool:
+    """True when a SIGINT waits, held (always False where masks do not exist)."""
+    return _CAN_MASK and signal.SIGINT in signal.sigpending()
