@@ -54,6 +54,7 @@ TABLES = {
     "entry_changes",
     "records",
     "record_changes",
+    "schema_compat",
 }
 REPO = Path(__file__).resolve().parent.parent
 FROZEN_0001 = Path(__file__).parent / "data" / "registry-0001_registry.db"
@@ -164,7 +165,12 @@ def test_records_down_to_0002_and_up_again(cli, postgres_url: str, cache_file) -
     down = cli("db", "downgrade", "0002_fleet", "--yes", db=postgres_url)
 
     assert down.exit_code == 0, down.stderr
-    assert tables(postgres_url) == TABLES - {"records", "record_changes", "policies"}
+    assert tables(postgres_url) == TABLES - {
+        "records",
+        "record_changes",
+        "policies",
+        "schema_compat",
+    }
     assert sql(postgres_url, "SELECT id, added FROM commits") == [(1, 1)]
     assert cli("db", "upgrade", db=postgres_url).exit_code == 0
     assert tables(postgres_url) == TABLES
@@ -261,6 +267,8 @@ def test_a_frozen_0001_registry_copied_into_postgresql_upgrades_like_on_sqlite(
     finally:
         engine.dispose()
 
+    # A shared registry moves only by `ficache db upgrade`; the SQLite file on its first open.
+    assert cli("db", "upgrade", db=postgres_url).exit_code == 0
     with Registry.open(postgres_url) as reg, Registry.open(str(copy)) as sqlite_reg:
         assert reg.stats().revision == sqlite_reg.stats().revision == HEAD
     sqlite_rows = _all_rows(f"sqlite:///{copy}")
