@@ -2,10 +2,10 @@
 
 ``Registry._write`` calls ``held.start()`` as the last step inside its
 transaction; from there until the ``with`` block ends (the database's
-COMMIT, then the registry recording the commit id and telling its
-listeners) a Ctrl-C stays pending instead of raising ``KeyboardInterrupt``
-halfway. It is delivered when the block ends, by which time the caller can
-know the commit landed (``Registry.commits``) and say so: the CLI then
+COMMIT, then the registry telling its listeners the commit id) a Ctrl-C
+stays pending instead of raising ``KeyboardInterrupt`` halfway. It is
+delivered when the block ends, by which time the caller can know the
+commit landed (``Registry.commit_listeners``) and say so: the CLI then
 reports the commit as made instead of "interrupted".
 
 Invariants:

@@ -30,9 +30,9 @@ Invariants:
   unchanged (the stored selection stays, as ``tuned_at`` does) and never a
   conflict; a written value writes its selection, a replaced or removed one
   keeps its selection in ``entry_changes``, and ``revert`` restores it.
-- A commit made is known: from the end of a write's body until its id is in
-  ``Registry.commits`` and every ``commit_listeners`` was told, SIGINT is
-  held (``ficache._interrupts``), so a Ctrl-C never lands between the
+- A commit made is known: from the end of a write's body until every
+  ``Registry.commit_listeners`` was told its id, SIGINT is held
+  (``ficache._interrupts``), so a Ctrl-C never lands between the
   database's COMMIT and the caller learning of it.
 """
 
@@ -522,8 +522,6 @@ class Registry:
         self.readonly = readonly
         #: Why this code may not write a newer schema it can read (``schema.write_refusal``).
         self.write_refusal = write_refusal
-        #: Ids of the commits this object made, in order (see ``_write``).
-        self.commits: list[int] = []
         #: Called with each commit id right after that commit is made, with SIGINT
         #: held (``ficache._interrupts``): a Ctrl-C then cannot hide a made commit.
         self.commit_listeners: list[Callable[[int], None]] = []
@@ -888,10 +886,9 @@ class Registry:
         raise AssertionError("unreachable")
 
     def _made(self, commit_id: int | None) -> None:
-        """Record a commit just made and tell the listeners (SIGINT is held)."""
+        """Tell the listeners of a commit just made (SIGINT is held)."""
         if commit_id is None:
             return
-        self.commits.append(commit_id)
         for listener in self.commit_listeners:
             listener(commit_id)
 
