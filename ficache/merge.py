@@ -508,10 +508,7 @@ class MergePlan:
         since it was made.
         """
         self.check()
-        if registry.location.display != self.target:
-            raise ValueError(
-                f"this plan was made for {self.target}, not {registry.location.display}"
-            )
+        registry.require_planned_on(self.target)
         if self.is_empty:
             return WriteResult(
                 None, unchanged=self.identical, records_unchanged=self.records.identical

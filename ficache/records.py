@@ -16,10 +16,10 @@ Invariants:
   the commit counts its record changes (``records_added``,
   ``records_replaced``, ``records_removed``). A write that changes neither
   entries nor records makes no commit. ``Registry.revert`` undoes a commit's
-  record changes with its entry changes (``plan_revert`` / ``apply_revert``)
-  and refuses when a later commit changed one of its records. A prune
-  removes the records its criteria match in the prune's one commit
-  (``prune_candidates``, ``stage_planned_removals``; see
+  record changes with its entry changes, as one ``Registry.write``
+  (``ficache.revert``), and refuses when a later commit changed one of its
+  records. A prune removes the records its criteria match in the prune's
+  one commit (``prune_candidates``, ``stage_planned_removals``; see
   ``Registry.plan_prune``), as ``removed`` record changes a revert restores.
 - A record equal to the stored one (same canonical JSON) is unchanged, not
   replaced; ``keep_existing`` keeps a stored value that differs; ``expected``
@@ -386,68 +386,6 @@ def stage_planned_removals(conn: Connection, versions: Sequence[tuple[int, int]]
                 staged.removed.append((fid, scope, ns, key, (rid, value, cid, tuned)))
     staged.removed.sort(key=lambda item: item[:4])
     return staged
-
-
-# --------------------------------------------------------------------------
-# Revert (inside Registry.revert's transaction).
-
-
-@dataclass
-class RevertPlan:
-    changes: list[Any]
-    current: dict[tuple[int, str, str, str], _Old]
-    conflicts: int
-
-
-def plan_revert(conn: Connection, commit_id: int) -> RevertPlan:
-    """The record changes of ``commit_id`` and how many later commits changed."""
-    changes = conn.execute(select(RH).where(RH.c.commit_id == commit_id).order_by(RH.c.id)).all()
-    scopes: dict[int, set[str]] = {}
-    for ch in changes:
-        scopes.setdefault(ch.fingerprint_id, set()).add(ch.scope)
-    current: dict[tuple[int, str, str, str], _Old] = {}
-    for fid, fid_scopes in scopes.items():
-        for (scope, ns, key), row in _current(conn, fid, fid_scopes).items():
-            current[(fid, scope, ns, key)] = row
-    conflicts = 0
-    for ch in changes:
-        now_row = current.get((ch.fingerprint_id, ch.scope, ch.namespace, ch.key))
-        if ch.action == "removed":
-            conflicts += now_row is not None
-        else:
-            conflicts += now_row is None or now_row[2] != commit_id
-    return RevertPlan(list(changes), current, conflicts)
-
-
-def apply_revert(
-    conn: Connection, plan: RevertPlan, new_id: int, now: float
-) -> tuple[int, int, int]:
-    """Undo ``plan``'s changes as commit ``new_id``; return (added, replaced, removed)."""
-    staged = StagedRecords()
-    for ch in plan.changes:
-        ident = (ch.fingerprint_id, ch.scope, ch.namespace, ch.key)
-        now_row = plan.current.get(ident)
-        if ch.action == "added":
-            assert now_row is not None  # checked by plan_revert's conflicts
-            staged.removed.append((*ident, now_row))
-        else:
-            restored = NewRecord(
-                _NO_FINGERPRINT, ch.namespace, ch.key, ch.old_value, ch.scope, ch.old_tuned_at
-            )
-            if ch.action == "replaced":
-                assert now_row is not None
-                staged.replaced.append((ch.fingerprint_id, restored, now_row))
-            else:
-                staged.added.append((ch.fingerprint_id, restored))
-    apply(conn, new_id, staged, now)
-    return len(staged.added), len(staged.replaced), len(staged.removed)
-
-
-class _NoFingerprint:
-    """Stands for the fingerprint of a record ``apply`` writes by fingerprint id."""
-
-
-_NO_FINGERPRINT: Any = _NoFingerprint()
 
 
 # --------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The registry: queries, transactional commits, exports, prune and revert.
+"""The registry: queries, transactional commits, exports, prune (revert plans: ``ficache.revert``).
 
 Invariants:
 - Every write is one transaction that adds exactly one ``commits`` row with
@@ -20,7 +20,10 @@ Invariants:
   transaction and raises ``ConflictError``, writing nothing, when any
   differs: a plan is never applied to a state it was not made from.
 - ``revert`` refuses (``ConflictError``) when a later commit changed an entry
-  the reverted commit touched; it never overwrites later work.
+  the reverted commit touched, or the commit is already reverted; it never
+  overwrites later work. It is ``ficache.revert``'s plan, executed as one
+  ``write`` with ``expected`` commit ids. Every plan (prune, merge, revert)
+  is applied only to the registry it was made on (``require_planned_on``).
 - Namespaced records (``ficache.records``) ride in the same commits: ``write``
   stores ``records`` with its entries in its one transaction and commit,
   ``revert`` undoes both, exports carry them as ``_records``.
@@ -292,9 +295,11 @@ class PrunePlan:
 
     ``total`` counts entries, ``records_total`` namespaced records: a prune
     removes the records that match its criteria with the entries (see
-    ``Registry.plan_prune``).
+    ``Registry.plan_prune``). ``execute`` refuses a registry other than
+    ``target``, the one it was planned on.
     """
 
+    target: str  # the registry planned on (``Location.display``)
     criteria: tuple[tuple[str, str], ...]
     groups: tuple[PruneGroup, ...]
     entry_versions: tuple[tuple[int, int], ...] = field(repr=False)  # (entry id, commit id)
@@ -864,6 +869,15 @@ class Registry:
                 f"registry {self.location.display} is read-only; pass a writable --db"
             )
 
+    def require_planned_on(self, target: str) -> None:
+        """Raise ``ValueError`` unless ``target`` (a plan's ``Location.display``) is this registry.
+
+        A plan holds row ids and commit ids of the registry it was made on;
+        applied to another, they would name unrelated rows.
+        """
+        if self.location.display != target:
+            raise ValueError(f"this plan was made for {target}, not {self.location.display}")
+
     def _write(self, body: Callable[[Connection], T]) -> T:
         """Run ``body(conn)`` in one write transaction, retrying a busy lock."""
         self.require_writable()
@@ -943,6 +957,7 @@ class Registry:
         expected: _Expected | None = None,
         keep_existing: bool = False,
         records: rec.RecordWrite | Iterable[rec.NewRecord] = (),
+        reverts_commit_id: int | None = None,
     ) -> WriteResult:
         """Store ``entries`` (insert or replace) and delete ``removals`` as one commit.
 
@@ -962,7 +977,8 @@ class Registry:
         expected commits) are written in the same transaction and commit,
         under the same rules (``ficache.records``); a write that changes
         only records is a commit too. Invalid records raise ``RecordError``
-        before anything is written.
+        before anything is written. ``reverts_commit_id``: the commit a
+        ``revert`` write undoes (``ficache.revert``).
         """
         record_write = (
             records if isinstance(records, rec.RecordWrite) else rec.RecordWrite(tuple(records))
@@ -980,6 +996,7 @@ class Registry:
                 expected=expected,
                 keep_existing=keep_existing,
                 record_write=record_write,
+                reverts_commit_id=reverts_commit_id,
             )
 
     def _write_entries(
@@ -995,6 +1012,7 @@ class Registry:
         expected: _Expected | None,
         keep_existing: bool,
         record_write: rec.RecordWrite = rec.RecordWrite(),  # noqa: B008 - frozen, never mutated
+        reverts_commit_id: int | None = None,
     ) -> WriteResult:
         """``write``'s body, run with the garbage collector paused."""
         # Entries keyed by (fingerprint index, scope, key); a later duplicate wins.
@@ -1158,6 +1176,7 @@ class Registry:
                 world_size=world_size,
                 layout=layout,
                 provenance=provenance,
+                reverts_commit_id=reverts_commit_id,
                 added=len(added),
                 replaced=len(replaced),
                 removed=len(removed),
@@ -1453,6 +1472,7 @@ class Registry:
                     g = groups.setdefault((fid, sc), [gpu, fiver, 0, 0])
                     g[3] += 1
             return PrunePlan(
+                self.location.display,
                 tuple(criteria),
                 tuple(
                     PruneGroup(fid, g[0], g[1], sc, g[2], g[3])
@@ -1465,6 +1485,7 @@ class Registry:
         return self._guard(run)
 
     def _execute_prune(self, plan: PrunePlan) -> WriteResult:
+        self.require_planned_on(plan.target)
         if plan.is_empty:
             return WriteResult(None)
 
@@ -1526,147 +1547,15 @@ class Registry:
     # -- revert -----------------------------------------------------------
 
     def revert(self, commit_id: int) -> WriteResult:
-        """Undo one commit as a new ``revert`` commit."""
+        """Undo one commit as a new ``revert`` commit: ``ficache.revert``'s plan, executed.
 
-        def body(conn: Connection) -> WriteResult:
-            target = conn.execute(select(C.c.id).where(C.c.id == commit_id)).scalar_one_or_none()
-            if target is None:
-                raise NotFoundError(f"no commit {commit_id}; see `ficache log`")
-            changes = conn.execute(
-                select(H).where(H.c.commit_id == commit_id).order_by(H.c.id)
-            ).all()
-            current: dict[tuple[int, str, str], Any] = {}
-            by_fp: dict[int, list[str]] = {}
-            for ch in changes:
-                by_fp.setdefault(ch.fingerprint_id, []).append(ch.key)
-            for fid, keys in by_fp.items():
-                for chunk in _chunks(sorted(set(keys))):
-                    for row in conn.execute(
-                        select(*_ENTRY_STATE).where(
-                            E.c.fingerprint_id == fid, E.c.key.in_(list(chunk))
-                        )
-                    ):
-                        current[(row.fingerprint_id, row.scope, row.key)] = row
-            conflicts = 0
-            for ch in changes:
-                now_row = current.get((ch.fingerprint_id, ch.scope, ch.key))
-                if ch.action == "removed":
-                    conflicts += now_row is not None
-                else:
-                    conflicts += now_row is None or now_row.commit_id != commit_id
-            if conflicts:
-                raise ConflictError(
-                    f"{conflicts} of {len(changes)} entries of commit {commit_id} changed in later commits; "
-                    "revert those first (ficache log)"
-                )
-            record_plan = rec.plan_revert(conn, commit_id)
-            if record_plan.conflicts:
-                raise ConflictError(
-                    f"{record_plan.conflicts} of {len(record_plan.changes)} records of commit "
-                    f"{commit_id} changed in later commits; revert those first (ficache log)"
-                )
-            now = time.time()
-            new_id = self._new_commit(
-                conn,
-                now,
-                "revert",
-                message=f"revert commit {commit_id}",
-                reverts_commit_id=commit_id,
-            )
-            added = replaced = removed = 0
-            history = []
-            for ch in changes:
-                key_id = (ch.fingerprint_id, ch.scope, ch.key)
-                now_row = current.get(key_id)
-                if ch.action == "added":
-                    assert now_row is not None  # checked for conflicts above
-                    conn.execute(delete(E).where(E.c.id == now_row.id))
-                    history.append((ch, "removed", now_row))
-                    removed += 1
-                elif ch.action == "replaced":
-                    assert now_row is not None  # checked for conflicts above
-                    conn.execute(
-                        update(E)
-                        .where(E.c.id == now_row.id)
-                        .values(
-                            runner=ch.old_runner,
-                            tactic=ch.old_tactic,
-                            policy_id=ch.old_policy_id,
-                            commit_id=new_id,
-                            updated_at=now,
-                            tuned_at=ch.old_tuned_at if ch.old_tuned_at is not None else now,
-                            selection=ch.old_selection,
-                        )
-                    )
-                    history.append((ch, "replaced", now_row))
-                    replaced += 1
-                else:
-                    conn.execute(
-                        insert(E).values(
-                            fingerprint_id=ch.fingerprint_id,
-                            scope=ch.scope,
-                            key=ch.key,
-                            op=parse_key(ch.key).op,
-                            runner=ch.old_runner,
-                            tactic=ch.old_tactic,
-                            policy_id=ch.old_policy_id,
-                            commit_id=new_id,
-                            updated_at=now,
-                            tuned_at=ch.old_tuned_at if ch.old_tuned_at is not None else now,
-                            selection=ch.old_selection,
-                        )
-                    )
-                    history.append((ch, "added", None))
-                    added += 1
-            if history:
-                conn.execute(
-                    insert(H),
-                    [
-                        {
-                            "commit_id": new_id,
-                            "fingerprint_id": ch.fingerprint_id,
-                            "scope": ch.scope,
-                            "key": ch.key,
-                            "action": action,
-                            "old_runner": old.runner if old is not None else None,
-                            "old_tactic": old.tactic if old is not None else None,
-                            "old_policy_id": old.policy_id if old is not None else None,
-                            "old_commit_id": old.commit_id if old is not None else None,
-                            "old_tuned_at": old.tuned_at if old is not None else None,
-                            # A revert writes back the value the reverted change replaced.
-                            "new_runner": ch.old_runner if action != "removed" else None,
-                            "new_tactic": ch.old_tactic if action != "removed" else None,
-                            "new_policy_id": ch.old_policy_id if action != "removed" else None,
-                            "old_selection": old.selection if old is not None else None,
-                            "new_selection": ch.old_selection if action != "removed" else None,
-                        }
-                        for ch, action, old in history
-                    ],
-                )
-            r_added, r_replaced, r_removed = rec.apply_revert(conn, record_plan, new_id, now)
-            conn.execute(
-                update(C)
-                .where(C.c.id == new_id)
-                .values(
-                    added=added,
-                    replaced=replaced,
-                    removed=removed,
-                    records_added=r_added,
-                    records_replaced=r_replaced,
-                    records_removed=r_removed,
-                )
-            )
-            return WriteResult(
-                new_id,
-                added=added,
-                replaced=replaced,
-                removed=removed,
-                records_added=r_added,
-                records_replaced=r_replaced,
-                records_removed=r_removed,
-            )
+        Raises ``NotFoundError`` for an unknown commit and ``ConflictError``
+        (writing nothing) when the plan is refused: the commit is already
+        reverted, or a later commit changed one of its entries or records.
+        """
+        from ficache.revert import plan_revert  # revert builds on this module
 
-        return self._write(body)
+        return plan_revert(self, commit_id).execute(self)
 
 
 # Re-exported helpers for callers that build queries of their own.

@@ -1,0 +1,359 @@
+"""Reverting one commit: a frozen plan first, then one ``revert`` commit.
+
+``plan_revert(registry, commit_id)`` reads what the commit did (its entry
+and namespaced-record changes) and what the registry holds now, and returns
+a ``RevertPlan``: the counts, the conflicts, the reason it is refused (if
+any) and the exact write that undoes the commit. ``RevertPlan.execute``
+applies it as one ``Registry.write`` of kind ``revert``. ``Registry.revert``
+is ``plan_revert`` then ``execute``: a dry run and a run take one code path.
+
+Invariants:
+- A plan is refused (``refusal``; ``check`` and ``execute`` raise
+  ``ConflictError`` with that line) when the commit is already undone (the
+  last of an odd chain of reverts starting at it is in effect), or when a
+  later commit changed one of its entries or records: one it added or
+  replaced no longer holds the value it wrote, or one it removed is back.
+  Each such change is a ``RevertConflict`` naming the later commit. A
+  revert never overwrites later work. A revert commit can itself be
+  reverted (that redoes what it undid), under the same rules.
+- ``execute`` writes nothing unless the registry is the one planned on and
+  every entry and record the plan touches is still held by the commit that
+  held it when planned (``Registry.write``'s ``expected``, checked under the
+  write lock, as ``MergePlan`` does); otherwise it raises ``ConflictError``
+  ("plan it again") and the registry is exactly as it was.
+- Entries and records are two kinds of stored result with one description
+  each (``_Kind``); reading changes, finding conflicts and building the
+  inverse write are written once for both.
+- Undoing a change restores the value it replaced with its ``tuned_at`` and
+  (for entries) its policy and selection, removes what it added, and
+  re-adds what it removed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Connection, Table, func, select
+from sqlalchemy.exc import DatabaseError
+
+from ficache import schema
+from ficache.errors import ConflictError, NotFoundError
+from ficache.fingerprint import Fingerprint
+from ficache.models import COMMITS as C
+from ficache.models import ENTRIES as E
+from ficache.models import ENTRY_CHANGES as H
+from ficache.models import FINGERPRINTS as F
+from ficache.models import OLD_POLICY
+from ficache.models import RECORD_CHANGES as RH
+from ficache.models import RECORDS as R
+from ficache.records import NewRecord, RecordWrite
+from ficache.registry import CommitInfo, NewEntry, Registry, WriteResult, fingerprint_from_row
+
+__all__ = ["RevertConflict", "RevertCounts", "RevertPlan", "plan_revert"]
+
+_CHUNK = 500  # keys per IN (...) list
+
+
+@dataclass(frozen=True)
+class RevertConflict:
+    """One entry or record of the commit that a later commit changed."""
+
+    kind: str  # "entry" or "record"
+    fingerprint_id: int
+    scope: str
+    namespace: str | None  # records only
+    key: str
+    action: str  # what the reverted commit did to it: added, replaced, removed
+    changed_by: int | None  # the later commit that holds it now or removed it
+
+    def as_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class RevertCounts:
+    """What undoing one kind's changes does: remove what the commit added,
+    restore what it replaced, re-add what it removed."""
+
+    remove: int = 0
+    restore: int = 0
+    re_add: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.remove + self.restore + self.re_add
+
+    def as_json(self) -> dict[str, int]:
+        return {"remove": self.remove, "restore": self.restore, "re_add": self.re_add}
+
+
+@dataclass(frozen=True)
+class RevertPlan:
+    """What reverting ``commit`` would do; compare plans with ``==``, apply with ``execute``."""
+
+    target: str  # the registry planned on (``Location.display``)
+    commit: CommitInfo
+    entries: RevertCounts
+    records: RevertCounts
+    conflicts: tuple[RevertConflict, ...]
+    #: The revert commit that undoes ``commit`` now (None: it is in effect).
+    reverted_by: int | None = None
+    writes: tuple[NewEntry, ...] = field(default=(), repr=False)
+    removals: tuple[tuple[Fingerprint, str, str], ...] = field(default=(), repr=False)
+    #: Each touched entry's identity and the commit holding it when planned (None: absent).
+    expected: tuple[tuple[tuple[Fingerprint, str, str], int | None], ...] = field(
+        default=(), repr=False
+    )
+    record_write: RecordWrite = field(default_factory=RecordWrite, repr=False)
+
+    @property
+    def refusal(self) -> str | None:
+        """Why executing this plan is refused (one line, what to do next); None: it is not."""
+        cid = self.commit.id
+        if self.reverted_by is not None:
+            return (
+                f"commit {cid} is already reverted by commit {self.reverted_by}; nothing to "
+                f"revert (revert commit {self.reverted_by} to bring it back)"
+            )
+        n_entries = sum(c.kind == "entry" for c in self.conflicts)
+        n_records = len(self.conflicts) - n_entries
+        if not self.conflicts:
+            return None
+        parts = []
+        if n_entries:
+            parts.append(f"{n_entries} of {self.entries.total} entries")
+        if n_records:
+            parts.append(f"{n_records} of {self.records.total} records")
+        return (
+            f"{' and '.join(parts)} of commit {cid} changed in later commits; "
+            "revert those first (ficache log)"
+        )
+
+    @property
+    def changed_by(self) -> tuple[int, ...]:
+        """The later commits that conflict, in order."""
+        return tuple(sorted({c.changed_by for c in self.conflicts if c.changed_by is not None}))
+
+    def check(self) -> None:
+        """Raise ``ConflictError`` with ``refusal`` when the plan is refused."""
+        if self.refusal is not None:
+            raise ConflictError(self.refusal)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "commit": self.commit.as_json(),
+            "entries": self.entries.as_json(),
+            "records": self.records.as_json(),
+            "reverted_by": self.reverted_by,
+            "conflicts": [c.as_json() for c in self.conflicts],
+            "refused": self.refusal,
+        }
+
+    def execute(self, registry: Registry) -> WriteResult:
+        """Apply the plan as one ``revert`` commit.
+
+        Raises ``ConflictError`` for a refused plan, and (writing nothing) when
+        anything the plan touches changed since it was made.
+        """
+        self.check()
+        registry.require_planned_on(self.target)
+        cid = self.commit.id
+        try:
+            return registry.write(
+                self.writes,
+                kind="revert",
+                message=f"revert commit {cid}",
+                reverts_commit_id=cid,
+                removals=self.removals,
+                expected=self.expected,
+                records=self.record_write,
+            )
+        except ConflictError:
+            raise ConflictError(
+                f"registry {self.target} changed since the revert of commit {cid} was planned; "
+                f"nothing changed, plan it again (ficache revert {cid})"
+            ) from None
+
+
+def plan_revert(registry: Registry, commit_id: int) -> RevertPlan:
+    """Plan undoing commit ``commit_id`` of ``registry``; ``NotFoundError`` if there is none."""
+    found = registry.log(None, commit_id=commit_id)
+    if not found:
+        raise NotFoundError(f"no commit {commit_id}; see `ficache log`")
+    try:
+        with registry.engine.connect() as conn:
+            fingerprints: dict[int, Fingerprint] = {}
+            entries = _undo(conn, _ENTRIES, commit_id, fingerprints)
+            records = _undo(conn, _RECORDS, commit_id, fingerprints)
+            reverted_by = _undone_by(conn, commit_id)
+    except DatabaseError as exc:
+        raise schema.translate_operational_error(exc, registry.location) from None
+    return RevertPlan(
+        registry.location.display,
+        found[0],
+        entries.counts,
+        records.counts,
+        entries.conflicts + records.conflicts,
+        reverted_by,
+        tuple(entries.writes),
+        tuple(entries.removals),
+        tuple(entries.expected),
+        RecordWrite(tuple(records.writes), tuple(records.removals), tuple(records.expected)),
+    )
+
+
+def _undone_by(conn: Connection, commit_id: int) -> int | None:
+    """The revert commit that undoes ``commit_id`` now: the last of an odd chain of reverts."""
+    depth, at = 0, commit_id
+    while True:
+        nxt = conn.execute(select(func.max(C.c.id)).where(C.c.reverts_commit_id == at)).scalar()
+        if nxt is None:
+            return at if depth % 2 else None
+        depth, at = depth + 1, int(nxt)
+
+
+# --------------------------------------------------------------------------
+# One description per kind of stored result, and the machinery written once.
+
+
+@dataclass(frozen=True)
+class _Kind:
+    name: str  # as a RevertConflict names it
+    changes: Table  # its change log
+    rows: Table  # its current rows
+    identity: tuple[str, ...]  # the columns naming one row within a fingerprint, key last
+    extra: tuple[Any, ...]  # further columns the restored value needs
+    #: ``restore(change row, fingerprint)``: the value the change replaced, to write back.
+    restore: Callable[[Any, Fingerprint], Any]
+
+
+def _restored_entry(ch: Any, fp: Fingerprint) -> NewEntry:
+    return NewEntry(
+        fp,
+        ch.key,
+        ch.old_runner,
+        ch.old_tactic,
+        ch.old_policy,
+        ch.scope,
+        None,
+        ch.old_tuned_at,
+        ch.old_selection,
+    )
+
+
+def _restored_record(ch: Any, fp: Fingerprint) -> NewRecord:
+    return NewRecord(fp, ch.namespace, ch.key, ch.old_value, ch.scope, ch.old_tuned_at)
+
+
+_ENTRIES = _Kind("entry", H, E, ("scope", "key"), (OLD_POLICY,), _restored_entry)
+_RECORDS = _Kind("record", RH, R, ("scope", "namespace", "key"), (), _restored_record)
+
+
+@dataclass
+class _Undo:
+    """The inverse of one commit's changes of one kind, as ``Registry.write`` takes it."""
+
+    counts: RevertCounts = RevertCounts()
+    conflicts: tuple[RevertConflict, ...] = ()
+    writes: list[Any] = field(default_factory=list)
+    removals: list[tuple[Any, ...]] = field(default_factory=list)
+    expected: list[tuple[tuple[Any, ...], int | None]] = field(default_factory=list)
+
+
+def _undo(
+    conn: Connection, kind: _Kind, commit_id: int, fingerprints: dict[int, Fingerprint]
+) -> _Undo:
+    """What undoing ``commit_id``'s changes of ``kind`` writes, and what conflicts with it."""
+    changes = conn.execute(
+        select(kind.changes, *kind.extra)
+        .where(kind.changes.c.commit_id == commit_id)
+        .order_by(kind.changes.c.id)
+    ).all()
+    undo = _Undo()
+    if not changes:
+        return undo
+    _load_fingerprints(conn, {ch.fingerprint_id for ch in changes}, fingerprints)
+    held = _holders(conn, kind, kind.rows, [_ident(kind, ch) for ch in changes])
+    conflicting = []
+    for ch in changes:
+        ident = _ident(kind, ch)
+        holder = held.get(ident)
+        stale = holder is not None if ch.action == "removed" else holder != commit_id
+        if stale:
+            conflicting.append((ch, ident, holder))
+        fp = fingerprints[ch.fingerprint_id]
+        identity = (fp, *ident[1:])
+        undo.expected.append((identity, holder))
+        if ch.action == "added":
+            undo.removals.append(identity)
+        else:
+            undo.writes.append(kind.restore(ch, fp))
+    absent = [ident for _ch, ident, holder in conflicting if holder is None]
+    removed_by = _holders(conn, kind, kind.changes, absent, after=commit_id) if absent else {}
+    undo.conflicts = tuple(
+        RevertConflict(
+            kind.name,
+            ch.fingerprint_id,
+            ch.scope,
+            getattr(ch, "namespace", None),
+            ch.key,
+            ch.action,
+            holder if holder is not None else removed_by.get(ident),
+        )
+        for ch, ident, holder in conflicting
+    )
+    actions = [ch.action for ch in changes]
+    undo.counts = RevertCounts(
+        actions.count("added"), actions.count("replaced"), actions.count("removed")
+    )
+    return undo
+
+
+def _ident(kind: _Kind, row: Any) -> tuple[Any, ...]:
+    return (row.fingerprint_id, *(getattr(row, name) for name in kind.identity))
+
+
+def _holders(
+    conn: Connection,
+    kind: _Kind,
+    table: Table,
+    idents: Sequence[tuple[Any, ...]],
+    *,
+    after: int | None = None,
+) -> dict[tuple[Any, ...], int]:
+    """The commit holding each of ``idents`` in ``table`` (absent ones are left out).
+
+    ``table`` is the kind's rows (the commit that wrote each current value),
+    or, with ``after``, its change log (the last commit after ``after`` that
+    changed each).
+    """
+    columns = [table.c.fingerprint_id, *(table.c[name] for name in kind.identity)]
+    holder = table.c.commit_id if after is None else func.max(table.c.commit_id)
+    keys_by_fp: dict[int, set[Any]] = {}
+    for ident in idents:
+        keys_by_fp.setdefault(ident[0], set()).add(ident[-1])
+    wanted = set(idents)
+    found: dict[tuple[Any, ...], int] = {}
+    for fid, keys in keys_by_fp.items():
+        ordered = sorted(keys)
+        for start in range(0, len(ordered), _CHUNK):
+            query = select(*columns, holder).where(
+                table.c.fingerprint_id == fid, table.c.key.in_(ordered[start : start + _CHUNK])
+            )
+            if after is not None:
+                query = query.where(table.c.commit_id > after).group_by(*columns)
+            for row in conn.execute(query):
+                ident = tuple(row[:-1])
+                if ident in wanted:
+                    found[ident] = int(row[-1])
+    return found
+
+
+def _load_fingerprints(conn: Connection, ids: set[int], into: dict[int, Fingerprint]) -> None:
+    missing = sorted(ids - into.keys())
+    if missing:
+        for row in conn.execute(select(F).where(F.c.id.in_(missing))):
+            into[row.id] = fingerprint_from_row(row)
