@@ -29,7 +29,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from ficache import __version__
-from ficache.errors import FicacheError, NotFoundError
+from ficache.errors import FicacheError
 
 T = TypeVar("T")
 
@@ -282,16 +282,18 @@ def _resolve_fingerprint(reg: Any, ref: str) -> Any:
     return reg.fingerprint(ref).fingerprint
 
 
-def _confirm_or_stop(question: str, *, dry_run: bool, yes: bool) -> None:
+def _confirm_or_stop(question: str, *, dry_run: bool, yes: bool, err: bool = False) -> None:
+    """Stop on ``dry_run``, go on with ``yes``, else ask; ``err``: talk on stderr
+    (stdout carries JSON)."""
     if dry_run:
-        click.echo("dry run: nothing changed")
+        click.echo("dry run: nothing changed", err=err)
         sys.exit(0)
     if yes:
         return
     if not sys.stdin.isatty():
         _fail("refusing to change the registry without confirmation; pass --yes")
-    if not click.confirm(question, default=False):
-        click.echo("aborted: nothing changed")
+    if not click.confirm(question, default=False, err=err):
+        click.echo("aborted: nothing changed", err=err)
         sys.exit(1)
 
 
@@ -1479,32 +1481,49 @@ def prune_cmd(
     click.echo(f"removed {result.removed} entries{records} (commit {result.commit_id})")
 
 
+#: ``revert`` lists this many conflicts in its plan (``--format json`` lists all).
+REVERT_CONFLICTS_SHOWN = 10
+
+
 @cli.command("revert")
 @click.argument("commit_id", type=POSITIVE_ID)
-@click.option("--dry-run", is_flag=True, help="Show what would be reverted and change nothing.")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Show the plan and change nothing (exit 1 when the revert would be refused).",
+)
 @click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
+@FORMAT
 @pass_ctx
-def revert_cmd(obj: _Context, commit_id: int, dry_run: bool, yes: bool) -> None:
-    """Undo one commit as a new commit (refused if later commits changed its entries)."""
+def revert_cmd(obj: _Context, commit_id: int, dry_run: bool, yes: bool, fmt: str) -> None:
+    """Undo one commit as a new commit.
+
+    Refused (exit 1, with --dry-run too) when the commit is already reverted
+    or a later commit changed one of its entries or records; the plan lists
+    those conflicts and the commits that made them.
+    """
+    from ficache.revert import plan_revert
+
     with obj.registry(create=False) as reg:
         reg.require_writable()
-        found = reg.log(None, commit_id=commit_id)
-        if not found:
-            raise NotFoundError(f"no commit {commit_id}; see `ficache log`")
-        c = found[0]
-        records = (
-            f"; records: remove {c.records_added} added, restore {c.records_replaced} replaced, "
-            f"restore {c.records_removed} removed"
-            if c.records_added or c.records_replaced or c.records_removed
-            else ""
-        )
-        click.echo(
-            f"revert plan: commit {c.id} ({c.kind}, {_when(c.created_at)}, {c.host}): "
-            f"remove {c.added} added, restore {c.replaced} replaced, restore {c.removed} removed"
-            + records
-        )
-        _confirm_or_stop(f"Revert commit {c.id}?", dry_run=dry_run, yes=yes)
-        result = reg.revert(commit_id)
+        plan = plan_revert(reg, commit_id)
+        if fmt == "json":
+            if plan.refusal is None and not dry_run:
+                _confirm_or_stop(f"Revert commit {commit_id}?", dry_run=False, yes=yes, err=True)
+            result = None if plan.refusal is not None or dry_run else plan.execute(reg)
+            _dump_json(
+                {
+                    **plan.as_json(),
+                    "dry_run": dry_run,
+                    "commit": result.commit_id if result is not None else None,
+                }
+            )
+            plan.check()  # a refused plan: one error line, exit 1
+            return
+        _echo_revert_plan(plan)
+        plan.check()
+        _confirm_or_stop(f"Revert commit {commit_id}?", dry_run=dry_run, yes=yes)
+        result = plan.execute(reg)
     records = (
         f"; records {result.records_removed} removed, {result.records_replaced} restored, "
         f"{result.records_added} re-added"
@@ -1515,6 +1534,44 @@ def revert_cmd(obj: _Context, commit_id: int, dry_run: bool, yes: bool) -> None:
         f"reverted commit {commit_id} as commit {result.commit_id}: {result.removed} removed, "
         f"{result.replaced} restored, {result.added} re-added{records}"
     )
+
+
+def _echo_revert_plan(plan: Any) -> None:
+    """A ``RevertPlan`` as text: its counts, then its conflicts (the first few)."""
+    c, e, r = plan.commit, plan.entries, plan.records
+    records = (
+        f"; records: remove {r.remove} added, restore {r.restore} replaced, "
+        f"restore {r.re_add} removed"
+        if r.total
+        else ""
+    )
+    click.echo(
+        f"revert plan: commit {c.id} ({c.kind}, {_when(c.created_at)}, {c.host}): "
+        f"remove {e.remove} added, restore {e.restore} replaced, restore {e.re_add} removed"
+        + records
+    )
+    if not plan.conflicts:
+        return
+    with_records = any(x.kind == "record" for x in plan.conflicts)
+    shown = plan.conflicts[:REVERT_CONFLICTS_SHOWN]
+    later = plan.changed_by
+    by = f" (changed by commit{'s' if len(later) > 1 else ''} {', '.join(map(str, later))})"
+    click.echo(f"conflicts{by if later else ''}:")
+    click.echo(
+        _table(
+            ["kind", "fingerprint", "scope"]
+            + (["namespace"] if with_records else [])
+            + ["key", "commit did", "changed by"],
+            (
+                (x.kind, x.fingerprint_id, x.scope)
+                + ((x.namespace,) if with_records else ())
+                + (x.key, x.action, x.changed_by)
+                for x in shown
+            ),
+        )
+    )
+    if len(plan.conflicts) > len(shown):
+        click.echo(f"... and {len(plan.conflicts) - len(shown)} more (--format json lists all)")
 
 
 #: ``verify`` shows this many problems of each kind (``--format json`` shows all).

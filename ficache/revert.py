@@ -144,7 +144,7 @@ class RevertPlan:
     def as_json(self) -> dict[str, Any]:
         return {
             "target": self.target,
-            "commit": self.commit.as_json(),
+            "reverts": self.commit.as_json(),
             "entries": self.entries.as_json(),
             "records": self.records.as_json(),
             "reverted_by": self.reverted_by,

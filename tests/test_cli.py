@@ -811,28 +811,146 @@ def test_prune_asks_on_a_terminal(
         assert len(list(reg.entries())) == remaining
 
 
+def dry_run_and_run(cli, *args: str):
+    """``revert ARGS --dry-run`` then ``revert ARGS --yes``: the two results."""
+    return cli("revert", *args, "--dry-run"), cli("revert", *args, "--yes")
+
+
 @both_backends
-def test_revert_dry_run_and_conflict(cli, populated: str, cache_file, dump_db) -> None:
+def test_revert_dry_run_is_refused_as_the_run_is_after_a_later_change(
+    cli, populated: str, cache_file, dump_db
+) -> None:
     cli("import", cache_file("n.json", {K16: ["Runner", 9]}, metadata=META))
     before = dump_db(populated)
     with Registry.open(str(populated)) as reg:
         first = reg.log()[-1]
 
-    dry = cli("revert", "1", "--dry-run")
-    conflict = cli("revert", "1", "--yes")
+    dry, run = dry_run_and_run(cli, "1")
 
-    assert dry.stdout.splitlines() == [
+    plan = [
         f"revert plan: commit 1 (import, {when(first.created_at)}, {first.host}): remove 2 added, "
         "restore 0 replaced, restore 0 removed",
-        "dry run: nothing changed",
+        "conflicts (changed by commit 2):",
+        "kind   fingerprint  scope   key                                               commit did  "
+        "changed by",
+        f"entry  1            shared  {K16}  added       2",
     ]
-    assert conflict.exit_code == 1
-    assert (
-        conflict.stderr
-        == "error: 1 of 2 entries of commit 1 changed in later commits; revert those first (ficache log)\n"
+    error = (
+        "error: 1 of 2 entries of commit 1 changed in later commits; revert those first "
+        "(ficache log)\n"
     )
+    assert (dry.exit_code, dry.stdout.splitlines(), dry.stderr) == (1, plan, error)
+    assert (run.exit_code, run.stdout.splitlines(), run.stderr) == (1, plan, error)
+    one_error_line(cli("revert", "7", "--dry-run"), "no commit 7; see `ficache log`")
     one_error_line(cli("revert", "7", "--yes"), "no commit 7; see `ficache log`")
     assert dump_db(populated) == before
+
+
+@both_backends
+def test_revert_dry_run_and_run_agree_along_a_chain_of_reverts(
+    cli, populated: str, dump_db
+) -> None:
+    """Revert 1 (commit 2), revert the revert (3: 1 is back), revert that (4)."""
+
+    def refused(commit: str, message: str) -> None:
+        before = dump_db(populated)
+        dry, run = dry_run_and_run(cli, commit)
+        assert (dry.exit_code, dry.stderr) == (1, f"error: {message}\n")
+        assert (run.exit_code, run.stdout, run.stderr) == (1, dry.stdout, dry.stderr)
+        assert dump_db(populated) == before
+
+    def done(commit: str, made: str) -> None:
+        dry, run = dry_run_and_run(cli, commit)
+        assert (dry.exit_code, dry.stdout.splitlines()[-1]) == (0, "dry run: nothing changed")
+        assert run.exit_code == 0, run.stderr
+        assert run.stdout.splitlines()[:-1] == dry.stdout.splitlines()[:-1]
+        assert run.stdout.splitlines()[-1] == made
+
+    done("1", "reverted commit 1 as commit 2: 2 removed, 0 restored, 0 re-added")
+    refused(
+        "1",
+        "commit 1 is already reverted by commit 2; nothing to revert (revert commit 2 to "
+        "bring it back)",
+    )
+    done("2", "reverted commit 2 as commit 3: 0 removed, 0 restored, 2 re-added")
+    refused(
+        "1",
+        "2 of 2 entries of commit 1 changed in later commits; revert those first (ficache log)",
+    )
+    refused(
+        "2",
+        "commit 2 is already reverted by commit 3; nothing to revert (revert commit 3 to "
+        "bring it back)",
+    )
+    done("3", "reverted commit 3 as commit 4: 2 removed, 0 restored, 0 re-added")
+    refused(
+        "1",
+        "commit 1 is already reverted by commit 4; nothing to revert (revert commit 4 to "
+        "bring it back)",
+    )
+    assert cli("list", "--format", "json").stdout == "[\n]\n"
+
+
+@both_backends
+def test_revert_plan_as_json(cli, populated: str, cache_file, dump_db) -> None:
+    cli("import", cache_file("n.json", {K16: ["Runner", 9]}, metadata=META))
+    before = dump_db(populated)
+
+    refused = cli("revert", "1", "--dry-run", "--format", "json")
+    fine = cli("revert", "2", "--dry-run", "--format", "json")
+
+    assert (refused.exit_code, refused.stderr) == (
+        1,
+        "error: 1 of 2 entries of commit 1 changed in later commits; revert those first "
+        "(ficache log)\n",
+    )
+    plan = json.loads(refused.stdout)
+    assert (plan["reverts"]["id"], plan["entries"], plan["records"]) == (
+        1,
+        {"remove": 2, "restore": 0, "re_add": 0},
+        {"remove": 0, "restore": 0, "re_add": 0},
+    )
+    assert plan["conflicts"] == [
+        {
+            "kind": "entry",
+            "fingerprint_id": 1,
+            "scope": "shared",
+            "namespace": None,
+            "key": K16,
+            "action": "added",
+            "changed_by": 2,
+        }
+    ]
+    assert (plan["refused"], plan["dry_run"], plan["commit"]) == (
+        refused.stderr.removeprefix("error: ").rstrip("\n"),
+        True,
+        None,
+    )
+    assert fine.exit_code == 0
+    assert json.loads(fine.stdout)["conflicts"] == []
+    assert dump_db(populated) == before
+
+    done = cli("revert", "2", "--yes", "--format", "json")
+
+    assert (done.exit_code, done.stderr) == (0, "")
+    assert (json.loads(done.stdout)["dry_run"], json.loads(done.stdout)["commit"]) == (False, 3)
+
+
+def test_revert_plan_shows_the_first_conflicts(cli, cache_file, registry_db: str) -> None:
+    keys = [f"('mm', 'Runner', (({m}, 64),), (torch.bfloat16,))" for m in range(1, 13)]
+    cli("import", cache_file("a.json", {k: ["Runner", 1] for k in keys}, metadata=META))
+    cli("import", cache_file("b.json", {k: ["Runner", 2] for k in keys}, metadata=META))
+
+    result = cli("revert", "1", "--dry-run")
+
+    lines = result.stdout.splitlines()
+    assert result.exit_code == 1
+    assert len(lines) == 2 + 1 + 10 + 1
+    assert lines[-1] == "... and 2 more (--format json lists all)"
+    assert (
+        len(json.loads(cli("revert", "1", "--dry-run", "--format", "json").stdout)["conflicts"])
+        == 12
+    )
 
 
 # -- db ---------------------------------------------------------------------------------------

@@ -319,6 +319,7 @@ def test_revert_of_a_drop_merge_re_adds_what_it_removed(
     assert again.stdout.splitlines()[-1] == "merged as commit 4: 0 added, 0 replaced, 1 removed"
 
 
+@pytest.mark.usefixtures("backend")
 def test_revert_of_a_merge_is_refused_after_a_later_change(
     cli, merged: Path, cache_file, registry_db: str, dump_db
 ) -> None:
@@ -326,10 +327,44 @@ def test_revert_of_a_merge_is_refused_after_a_later_change(
     before = dump_db(registry_db)
 
     result = cli("revert", "2", "--yes")
+    dry = cli("revert", "2", "--dry-run")
 
     assert (result.exit_code, result.stderr) == (
         1,
         "error: 1 of 2 entries of commit 2 changed in later commits; revert those first "
         "(ficache log)\n",
+    )
+    assert result.stdout.splitlines()[1:] == [
+        "conflicts (changed by commit 3):",
+        "kind   fingerprint  scope   key                                               commit did  "
+        "changed by",
+        f"entry  1            shared  {K64}  added       3",
+    ]
+    assert (dry.exit_code, dry.stdout, dry.stderr) == (1, result.stdout, result.stderr)
+    assert dump_db(registry_db) == before
+
+
+@pytest.mark.usefixtures("backend")
+def test_revert_conflict_names_the_commit_that_removed_an_entry(
+    cli, merged: Path, cache_file, registry_db: str, dump_db
+) -> None:
+    """The merge replaced K16; a later drop merge removed it: reverting the merge is refused."""
+    dropping = cache_file("c.json", {K16: ["Runner", 8]}, META)
+    assert cli("merge", dropping, "--on-conflict", "drop").exit_code == 0  # commit 3
+    before = dump_db(registry_db)
+
+    dry = cli("revert", "2", "--dry-run", "--format", "json")
+    run = cli("revert", "2", "--yes")
+
+    conflicts = json.loads(dry.stdout)["conflicts"]
+    assert [(c["key"], c["action"], c["changed_by"]) for c in conflicts] == [(K16, "replaced", 3)]
+    assert dry.exit_code == run.exit_code == 1
+    assert (
+        dry.stderr
+        == run.stderr
+        == (
+            "error: 1 of 2 entries of commit 2 changed in later commits; revert those first "
+            "(ficache log)\n"
+        )
     )
     assert dump_db(registry_db) == before

@@ -308,11 +308,56 @@ def test_revert_refuses_when_a_later_commit_changed_its_records(
     with Registry.open(registry_db) as reg, pytest.raises(ConflictError) as caught:
         reg.revert(1)
     result = cli("revert", "1", "--yes")
+    dry = cli("revert", "1", "--dry-run")
 
     assert str(caught.value) == (
         "1 of 1 records of commit 1 changed in later commits; revert those first (ficache log)"
     )
     assert (result.exit_code, result.stderr) == (1, f"error: {caught.value}\n")
+    assert (dry.exit_code, dry.stdout, dry.stderr) == (1, result.stdout, result.stderr)
+    assert result.stdout.splitlines()[1:] == [
+        "conflicts (changed by commit 2):",
+        "kind    fingerprint  scope   namespace  key  commit did  changed by",
+        "record  1            shared  ns         a    added       2",
+    ]
+    assert dump_db(registry_db) == before
+
+
+@both_backends
+def test_revert_dry_run_counts_entries_and_records_and_refuses_as_the_run(
+    cli, registry_db: str, cache_file, dump_db
+) -> None:
+    """Later commits (one a revert) changed commit 1's entry and both its records."""
+    assert (
+        cli("import", records_file(cache_file, "a.json", {"ns": {"a": 1, "b": 2}})).exit_code == 0
+    )
+    later = records_file(cache_file, "b.json", {"ns": {"a": 3}}, entries=False)
+    assert cli("import", later).exit_code == 0
+    assert cli("revert", "2", "--yes").exit_code == 0  # commit 3 restores a=1
+    later = cache_file("c.json", {"_records": {"ns": {"b": 4}}, K16: ["Runner", 7]}, metadata=META)
+    assert cli("import", later).exit_code == 0
+    before = dump_db(registry_db)
+
+    dry = cli("revert", "1", "--dry-run", "--format", "json")
+    run = cli("revert", "1", "--yes", "--format", "json")
+
+    assert dry.exit_code == run.exit_code == 1
+    assert dry.stderr == run.stderr
+    plan = json.loads(dry.stdout)
+    assert plan == {**json.loads(run.stdout), "dry_run": True}
+    assert (plan["entries"], plan["records"]) == (
+        {"remove": 1, "restore": 0, "re_add": 0},
+        {"remove": 2, "restore": 0, "re_add": 0},
+    )
+    assert [(c["kind"], c["key"], c["changed_by"]) for c in plan["conflicts"]] == [
+        ("entry", K16, 4),
+        ("record", "a", 3),
+        ("record", "b", 4),
+    ]
+    assert dry.stderr == (
+        "error: 1 of 1 entries and 2 of 2 records of commit 1 changed in later commits; "
+        "revert those first (ficache log)\n"
+    )
     assert dump_db(registry_db) == before
 
 

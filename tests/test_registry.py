@@ -25,6 +25,7 @@ from ficache.registry import (
     rank_scope,
     validate_scope,
 )
+from ficache.revert import RevertCounts, plan_revert
 
 FIELDS = {
     "flashinfer_version": "0.7.2.post1",
@@ -275,6 +276,90 @@ def test_revert_refuses_when_later_commits_changed_its_entries(
         reg.revert(99)
 
     assert dump_db(registry_db) == before
+
+
+def test_a_revert_plan_is_what_the_revert_does(reg: Registry, registry_db: str, dump_db) -> None:
+    reg.write([entry(H200, 16, 1), entry(H200, 32, 2)], kind="import")
+    reg.write(
+        [entry(H200, 16, 9), entry(H200, 64, 3)],
+        kind="import",
+        removals=[(H200, "shared", key(32))],
+    )
+
+    plan = plan_revert(reg, 2)
+
+    assert plan == plan_revert(reg, 2)
+    assert plan != plan_revert(reg, 1)
+    assert (plan.target, plan.commit.id, plan.entries, plan.records) == (
+        reg.location.display,
+        2,
+        RevertCounts(remove=1, restore=1, re_add=1),
+        RevertCounts(),
+    )
+    assert (plan.conflicts, plan.refusal, plan.reverted_by) == ((), None, None)
+    refused = plan_revert(reg, 1)
+    assert [(c.key, c.action, c.changed_by) for c in refused.conflicts] == [
+        (key(16), "added", 2),
+        (key(32), "added", 2),
+    ]
+    before = dump_db(registry_db)
+    with pytest.raises(ConflictError, match="^2 of 2 entries of commit 1 changed in later"):
+        refused.execute(reg)
+    assert dump_db(registry_db) == before
+
+    result = plan.execute(reg)
+
+    assert (result.commit_id, result.added, result.replaced, result.removed) == (3, 1, 1, 1)
+    assert current(reg) == {(1, "shared", key(16)): "1", (1, "shared", key(32)): "2"}
+    assert plan_revert(reg, 2).reverted_by == 3
+    assert plan_revert(reg, 2).refusal == (
+        "commit 2 is already reverted by commit 3; nothing to revert (revert commit 3 to "
+        "bring it back)"
+    )
+
+
+def test_a_revert_plan_refuses_a_registry_that_moved(
+    reg: Registry, registry_db: str, dump_db
+) -> None:
+    reg.write([entry(H200, 16, 1), entry(H200, 32, 2)], kind="import")
+    reg.write([entry(H200, 16, 9)], kind="import")
+    plan = plan_revert(reg, 2)
+    reg.write([entry(H200, 16, 7)], kind="import")  # commit 3 changes what the plan restores
+    before = dump_db(registry_db)
+
+    with pytest.raises(ConflictError) as caught:
+        plan.execute(reg)
+
+    assert str(caught.value) == (
+        f"registry {reg.location.display} changed since the revert of commit 2 was planned; "
+        "nothing changed, plan it again (ficache revert 2)"
+    )
+    assert dump_db(registry_db) == before
+    assert plan_revert(reg, 2).refusal == (
+        "1 of 1 entries of commit 2 changed in later commits; revert those first (ficache log)"
+    )
+
+
+def test_plans_refuse_a_registry_they_were_not_made_on(reg: Registry, tmp_path, dump_db) -> None:
+    """Two registries with the same history: a plan of one names rows of the other."""
+    other_db = str(tmp_path / "other.db")
+    with Registry.open(other_db) as other:
+        for registry in (reg, other):
+            registry.write([entry(H200, 16, 1), entry(H200, 32, 2)], kind="import")
+            registry.write([entry(H200, 16, 9)], kind="import")
+        prune = reg.plan_prune(fingerprint_ids=[fid(reg, H200)])
+        revert = plan_revert(reg, 2)
+        before = dump_db(other_db)
+
+        for plan in (prune, revert):
+            with pytest.raises(ValueError) as caught:
+                plan.execute(other)
+            assert str(caught.value) == (
+                f"this plan was made for {reg.location.display}, not {other.location.display}"
+            )
+
+        assert dump_db(other_db) == before
+        assert len(current(other)) == 2
 
 
 def test_prune_plans_compare_with_eq_and_execute_as_one_commit(reg: Registry) -> None:
