@@ -117,10 +117,10 @@ class RevertPlan:
                 f"commit {cid} is already reverted by commit {self.reverted_by}; nothing to "
                 f"revert (revert commit {self.reverted_by} to bring it back)"
             )
-        n_entries = sum(c.kind == "entry" for c in self.conflicts)
-        n_records = len(self.conflicts) - n_entries
         if not self.conflicts:
             return None
+        n_entries = sum(c.kind == "entry" for c in self.conflicts)
+        n_records = len(self.conflicts) - n_entries
         parts = []
         if n_entries:
             parts.append(f"{n_entries} of {self.entries.total} entries")
@@ -276,10 +276,10 @@ def _undo(
     if not changes:
         return undo
     _load_fingerprints(conn, {ch.fingerprint_id for ch in changes}, fingerprints)
-    held = _holders(conn, kind, kind.rows, [_ident(kind, ch) for ch in changes])
+    idents = [_ident(kind, ch) for ch in changes]
+    held = _holders(conn, kind, kind.rows, idents)
     conflicting = []
-    for ch in changes:
-        ident = _ident(kind, ch)
+    for ch, ident in zip(changes, idents, strict=True):
         holder = held.get(ident)
         stale = holder is not None if ch.action == "removed" else holder != commit_id
         if stale:
