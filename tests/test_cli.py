@@ -346,21 +346,29 @@ def test_list_filters(cli, populated: str, cache_file) -> None:
 @both_backends
 def test_fingerprints_table_and_json(cli, populated: str) -> None:
     table = cli("fingerprints")
+    wide = cli("fingerprints", "--wide")
 
     assert table.stdout.splitlines() == [
-        "id  entries  last served  digest        flashinfer_version  cuda_version  cublas_version  "
-        "cudnn_version  cudnn_frontend_version  cutlass_dsl_version  gpu          "
+        "id  gpu          cc  flashinfer  torch  cuda  entries  records  last served",
+        "1   NVIDIA H200  *   0.7.2       *      12.9  2        0        never",
+    ]
+    assert wide.stdout.splitlines() == [
+        "id  entries  records  last served  digest        flashinfer_version  cuda_version  "
+        "cublas_version  cudnn_version  cudnn_frontend_version  cutlass_dsl_version  gpu          "
         "compute_capability  torch_version",
-        f"1   2        never        {DIGEST[:12]}  0.7.2               12.9          12.9.1          "
-        "91002          1.32.0                  4.8.1                NVIDIA H200  *                   *",
+        f"1   2        0        never        {DIGEST[:12]}  0.7.2               12.9          "
+        "12.9.1          91002          1.32.0                  4.8.1                NVIDIA H200  "
+        "*                   *",
     ]
     [info] = json.loads(cli("fingerprints", "--format", "json").stdout)
     assert {
-        k: info[k] for k in ("id", "digest", "entries", "last_served_at", *FLASHINFER_FIELDS)
+        k: info[k]
+        for k in ("id", "digest", "entries", "records", "last_served_at", *FLASHINFER_FIELDS)
     } == {
         "id": 1,
         "digest": DIGEST,
         "entries": 2,
+        "records": 0,
         "last_served_at": None,
         **META,
     }
