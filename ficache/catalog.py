@@ -109,6 +109,16 @@ def filter_misses(
     return (FilterMiss(tuple(given)),)
 
 
+def stored_filter_misses(
+    registry: Any, filters: FieldFilters, fingerprint_ids: Sequence[int] | None = None
+) -> tuple[FilterMiss, ...]:
+    """``filter_misses`` among the stored fingerprints (all, or those of ``fingerprint_ids``)."""
+    if all(value is None for value in filters.values()):
+        return ()
+    infos = registry.fingerprints(ids=fingerprint_ids)
+    return filter_misses([i.fingerprint for i in infos], filters)
+
+
 def fingerprint_listing(
     registry: Any, *, filters: FieldFilters, include_empty: bool = False
 ) -> FingerprintListing:

@@ -378,7 +378,7 @@ def fingerprints_cmd(
     field_filters = {"gpu": gpu, "flashinfer_version": flashinfer_version}
     with obj.registry(create=False, write=False) as reg:
         listing = fingerprint_listing(reg, filters=field_filters, include_empty=include_empty)
-        notes = _filter_miss_notes(reg, field_filters, None) if listing.misses else []
+    notes = _filter_miss_notes(listing.misses, None)
     if fmt == "json":
         _dump_json([s.as_json() for s in listing.shown])
     else:
@@ -392,7 +392,7 @@ def fingerprints_cmd(
         click.echo(note, err=True)
 
 
-#: ``fingerprints``'s default columns: header and field (``None``: a count or time).
+#: ``fingerprints``'s default field columns: (header, field); counts and times follow.
 _FINGERPRINT_COLUMNS = (
     ("gpu", "gpu"),
     ("cc", "compute_capability"),
@@ -1091,6 +1091,8 @@ def list_cmd(
     fmt: str,
 ) -> None:
     """List stored entries, or with --records the namespaced records."""
+    from ficache.catalog import stored_filter_misses
+
     if show_records and (op is not None or gpu is not None or flashinfer_version is not None):
         raise click.UsageError("--records takes --fingerprint, --scope, --namespace and --limit")
     if namespace is not None and not show_records:
@@ -1101,7 +1103,7 @@ def list_cmd(
             _list_records(reg, ids, scope, namespace, limit, fmt)
             return
         field_filters = {"gpu": gpu, "flashinfer_version": flashinfer_version}
-        notes = _filter_miss_notes(reg, field_filters, ids)
+        notes = _filter_miss_notes(stored_filter_misses(reg, field_filters, ids), ids)
         listed = [0]
 
         def counted(entries: Iterable[Any]) -> Iterator[Any]:
@@ -1138,18 +1140,12 @@ def _options(values: dict[str, str | None]) -> str:
     return " and ".join(f"{opt} {value!r}" for opt, value in values.items() if value is not None)
 
 
-def _filter_miss_notes(
-    reg: Any, field_filters: dict[str, str | None], ids: Sequence[int] | None
-) -> list[str]:
-    """A warning per filter on fingerprint fields that no (listed) fingerprint matches."""
-    from ficache.catalog import filter_misses
+def _filter_miss_notes(misses: Sequence[Any], ids: Sequence[int] | None) -> list[str]:
+    """A warning per ``catalog.FilterMiss``: among all fingerprints, or those of ``ids``."""
     from ficache.fingerprint import shown
 
-    if all(v is None for v in field_filters.values()):
-        return []
-    infos = reg.fingerprints(ids=ids)
     notes = []
-    for miss in filter_misses([i.fingerprint for i in infos], field_filters):
+    for miss in misses:
         options = _options({"--" + f.replace("_", "-"): v for f, v in miss.filters})
         if len(miss.filters) > 1:
             who = (

@@ -1340,6 +1340,7 @@ def test_fingerprints_fits_100_columns_filters_and_hides_empty_ones(cli, cache_f
     h100_only = cli("fingerprints", "--gpu", "NVIDIA H100 80GB HBM3")
     pruned = cli("fingerprints", "--gpu", "NVIDIA B200", "--all")
     missed = cli("fingerprints", "--flashinfer-version", "0.6")
+    apart = cli("fingerprints", "--gpu", "NVIDIA B200", "--flashinfer-version", "0.7.2.post1")
 
     assert table.stdout.splitlines() == [
         "id  gpu                    cc  flashinfer   torch  cuda  entries  records  last served",
@@ -1361,4 +1362,9 @@ def test_fingerprints_fits_100_columns_filters_and_hides_empty_ones(cli, cache_f
     assert missed.stderr == (
         "warning: --flashinfer-version '0.6' matches no stored fingerprint; "
         "stored: '0.7.2', '0.7.2.post1'\n"
+    )
+    assert (apart.exit_code, apart.stdout.splitlines()[1:]) == (0, [])
+    assert apart.stderr == (
+        "warning: no stored fingerprint matches --gpu 'NVIDIA B200' and "
+        "--flashinfer-version '0.7.2.post1' together\n"
     )
