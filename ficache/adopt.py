@@ -520,6 +520,24 @@ def _read(path: Path, found: _Collector) -> _ReadFile | None:
     return _ReadFile(path, fingerprint, values, mtime, records)
 
 
+#: A layout as the vLLM plugin names it (``vllm_plugin.layout_of``): every size at least 1.
+VLLM_LAYOUT = re.compile(r"tp([1-9]\d{0,5})-pp([1-9]\d{0,5})-dp([1-9]\d{0,5})-ep([1-9]\d{0,5})")
+
+
+def check_vllm_layout(layout: str) -> str:
+    """``layout`` when the vLLM plugin could name it so, else ``ValueError``.
+
+    Entries scoped to any other name are never served: the plugin asks for
+    the scopes of the layout it names (``tp{T}-pp{P}-dp{D}-ep{E}``).
+    """
+    if not VLLM_LAYOUT.fullmatch(layout):
+        raise ValueError(
+            f"{layout!r} is not a layout the vLLM plugin names; give it as "
+            "tp<T>-pp<P>-dp<D>-ep<E>, sizes of at least 1 (tp4-pp1-dp1-ep4)"
+        )
+    return layout
+
+
 def derived_layout(ranks: Sequence[tuple[int, int, Path]]) -> str:
     """``tp{T}-pp1-dp{D}-ep1`` for per-rank files (see the module docstring)."""
     per_dp: dict[int, int] = {}

@@ -350,32 +350,87 @@ def fingerprint_cmd(fmt: str) -> None:
 
 
 @cli.command("fingerprints")
+@click.option("--gpu", help="Only fingerprints with this GPU name.")
+@click.option("--flashinfer-version", help="Only fingerprints with this FlashInfer version.")
+@click.option(
+    "--all",
+    "include_empty",
+    is_flag=True,
+    help="Also fingerprints that hold no entries and no records (pruned to nothing).",
+)
+@click.option("--wide", is_flag=True, help="Show every field and the digest (a wide table).")
 @FORMAT
 @pass_ctx
-def fingerprints_cmd(obj: _Context, fmt: str) -> None:
-    """List stored fingerprints with their entry counts and when a start last served each."""
-    with obj.registry(create=False, write=False) as reg:
-        infos = reg.fingerprints()
-    if fmt == "json":
-        _dump_json([i.as_json() for i in infos])
-        return
-    from ficache.fingerprint import ALL_FIELDS
+def fingerprints_cmd(
+    obj: _Context,
+    gpu: str | None,
+    flashinfer_version: str | None,
+    include_empty: bool,
+    wide: bool,
+    fmt: str,
+) -> None:
+    """List stored fingerprints with their entry and record counts and when a start last served each.
 
-    click.echo(
-        _table(
-            ["id", "entries", "last served", "digest", *ALL_FIELDS],
-            [
-                (
-                    i.id,
-                    i.entries,
-                    _served(i.last_served_at),
-                    i.fingerprint.short_digest,
-                    *i.fingerprint.as_dict().values(),
-                )
-                for i in infos
-            ],
+    The table shows the fields that tell fingerprints apart; --wide or
+    --format json gives every field. A missing field (the file's _metadata
+    lacked it) shows as `-` (null in JSON) and is left out of exports.
+    """
+    from ficache.catalog import fingerprint_listing
+
+    field_filters = {"gpu": gpu, "flashinfer_version": flashinfer_version}
+    with obj.registry(create=False, write=False) as reg:
+        listing = fingerprint_listing(reg, filters=field_filters, include_empty=include_empty)
+    notes = _filter_miss_notes(listing.misses, None)
+    if fmt == "json":
+        _dump_json([s.as_json() for s in listing.shown])
+    else:
+        click.echo(_fingerprints_table(listing.shown, wide=wide))
+    if listing.hidden_empty:
+        notes.append(
+            f"note: {listing.hidden_empty} fingerprint(s) without entries or records not shown; "
+            "--all shows them"
         )
-    )
+    for note in notes:
+        click.echo(note, err=True)
+
+
+#: ``fingerprints``'s default field columns: (header, field); counts and times follow.
+_FINGERPRINT_COLUMNS = (
+    ("gpu", "gpu"),
+    ("cc", "compute_capability"),
+    ("flashinfer", "flashinfer_version"),
+    ("torch", "torch_version"),
+    ("cuda", "cuda_version"),
+)
+#: The longest field value the default table shows whole (then cut, ending in "...").
+_FINGERPRINT_CELL = 24
+
+
+def _fingerprints_table(summaries: Sequence[Any], *, wide: bool) -> str:
+    """The table of ``fingerprints``: the telling fields (about 100 columns), or all with ``wide``."""
+    from ficache.fingerprint import ALL_FIELDS, shown
+
+    def cell(value: str) -> str:
+        value = shown(value)
+        if wide or len(value) <= _FINGERPRINT_CELL:
+            return value
+        return value[: _FINGERPRINT_CELL - 3] + "..."
+
+    if wide:
+        headers = ["id", "entries", "records", "last served", "digest", *ALL_FIELDS]
+        fields: Sequence[str] = ALL_FIELDS
+    else:
+        headers = ["id", *(h for h, _ in _FINGERPRINT_COLUMNS), "entries", "records", "last served"]
+        fields = [f for _, f in _FINGERPRINT_COLUMNS]
+    rows = []
+    for s in summaries:
+        values = [cell(getattr(s.info.fingerprint, f)) for f in fields]
+        counts = [s.info.entries, s.records, _served(s.info.last_served_at)]
+        if wide:
+            rows.append([s.info.id, *counts, s.info.fingerprint.short_digest, *values])
+        else:
+            rows.append([s.info.id, *values, *counts])
+    return _table(headers, rows)
 
 
 # -- import / export -----------------------------------------------------------
@@ -462,12 +517,15 @@ def import_cmd(
         return
     with _progress(files, "reading files") as items:
         parsed = [(str(f), read_cache_file(f)) for f in items]
+    fingerprint_note = _fingerprint_option_note(parsed) if fingerprint_ref else None
     with obj.registry() as reg:
         fp = _resolve_fingerprint(reg, fingerprint_ref) if fingerprint_ref else None
         result = reg.import_cache(parsed, fingerprint=fp, scope=scope)
     total = sum(len(c.entries) for _, c in parsed)
     records = sum(len(c.record_rows) for _, c in parsed)
     _report_import(fmt, result, total, len(parsed), "file", records)
+    if fingerprint_note:
+        click.echo(fingerprint_note, err=True)
     ignored = sum(c.ignored_selections for _, c in parsed)
     if ignored:
         click.echo(
@@ -475,6 +533,28 @@ def import_cmd(
             "is not an object; imported without a selection, as FlashInfer ignores it",
             err=True,
         )
+
+
+def _fingerprint_option_note(parsed: Sequence[tuple[str, Any]]) -> str | None:
+    """``import --fingerprint`` names the environment of files without ``_metadata``.
+
+    Where every file names its own it would do nothing: a usage error. Where
+    some do, the warning to print after the import says which keep theirs.
+    """
+    named = [source for source, cache in parsed if cache.metadata is not None]
+    if len(named) == len(parsed):
+        which = named[0] if len(named) == 1 else "every file given"
+        raise click.UsageError(
+            f"--fingerprint is for files without _metadata, and {which} has one naming its "
+            "environment; drop --fingerprint"
+        )
+    if not named:
+        return None
+    return (
+        f"warning: --fingerprint applied to {len(parsed) - len(named)} file(s) without "
+        f"_metadata; {len(named)} file(s) with _metadata kept the fingerprint it names "
+        f"(first: {named[0]})"
+    )
 
 
 def _report_import(
@@ -525,16 +605,16 @@ def _import_from_vllm(obj: _Context, root: str, layout: str | None, fmt: str) ->
     from ficache.adopt import (
         V2_STORE,
         KnownLayout,
+        check_vllm_layout,
         default_sources,
         plan_adoption,
         sources_at,
     )
-    from ficache.registry import rank_scope
 
     known = None
     if layout is not None:
         try:
-            rank_scope(layout, 0)
+            check_vllm_layout(layout)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="'--layout'") from None
         known = KnownLayout(None, layout)
@@ -844,14 +924,42 @@ def export_cmd(
         if fingerprint_ref == "current":
             from ficache.fingerprint import collect
 
-            text, count = reg.export_for(collect(), scope=scope)
+            current = collect()
+            text, count = reg.export_for(current, scope=scope)
+            ids = [i.id for i in reg.serving(current)]
         else:
-            text, count = reg.export_text(reg.fingerprint(fingerprint_ref).id, scope=scope)
+            info = reg.fingerprint(fingerprint_ref)
+            text, count = reg.export_text(info.id, scope=scope)
+            ids = [info.id]
+        scope_note = _unstored_scope_note(reg, ids, scope)
     if output is None:
         click.echo(text, nl=False)
-        return
-    _write_output(output, text.encode("utf-8"))
-    click.echo(f"wrote {count} entries to {_output_name(output)}", err=True)
+    else:
+        _write_output(output, text.encode("utf-8"))
+        click.echo(f"wrote {count} entries to {_output_name(output)}", err=True)
+    if scope_note:
+        click.echo(scope_note, err=True)
+
+
+def _unstored_scope_note(reg: Any, ids: Sequence[int], scope: str) -> str | None:
+    """The warning for an export ``--scope`` that nothing of fingerprints ``ids`` is stored under."""
+    from ficache.catalog import unstored_scope
+
+    rank_scopes = unstored_scope(reg, ids, scope)
+    if rank_scopes is None:
+        return None
+    which = f"fingerprint {ids[0]}" if len(ids) == 1 else f"fingerprints {_listed(ids)}"
+    stored = f"its rank scopes: {_listed(rank_scopes)}" if rank_scopes else "it has no rank scopes"
+    return (
+        f"warning: {which} holds nothing scoped to {scope} ({stored}); "
+        "exported the shared entries only"
+    )
+
+
+def _listed(values: Sequence[Any], most: int = 6) -> str:
+    """``a, b, c`` (at most ``most`` of ``values``, then how many more)."""
+    shown = ", ".join(str(v) for v in values[:most])
+    return shown + (f" and {len(values) - most} more" if len(values) > most else "")
 
 
 def _is_stdout(path: Path) -> bool:
@@ -886,6 +994,13 @@ def _export_v2_store(
     )
     with obj.registry(create=False, write=False) as reg:
         export = plan_export(reg, fingerprint_ref, scope=scope, measurement=measurement)
+        if fingerprint_ref == "current":
+            from ficache.fingerprint import collect
+
+            ids = [i.id for i in reg.serving(collect())]
+        else:
+            ids = [reg.fingerprint(fingerprint_ref).id]
+        scope_note = _unstored_scope_note(reg, ids, scope)
     result = export.write(root)
     lazy = (
         f"; {export.not_preloadable} not preloadable, served by lookup only"
@@ -897,6 +1012,8 @@ def _export_v2_store(
         f"(measurement policy {measurement_label(export.measurement)}): "
         f"{result.written} written, {result.unchanged} unchanged{lazy}"
     )
+    if scope_note:
+        click.echo(scope_note, err=True)
 
 
 def _export_bundle(
@@ -976,6 +1093,8 @@ def list_cmd(
     fmt: str,
 ) -> None:
     """List stored entries, or with --records the namespaced records."""
+    from ficache.catalog import stored_filter_misses
+
     if show_records and (op is not None or gpu is not None or flashinfer_version is not None):
         raise click.UsageError("--records takes --fingerprint, --scope, --namespace and --limit")
     if namespace is not None and not show_records:
@@ -985,38 +1104,90 @@ def list_cmd(
         if show_records:
             _list_records(reg, ids, scope, namespace, limit, fmt)
             return
-        rows = reg.entries(
-            fingerprint_ids=ids,
-            op=op,
-            gpu=gpu,
-            flashinfer_version=flashinfer_version,
-            scope=scope,
-            limit=limit,
+        field_filters = {"gpu": gpu, "flashinfer_version": flashinfer_version}
+        notes = _filter_miss_notes(stored_filter_misses(reg, field_filters, ids), ids)
+        listed = [0]
+
+        def counted(entries: Iterable[Any]) -> Iterator[Any]:
+            for entry in entries:
+                listed[0] += 1
+                yield entry
+
+        rows = counted(
+            reg.entries(
+                fingerprint_ids=ids,
+                op=op,
+                gpu=gpu,
+                flashinfer_version=flashinfer_version,
+                scope=scope,
+                limit=limit,
+            )
         )
         if fmt == "json":
             click.echo("[", nl=False)
             for i, entry in enumerate(rows):
                 click.echo(("," if i else "") + "\n  " + json.dumps(entry.as_json()), nl=False)
             click.echo("\n]")
-            return
-        click.echo(
-            _table(
-                ["fingerprint", "scope", "op", "runner", "shapes", "extras", "tactic", "commit"],
-                (
-                    (
-                        e.fingerprint_id,
-                        e.scope,
-                        e.op,
-                        e.runner,
-                        e.shapes,
-                        e.extras,
-                        e.tactic_json,
-                        e.commit_id,
-                    )
-                    for e in rows
-                ),
+        else:
+            _echo_entries(rows)
+    given = {"--op": op, "--scope": scope}
+    if not notes and not listed[0] and any(v is not None for v in given.values()):
+        notes = [f"warning: no stored entry matches {_options(given)}"]
+    for note in notes:
+        click.echo(note, err=True)
+
+
+def _options(values: dict[str, str | None]) -> str:
+    """``--gpu 'X' and --op 'y'``: the options of ``values`` that were given."""
+    return " and ".join(f"{opt} {value!r}" for opt, value in values.items() if value is not None)
+
+
+def _filter_miss_notes(misses: Sequence[Any], ids: Sequence[int] | None) -> list[str]:
+    """A warning per ``catalog.FilterMiss``: among all fingerprints, or those of ``ids``."""
+    from ficache.fingerprint import shown
+
+    notes = []
+    for miss in misses:
+        options = _options({"--" + f.replace("_", "-"): v for f, v in miss.filters})
+        if len(miss.filters) > 1:
+            who = (
+                "no stored fingerprint matches"
+                if ids is None
+                else f"fingerprint {ids[0]} does not match"
             )
+            notes.append(f"warning: {who} {options} together")
+            continue
+        existing = [shown(v) if shown(v) != v else repr(v) for v in miss.existing]
+        if ids is None:
+            stored = f"stored: {_listed(existing)}" if existing else "the registry holds none"
+            notes.append(f"warning: {options} matches no stored fingerprint; {stored}")
+        else:
+            notes.append(
+                f"warning: {options} does not match fingerprint {ids[0]}, which has {existing[0]}"
+            )
+    return notes
+
+
+def _echo_entries(rows: Iterable[Any]) -> None:
+    """``list``'s table of entries."""
+    click.echo(
+        _table(
+            ["fingerprint", "scope", "op", "runner", "shapes", "extras", "tactic", "commit"],
+            (
+                (
+                    e.fingerprint_id,
+                    e.scope,
+                    e.op,
+                    e.runner,
+                    e.shapes,
+                    e.extras,
+                    e.tactic_json,
+                    e.commit_id,
+                )
+                for e in rows
+            ),
         )
+    )
 
 
 def _list_records(
@@ -1458,6 +1629,8 @@ def prune_cmd(
         if plan.is_empty:
             click.echo("nothing matches: nothing to prune")
             return
+        from ficache.fingerprint import shown
+
         click.echo(f"prune plan ({', '.join(f'{k}={v}' for k, v in plan.criteria)}):")
         with_records = plan.records_total > 0
         click.echo(
@@ -1465,7 +1638,13 @@ def prune_cmd(
                 ["fingerprint", "gpu", "flashinfer", "scope", "entries"]
                 + (["records"] if with_records else []),
                 (
-                    (g.fingerprint_id, g.gpu, g.flashinfer_version, g.scope, g.entries)
+                    (
+                        g.fingerprint_id,
+                        shown(g.gpu),
+                        shown(g.flashinfer_version),
+                        g.scope,
+                        g.entries,
+                    )
                     + ((g.records,) if with_records else ())
                     for g in plan.groups
                 ),

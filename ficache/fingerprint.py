@@ -18,6 +18,19 @@ Invariants:
   ranks).
 - Collecting never raises for a missing GPU or library: the field becomes
   ``"unknown"``. Only an unimportable FlashInfer is an error.
+- A FlashInfer field a file's ``_metadata`` lacks (or holds as null, which
+  FlashInfer reads the same way) is stored as ``MISSING`` and stays missing:
+  ``flashinfer_metadata()`` leaves it out, so an export gives back the
+  ``_metadata`` the file had, never a value it did not hold. Like a missing
+  field in FlashInfer it is a soft mismatch, never served. ``MISSING`` is a
+  non-empty string on purpose: the fingerprint columns are NOT NULL and
+  ficache releases that share the schema reject an empty field, so an empty
+  string would make every older reader of a shared registry fail. A file
+  whose ``_metadata`` holds ``MISSING`` itself is refused.
+- A stored ``"None"`` (FlashInfer's marker for a null that an old writer
+  stringified, and what ficache before ``MISSING`` stored for a missing
+  field) is a value: exported as ``"None"``, because which of the three a
+  past import saw is not recorded, and FlashInfer reads all three alike.
 """
 
 from __future__ import annotations
@@ -31,8 +44,12 @@ from ficache.errors import FingerprintError
 
 WILDCARD = "*"
 UNKNOWN = "unknown"
-# Values a writer records when it could not tell (FlashInfer's own list).
-INDETERMINATE = (None, UNKNOWN, "None")
+#: A FlashInfer field the file's ``_metadata`` lacked (or held as null): never written back.
+MISSING = "<missing>"
+# Values a writer records when it could not tell (FlashInfer's own list), and a missing field.
+INDETERMINATE = (None, UNKNOWN, "None", MISSING)
+#: How a table shows a missing field.
+MISSING_SHOWN = "-"
 
 #: FlashInfer's ``_metadata`` fields, in the order FlashInfer writes them.
 FLASHINFER_FIELDS = (
@@ -84,8 +101,14 @@ class Fingerprint:
         return asdict(self)
 
     def flashinfer_metadata(self) -> dict[str, str]:
-        """The ``_metadata`` object FlashInfer expects in a cache file."""
-        return {name: getattr(self, name) for name in FLASHINFER_FIELDS}
+        """The ``_metadata`` object FlashInfer expects in a cache file (missing fields left out)."""
+        return {
+            name: value for name in FLASHINFER_FIELDS if (value := getattr(self, name)) != MISSING
+        }
+
+    def reported(self) -> dict[str, str | None]:
+        """All fields as JSON reports give them: a missing field is ``None`` (null)."""
+        return {name: None if value == MISSING else value for name, value in self.as_dict().items()}
 
     @classmethod
     def from_dict(cls, values: Mapping[str, object]) -> Fingerprint:
@@ -103,18 +126,26 @@ class Fingerprint:
     def from_flashinfer_metadata(cls, metadata: Mapping[str, object]) -> Fingerprint:
         """The fingerprint a FlashInfer file's ``_metadata`` describes.
 
-        FlashInfer fields missing from an old file, or recorded as null,
-        become ``"None"`` (FlashInfer's other indeterminate marker): like a
-        missing field it is never served, not even to a running ``"unknown"``
-        (mapping it to ``"unknown"`` would serve it there). The
-        fields FlashInfer does not record become the wildcard, because
-        FlashInfer never checked them when it served the file.
+        FlashInfer fields missing from an old file, or recorded as null
+        (FlashInfer reads both as ``saved_meta.get(name) is None``), become
+        ``MISSING``: never served, not even to a running ``"unknown"``
+        (mapping them to ``"unknown"`` would serve them there), and left out
+        again by ``flashinfer_metadata()``. The fields FlashInfer does not
+        record become the wildcard, because FlashInfer never checked them
+        when it served the file.
         """
+        reserved = [n for n in ALL_FIELDS if metadata.get(n) == MISSING]
+        if reserved:
+            name = reserved[0]
+            raise FingerprintError(
+                f"_metadata field {name!r} holds {MISSING!r}, which ficache reserves for a "
+                "field a file lacks; remove the field or give its real value"
+            )
         values: dict[str, str] = {}
         for name in FLASHINFER_FIELDS:
             raw = metadata.get(name)
             if raw is None:
-                values[name] = "None"
+                values[name] = MISSING
             elif isinstance(raw, str):
                 values[name] = raw
             else:
@@ -146,6 +177,11 @@ class Fingerprint:
         """True when entries stored under ``self`` may be used by ``current``."""
         hard, soft = self.mismatches(current)
         return not hard and not soft
+
+
+def shown(value: str) -> str:
+    """A field's value as a table shows it: a missing field is ``-``."""
+    return MISSING_SHOWN if value == MISSING else value
 
 
 def collect() -> Fingerprint:

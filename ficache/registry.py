@@ -225,7 +225,7 @@ class FingerprintInfo:
         return {
             "id": self.id,
             "digest": self.fingerprint.digest,
-            **self.fingerprint.as_dict(),
+            **self.fingerprint.reported(),  # a missing field as null
             "entries": self.entries,
             "created_at": self.created_at,
             "last_served_at": self.last_served_at,

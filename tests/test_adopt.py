@@ -796,7 +796,7 @@ def test_cli_refuses_a_root_that_is_not_a_directory(
         (["--from-vllm", "ROOT", "--scope", "tp2/rank0"], "--from-vllm takes no FILES"),
         (["--layout", "tp2-pp1-dp1-ep1", "file.json"], "--layout goes with --from-vllm"),
         ([], "give FILES to import, or --from-vllm"),
-        (["--from-vllm", "ROOT", "--layout", "a/b"], "layout must be a short name without '/'"),
+        (["--from-vllm", "ROOT", "--layout", "a/b"], "'a/b' is not a layout the vLLM plugin names"),
     ],
 )
 def test_cli_usage_errors(cli: Any, tmp_path: Path, args: list[str], message: str) -> None:

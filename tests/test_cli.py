@@ -346,21 +346,29 @@ def test_list_filters(cli, populated: str, cache_file) -> None:
 @both_backends
 def test_fingerprints_table_and_json(cli, populated: str) -> None:
     table = cli("fingerprints")
+    wide = cli("fingerprints", "--wide")
 
     assert table.stdout.splitlines() == [
-        "id  entries  last served  digest        flashinfer_version  cuda_version  cublas_version  "
-        "cudnn_version  cudnn_frontend_version  cutlass_dsl_version  gpu          "
+        "id  gpu          cc  flashinfer  torch  cuda  entries  records  last served",
+        "1   NVIDIA H200  *   0.7.2       *      12.9  2        0        never",
+    ]
+    assert wide.stdout.splitlines() == [
+        "id  entries  records  last served  digest        flashinfer_version  cuda_version  "
+        "cublas_version  cudnn_version  cudnn_frontend_version  cutlass_dsl_version  gpu          "
         "compute_capability  torch_version",
-        f"1   2        never        {DIGEST[:12]}  0.7.2               12.9          12.9.1          "
-        "91002          1.32.0                  4.8.1                NVIDIA H200  *                   *",
+        f"1   2        0        never        {DIGEST[:12]}  0.7.2               12.9          "
+        "12.9.1          91002          1.32.0                  4.8.1                NVIDIA H200  "
+        "*                   *",
     ]
     [info] = json.loads(cli("fingerprints", "--format", "json").stdout)
     assert {
-        k: info[k] for k in ("id", "digest", "entries", "last_served_at", *FLASHINFER_FIELDS)
+        k: info[k]
+        for k in ("id", "digest", "entries", "records", "last_served_at", *FLASHINFER_FIELDS)
     } == {
         "id": 1,
         "digest": DIGEST,
         "entries": 2,
+        "records": 0,
         "last_served_at": None,
         **META,
     }
@@ -1316,3 +1324,165 @@ def test_ctrl_c_just_after_the_commit_reports_the_commit(cache_file, tmp_path: P
     assert reverted[1].splitlines()[-1].startswith("reverted commit 2 as commit 3")
     with Registry.open(str(db)) as reg:
         assert [c.kind for c in reg.log()] == ["revert", "merge", "import"]
+
+
+# -- issue 23: missing fields, and options that were accepted without a word ------------------
+
+
+def test_a_file_without_gpu_is_exported_without_gpu(cli, cache_file) -> None:
+    no_gpu = {k: v for k, v in META.items() if k != "gpu"}
+    cli("import", cache_file("a.json", {K16: ["Runner", 1]}, metadata=no_gpu))
+    # What an old import of such a file stored, and what a file saying "None" holds: kept.
+    said_none = {**META, "gpu": "None"}
+    cli("import", cache_file("b.json", {K16: ["Runner", 2]}, metadata=said_none))
+
+    table = cli("fingerprints").stdout.splitlines()
+    infos = json.loads(cli("fingerprints", "--format", "json").stdout)
+
+    assert [line.split()[:2] for line in table[1:]] == [["1", "-"], ["2", "None"]]
+    assert [i["gpu"] for i in infos] == [None, "None"]
+    assert json.loads(cli("export", "--fingerprint", "1").stdout)["_metadata"] == no_gpu
+    assert json.loads(cli("export", "--fingerprint", "2").stdout)["_metadata"] == said_none
+    warned = cli("list", "--gpu", "L40S")
+    assert (
+        warned.stderr == "warning: --gpu 'L40S' matches no stored fingerprint; stored: -, 'None'\n"
+    )
+
+
+def test_export_of_a_scope_that_holds_nothing_warns(
+    cli, populated: str, cache_file, tmp_path: Path
+) -> None:
+    cli("import", cache_file("r.json", {K64: ["Runner", 9]}, metadata=META), "--scope", "tp2/rank0")
+    shared = cli("export", "--fingerprint", "1").stdout
+
+    stray = cli("export", "--fingerprint", "1", "--scope", "tp2/rank5")
+    stored = cli("export", "--fingerprint", "1", "--scope", "tp2/rank0")
+    store = cli(
+        "export", "--v2-store", tmp_path / "v2", "--fingerprint", "1", "--scope", "tp4/rank0"
+    )
+
+    assert (stray.exit_code, stray.stdout) == (0, shared)
+    assert stray.stderr == (
+        "warning: fingerprint 1 holds nothing scoped to tp2/rank5 (its rank scopes: tp2/rank0); "
+        "exported the shared entries only\n"
+    )
+    assert (stored.exit_code, stored.stderr) == (0, "")
+    assert K64 in json.loads(stored.stdout)
+    assert store.exit_code == 0
+    assert store.stderr == (
+        "warning: fingerprint 1 holds nothing scoped to tp4/rank0 (its rank scopes: tp2/rank0); "
+        "exported the shared entries only\n"
+    )
+
+
+@pytest.mark.parametrize("layout", ["bogus", "tp4", "tp0-pp1-dp1-ep1", "tp2-pp1-dp1"])
+def test_from_vllm_layout_must_be_one_the_plugin_names(cli, tmp_path: Path, layout: str) -> None:
+    result = cli("import", "--from-vllm", tmp_path, "--layout", layout)
+
+    assert result.exit_code == 2
+    assert result.stderr.splitlines()[-1] == (
+        f"Error: Invalid value for '--layout': {layout!r} is not a layout the vLLM plugin names; "
+        "give it as tp<T>-pp<P>-dp<D>-ep<E>, sizes of at least 1 (tp4-pp1-dp1-ep4)"
+    )
+    assert not (tmp_path / "registry.db").exists()
+
+
+def test_import_fingerprint_is_refused_where_every_file_names_its_own(
+    cli, populated: str, cache_file, dump_db
+) -> None:
+    b200 = cache_file("b.json", {K16: ["Runner", 7]}, metadata=B200)
+    bare = cache_file("bare.json", {K64: ["Runner", 5]}, metadata=None)
+    before = dump_db(populated)
+
+    refused = cli("import", b200, "--fingerprint", "1")
+
+    assert refused.exit_code == 2
+    assert refused.stderr.splitlines()[-1] == (
+        f"Error: --fingerprint is for files without _metadata, and {b200} has one naming its "
+        "environment; drop --fingerprint"
+    )
+    assert dump_db(populated) == before
+
+    mixed = cli("import", b200, bare, "--fingerprint", "1")
+
+    assert mixed.exit_code == 0
+    assert mixed.stderr == (
+        "warning: --fingerprint applied to 1 file(s) without _metadata; 1 file(s) with "
+        f"_metadata kept the fingerprint it names (first: {b200})\n"
+    )
+    rows = json.loads(cli("list", "--format", "json").stdout)
+    assert sorted((r["fingerprint"], r["key"]) for r in rows) == [
+        (1, K16),
+        (1, K32),
+        (1, K64),
+        (2, K16),
+    ]
+
+
+def test_list_says_which_filter_matched_no_fingerprint(cli, populated: str, cache_file) -> None:
+    cli("import", cache_file("b.json", {K16: ["Runner", 7]}, metadata=B200))
+    header = "fingerprint  scope  op  runner  shapes  extras  tactic  commit\n"
+
+    gpu = cli("list", "--gpu", "L40S")
+    version = cli("list", "--flashinfer-version", "0.7.2.post1", "--format", "json")
+    together = cli("list", "--gpu", "NVIDIA B200", "--fingerprint", "1")
+    op = cli("list", "--op", "attn")
+    found = cli("list", "--gpu", "NVIDIA B200")
+
+    assert (gpu.exit_code, gpu.stdout) == (0, header)
+    assert gpu.stderr == (
+        "warning: --gpu 'L40S' matches no stored fingerprint; stored: 'NVIDIA B200', 'NVIDIA H200'\n"
+    )
+    assert (version.exit_code, json.loads(version.stdout)) == (0, [])
+    assert version.stderr == (
+        "warning: --flashinfer-version '0.7.2.post1' matches no stored fingerprint; stored: '0.7.2'\n"
+    )
+    assert together.stderr == (
+        "warning: --gpu 'NVIDIA B200' does not match fingerprint 1, which has 'NVIDIA H200'\n"
+    )
+    assert (op.exit_code, op.stderr) == (0, "warning: no stored entry matches --op 'attn'\n")
+    assert (found.exit_code, found.stderr) == (0, "")
+
+
+def test_fingerprints_fits_100_columns_filters_and_hides_empty_ones(cli, cache_file) -> None:
+    from samples import H200_METADATA
+
+    h100 = {**H200_METADATA, "gpu": "NVIDIA H100 80GB HBM3"}
+    cli("import", cache_file("h200.json", {K16: ["Runner", 1]}, metadata=H200_METADATA))
+    cli("import", cache_file("h100.json", {K16: ["Runner", 2]}, metadata=h100))
+    cli("import", cache_file("b200.json", {K16: ["Runner", 3]}, metadata=B200))
+    assert cli("prune", "--fingerprint", "3", "--yes").exit_code == 0  # B200 holds nothing now
+
+    table = cli("fingerprints")
+    everything = cli("fingerprints", "--all", "--format", "json")
+    h100_only = cli("fingerprints", "--gpu", "NVIDIA H100 80GB HBM3")
+    pruned = cli("fingerprints", "--gpu", "NVIDIA B200", "--all")
+    missed = cli("fingerprints", "--flashinfer-version", "0.6")
+    apart = cli("fingerprints", "--gpu", "NVIDIA B200", "--flashinfer-version", "0.7.2.post1")
+
+    assert table.stdout.splitlines() == [
+        "id  gpu                    cc  flashinfer   torch  cuda  entries  records  last served",
+        "1   NVIDIA H200            *   0.7.2.post1  *      12.9  1        0        never",
+        "2   NVIDIA H100 80GB HBM3  *   0.7.2.post1  *      12.9  1        0        never",
+    ]
+    assert max(len(line) for line in table.stdout.splitlines()) <= 100
+    assert table.stderr == (
+        "note: 1 fingerprint(s) without entries or records not shown; --all shows them\n"
+    )
+    assert [(i["id"], i["entries"]) for i in json.loads(everything.stdout)] == [
+        (1, 1),
+        (2, 1),
+        (3, 0),
+    ]
+    assert [line.split()[0] for line in h100_only.stdout.splitlines()] == ["id", "2"]
+    assert [line.split()[0] for line in pruned.stdout.splitlines()] == ["id", "3"]
+    assert (missed.exit_code, missed.stdout.splitlines()[1:]) == (0, [])
+    assert missed.stderr == (
+        "warning: --flashinfer-version '0.6' matches no stored fingerprint; "
+        "stored: '0.7.2', '0.7.2.post1'\n"
+    )
+    assert (apart.exit_code, apart.stdout.splitlines()[1:]) == (0, [])
+    assert apart.stderr == (
+        "warning: no stored fingerprint matches --gpu 'NVIDIA B200' and "
+        "--flashinfer-version '0.7.2.post1' together\n"
+    )

@@ -22,6 +22,7 @@ from ficache.fingerprint import (
     Fingerprint,
     collect,
 )
+from ficache.fingerprint import MISSING as MISSING_FIELD
 
 H200 = H200_METADATA
 
@@ -202,3 +203,36 @@ def test_collect_reports_flashinfer_metadata_and_extra_fields() -> None:
     assert collect() == fp
     # what this environment wrote, it is served (FlashInfer's own rule)
     assert Fingerprint.from_flashinfer_metadata(metadata).serves(fp)
+
+
+def test_a_field_the_metadata_lacks_stays_missing() -> None:
+    # Issue 23 bug 6: a missing field came back as "None", a value the file never had.
+    for name in FLASHINFER_FIELDS:
+        lacking = {k: v for k, v in H200.items() if k != name}
+        fp = Fingerprint.from_flashinfer_metadata(lacking)
+        assert fp.flashinfer_metadata() == lacking, name
+        assert list(fp.flashinfer_metadata()) == [f for f in FLASHINFER_FIELDS if f != name]
+        assert fp.reported()[name] is None
+        # null reads as missing in FlashInfer (saved_meta.get(name) is None), and here
+        assert Fingerprint.from_flashinfer_metadata({**H200, name: None}) == fp
+    nothing = Fingerprint.from_flashinfer_metadata({})
+    assert nothing.flashinfer_metadata() == {}
+    # A stored "None" is a value some FlashInfer files hold: it stays.
+    assert Fingerprint.from_flashinfer_metadata({**H200, "gpu": "None"}).flashinfer_metadata() == {
+        **H200,
+        "gpu": "None",
+    }
+
+
+def test_a_missing_field_serves_nothing() -> None:
+    lacking = Fingerprint.from_flashinfer_metadata({k: v for k, v in H200.items() if k != "gpu"})
+    running = Fingerprint.from_flashinfer_metadata(H200)
+    cannot_tell = Fingerprint.from_flashinfer_metadata({**H200, "gpu": "unknown"})
+
+    assert lacking.mismatches(running) == ({}, {"gpu": (MISSING_FIELD, "NVIDIA H200")})
+    assert not lacking.serves(cannot_tell)
+
+
+def test_metadata_holding_the_missing_marker_is_refused() -> None:
+    with pytest.raises(FingerprintError, match="'gpu' holds '<missing>', which ficache reserves"):
+        Fingerprint.from_flashinfer_metadata({**H200, "gpu": MISSING_FIELD})

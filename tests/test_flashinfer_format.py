@@ -421,6 +421,34 @@ def test_render_exact_text() -> None:
     assert render_cache(None, []) == "{}\n"
 
 
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        {k: v for k, v in METADATA.items() if k != "gpu"},
+        {k: v for k, v in METADATA.items() if not k.startswith("cudnn")},
+        {"flashinfer_version": "0.7.2"},
+        {},  # says nothing, yet is a _metadata: FlashInfer serves it nowhere
+    ],
+    ids=["no gpu", "no cudnn", "version only", "empty"],
+)
+def test_a_file_through_the_registry_gives_back_its_metadata(
+    tmp_path: Path, metadata: dict
+) -> None:
+    from ficache.registry import Registry
+
+    path = tmp_path / "cache.json"
+    path.write_text(json.dumps({"_metadata": metadata, KEY: ["CutlassFp4Runner", 3]}))
+    with Registry.open(str(tmp_path / "registry.db")) as reg:
+        reg.import_cache([(str(path), read_cache_file(path))])
+        [info] = reg.fingerprints()
+        text, _count = reg.export_text(info.id)
+
+    exported = json.loads(text)
+    assert exported["_metadata"] == metadata
+    assert list(exported["_metadata"]) == list(metadata)  # FlashInfer's field order
+    assert exported[KEY] == ["CutlassFp4Runner", 3]
+
+
 # -- atomic writes ---------------------------------------------------------------------
 
 

@@ -418,8 +418,8 @@ def test_prune_of_a_fingerprint_removes_its_records_and_revert_restores_them(
     assert dry.stdout.splitlines() == [
         "prune plan (fingerprint=1):",
         "fingerprint  gpu          flashinfer  scope      entries  records",
-        "1            NVIDIA H200  None        shared     1        2",
-        "1            NVIDIA H200  None        tp2/rank1  0        1",
+        "1            NVIDIA H200  -           shared     1        2",
+        "1            NVIDIA H200  -           tp2/rank1  0        1",
         "1 entries and 3 records would be removed (revertible with `ficache revert`)",
         "dry run: nothing changed",
     ]
@@ -463,7 +463,7 @@ def test_prune_by_scope_removes_only_that_scopes_records(cli, registry_db: str, 
     assert pruned.stdout.splitlines() == [
         "prune plan (scope=tp2/rank1):",
         "fingerprint  gpu          flashinfer  scope      entries  records",
-        "1            NVIDIA H200  None        tp2/rank1  0        1",
+        "1            NVIDIA H200  -           tp2/rank1  0        1",
         "0 entries and 1 records would be removed (revertible with `ficache revert`)",
         "removed 0 entries and 1 records (commit 4)",
     ]
@@ -474,8 +474,8 @@ def test_prune_by_scope_removes_only_that_scopes_records(cli, registry_db: str, 
     assert nothing.stdout == "nothing matches: nothing to prune\n"
     assert shared.stdout.splitlines()[1:5] == [
         "fingerprint  gpu          flashinfer  scope   entries  records",
-        "1            NVIDIA H200  None        shared  1        2",
-        "2            NVIDIA B200  None        shared  1        1",
+        "1            NVIDIA H200  -           shared  1        2",
+        "2            NVIDIA B200  -           shared  1        1",
         "2 entries and 3 records would be removed (revertible with `ficache revert`)",
     ]
     assert reverted.exit_code == 0, reverted.stderr
@@ -496,8 +496,8 @@ def test_prune_plans_count_records_and_refuse_a_stale_plan(
         assert plan == reg.plan_prune(fingerprint_ids=[1])
         assert (plan.total, plan.records_total) == (1, 3)
         assert plan.groups == (
-            PruneGroup(1, "NVIDIA H200", "None", "shared", 1, 2),
-            PruneGroup(1, "NVIDIA H200", "None", "tp2/rank1", 0, 1),
+            PruneGroup(1, "NVIDIA H200", "<missing>", "shared", 1, 2),
+            PruneGroup(1, "NVIDIA H200", "<missing>", "tp2/rank1", 0, 1),
         )
         # Every criterion applies to records: when they were written, whole fingerprints
         # no start served (never served: counted from when they were stored).

@@ -193,16 +193,16 @@ def test_cli_prune_unused_for(cli, registry_db: str, used: float, dump_db) -> No
 def test_cli_fingerprints_and_stats_show_when_each_was_served(
     cli, registry_db: str, used: float
 ) -> None:
-    table = cli("fingerprints").stdout.splitlines()
+    table = cli("fingerprints", "--wide").stdout.splitlines()
     as_json = json.loads(cli("fingerprints", "--format", "json").stdout)
     stats = cli("stats").stdout.splitlines()
 
-    assert [line[: len("id  entries  last served        ")] for line in table] == [
-        "id  entries  last served        ",
-        f"1   4        {when(used - 40 * DAY)}",
-        f"2   2        {when(used - DAY)}",
-        "3   2        never              ",
-        "4   2        never              ",
+    assert [line[: len("id  entries  records  last served        ")] for line in table] == [
+        "id  entries  records  last served        ",
+        f"1   4        0        {when(used - 40 * DAY)}",
+        f"2   2        0        {when(used - DAY)}",
+        "3   2        0        never              ",
+        "4   2        0        never              ",
     ]
     assert [(i["id"], i["last_served_at"]) for i in as_json] == [
         (1, pytest.approx(used - 40 * DAY)),
