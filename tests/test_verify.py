@@ -10,6 +10,7 @@ import hashlib
 import json
 import shutil
 import sqlite3
+import struct
 import subprocess
 import sys
 import time
@@ -1049,6 +1050,81 @@ def test_postgres_indexes_are_checked_with_amcheck_when_installed(postgres_url: 
     report = verify(postgres_url)
 
     assert (report.problems, report.notes) == ((), ())
+
+
+PAGE = 8192  # PostgreSQL's block size (the embedded server's default)
+
+
+def corrupt_a_leaf_of(server, url: str, index: str, old: bytes, new: bytes) -> int:
+    """Overwrite ``old`` with ``new`` (as long) in the first leaf page of ``index`` that
+    holds it, on disk, with the page's checksum recomputed, as a bad disk or a bad restore
+    could leave it; returns the block. The index's buffers are written out and evicted
+    first, so the server reads the damaged page back (``pageinspect`` reads the page and
+    sums it, ``pg_buffercache`` evicts it; both are dropped again)."""
+    assert len(old) == len(new)
+    engine = create_engine(url, poolclass=NullPool, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            run = conn.exec_driver_sql
+            run("CREATE EXTENSION pageinspect")
+            run("CREATE EXTENSION pg_buffercache")
+            run("CHECKPOINT")  # every page of the index is on disk, as the buffers hold it
+            relation = run(f"SELECT pg_relation_filepath('{index}')").scalar_one()
+            blocks = run(f"SELECT pg_relation_size('{index}') / {PAGE}").scalar_one()
+            for block in range(1, blocks):  # block 0 is the metapage
+                page = bytearray(run(f"SELECT get_raw_page('{index}', {block})").scalar_one())
+                if old in page:
+                    break
+            else:
+                raise AssertionError(f"no page of {index} holds {old!r}")
+            at = page.index(old)
+            page[at : at + len(old)] = new
+            checksum = run(
+                "SELECT page_checksum(%(page)s, %(block)s)", {"page": bytes(page), "block": block}
+            ).scalar_one()
+            page[8:10] = struct.pack("<h", checksum)  # pd_checksum
+            _evicted, _flushed, skipped = run(
+                f"SELECT * FROM pg_buffercache_evict_relation('{index}')"
+            ).one()
+            assert skipped == 0, "a buffer of the index is pinned"
+            with (server.pgdata / relation).open("r+b") as file:
+                file.seek(block * PAGE)
+                file.write(page)
+            run("DROP EXTENSION pageinspect")
+            run("DROP EXTENSION pg_buffercache")
+    finally:
+        engine.dispose()
+    return block
+
+
+@pytest.mark.postgres
+def test_postgres_a_damaged_btree_index_is_found_by_amcheck(
+    cli, postgres_server, postgres_url: str, dump_db
+) -> None:
+    build(postgres_url)
+    behind_the_back(postgres_url, "CREATE EXTENSION amcheck")
+    assert verify(postgres_url).ok
+    # The unique index's leaf holds H200's shared keys in order, m16 before m32. Entry 2's
+    # key becomes m10 in the index only: the heap row still says m32, and the leaf is out
+    # of order, which amcheck detects (queries just miss the row).
+    index = "uq_entries_fingerprint_scope_key"
+    corrupt_a_leaf_of(postgres_server, postgres_url, index, b"((32, 4096)", b"((10, 4096)")
+    before = dump_db(postgres_url)
+
+    report = verify(postgres_url)
+    result = cli("verify", db=postgres_url)
+
+    assert report.counts == (("integrity", 1),)
+    [problem] = report.problems
+    assert problem.message.startswith(f"index {index} of entries: ")
+    assert "item order invariant violated" in problem.message
+    assert (report.checked, report.notes) == (
+        None,
+        ("data checks skipped: the database is damaged",),
+    )
+    assert (result.exit_code, result.stderr) == (1, "")
+    assert result.stdout.splitlines()[-3:] == ["1 problem:", "integrity: 1", f"  {problem.message}"]
+    assert dump_db(postgres_url) == before
 
 
 def test_every_kind_is_documented() -> None:
