@@ -1,8 +1,17 @@
 """``ficache verify``: a healthy registry is clean, and each kind of damage made
 behind ficache's back with plain SQL is found, read-only.
 
+Every problem kind verify reports is the expected finding of a damage case on
+each backend (``test_every_kind_is_found_by_a_damage_case_on_each_backend``):
+``DAMAGE`` and ``RECORD_DAMAGE`` run on both, ``DAMAGE_ON_ONE_BACKEND`` on the
+one that can hold it, and ``OTHER_DAMAGE_CASES`` names the tests that damage
+files and indexes. A duplicate entry is refused by the unique constraint on both
+backends; it is found once the constraint is gone. On PostgreSQL a B-tree leaf
+page of the registry is damaged on disk and ``amcheck`` finds it.
+
 Tests marked ``@both_backends`` run on SQLite and on PostgreSQL (the PostgreSQL
-cases in ``tox -e postgres``); the others are about SQLite files."""
+cases in ``tox -e postgres``); those marked ``postgres`` only there; the others
+are about SQLite files."""
 
 from __future__ import annotations
 
@@ -17,6 +26,7 @@ import time
 from contextlib import closing
 from pathlib import Path
 
+import pg_server
 import pytest
 import reliability_log
 from sqlalchemy import create_engine
@@ -1055,7 +1065,9 @@ def test_postgres_indexes_are_checked_with_amcheck_when_installed(postgres_url: 
 PAGE = 8192  # PostgreSQL's block size (the embedded server's default)
 
 
-def corrupt_a_leaf_of(server, url: str, index: str, old: bytes, new: bytes) -> int:
+def corrupt_a_leaf_of(
+    server: pg_server.PostgresServer, url: str, index: str, old: bytes, new: bytes
+) -> int:
     """Overwrite ``old`` with ``new`` (as long) in the first leaf page of ``index`` that
     holds it, on disk, with the page's checksum recomputed, as a bad disk or a bad restore
     could leave it; returns the block. The index's buffers are written out and evicted
@@ -1132,3 +1144,43 @@ def test_every_kind_is_documented() -> None:
 
     doc = ficache.verify.__doc__ or ""
     assert [kind for kind in KINDS if f"``{kind}``" not in doc] == []
+
+
+#: Damage cases outside the tables above: ``{(kind, backend): the test that finds it}``.
+OTHER_DAMAGE_CASES = {
+    ("integrity", "sqlite"): "test_a_damaged_index_page_fails_integrity_check",
+    ("integrity", "postgres"): "test_postgres_a_damaged_btree_index_is_found_by_amcheck",
+    ("foreign_key", "postgres"): "test_postgres_foreign_keys_not_enforced",
+    **{
+        (kind, backend): test
+        for kind, test in (
+            ("schema_revision", "test_an_older_revision_is_reported_and_skips_the_data_checks"),
+            (
+                "duplicate_entry",
+                "test_a_duplicate_entry_is_refused_and_found_once_the_constraint_is_gone",
+            ),
+        )
+        for backend in ("sqlite", "postgres")
+    },
+}
+
+
+def test_every_kind_is_found_by_a_damage_case_on_each_backend() -> None:
+    """Each kind verify reports is the expected finding of some damage case on SQLite and on
+    PostgreSQL (the cases assert their exact counts, so a silenced check fails one)."""
+    both = ("sqlite", "postgres")
+    found = {
+        (kind, backend)
+        for _statements, counts, _first in (*DAMAGE.values(), *RECORD_DAMAGE.values())
+        for kind in counts
+        for backend in both
+    }
+    found |= {
+        (kind, on) for on, _s, counts, _f in DAMAGE_ON_ONE_BACKEND.values() for kind in counts
+    }
+    found |= set(OTHER_DAMAGE_CASES)
+
+    assert [
+        (kind, backend) for kind in KINDS for backend in both if (kind, backend) not in found
+    ] == []
+    assert [test for test in OTHER_DAMAGE_CASES.values() if not callable(globals().get(test))] == []
