@@ -14,8 +14,10 @@ backend: SQLite (PostgreSQL cases deselected), then PostgreSQL
 (``FICACHE_TEST_POSTGRES=1``, ``-m postgres``). ``FICACHE_RELIABILITY_LOG`` names a temporary file, so every
 reliability case appends one line of what it applied and measured
 (``tests/reliability_log.py``); pytest's JUnit XML adds the cases that failed
-before recording anything (a row each, with the failure's first line) and
-counts the cases that passed without figures (one row per file). The heavier
+before recording anything (a row each, with the failure's first line), fails
+the rows of a case that recorded and then failed, counts the cases that passed
+without figures (one row per file), and lists the skipped cases with their
+reasons. The heavier
 settings go to the tests as ``FICACHE_CRASH_KILLS``, ``FICACHE_FUZZ_EXAMPLES``
 and ``FICACHE_SOAK_SECONDS``; unset options leave the tests' own CI defaults.
 
@@ -202,35 +204,54 @@ def run_backend(backend: str, tests: list[str], args: argparse.Namespace, work: 
 
 
 def rows_of(log: Path, runs: list[Run]) -> list[Row]:
+    """The table's rows: one per logged line, one per failed case no logged line carries,
+    and one per file and backend for the cases that passed without logging.
+
+    A case that failed (JUnit failure or error) fails every line it logged,
+    whatever ``ok`` the line says: a test may log its row and then fail an
+    assertion, and that row must not read "pass". A line matches the case of
+    its test id in the run of its backend, or, when no run of that backend ran
+    the test (a line left at the default backend), the case of that test id in
+    any run.
+    """
+    ran: set[tuple[str, str]] = set()
+    failed: dict[tuple[str, str], str] = {}  # (test, run's backend) -> "failed: message"
+    for run in runs:
+        for test, outcome, message in run.cases:
+            ran.add((test, run.backend))
+            if outcome in ("failed", "error"):
+                failed[(test, run.backend)] = f"{outcome}: {message}"
+    logged = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     rows = []
-    recorded: set[tuple[str, str]] = set()
-    if log.exists():
-        for line in log.read_text().splitlines():
-            data: dict[str, Any] = json.loads(line)
-            test = _test_id(data["test"])
-            recorded.add((test, data["backend"]))
-            recorded.add((test, "*"))
-            rows.append(
-                Row(
-                    _numbered(data["item"], test),
-                    test,
-                    data["backend"],
-                    data["applied"],
-                    data["outcome"],
-                    bool(data["ok"]),
-                    data.get("figures") or None,
-                )
+    carried: set[tuple[str, str]] = set()  # the failures a logged line shows
+    for data in logged:
+        test, backend = _test_id(data["test"]), data["backend"]
+        if (test, backend) in ran:
+            matches = [(test, backend)] if (test, backend) in failed else []
+        else:
+            matches = [case for case in failed if case[0] == test]
+        carried.update(matches)
+        failure = "; ".join(failed[case] for case in matches)
+        rows.append(
+            Row(
+                _numbered(data["item"], test),
+                test,
+                backend,
+                data["applied"],
+                f"{data['outcome']}; then {failure}" if failure else data["outcome"],
+                bool(data["ok"]) and not failure,
+                data.get("figures") or None,
             )
+        )
+    logged_tests = {_test_id(data["test"]) for data in logged}
     unrecorded: Counter[tuple[str, str]] = Counter()
     for run in runs:
         for test, outcome, message in run.cases:
-            if (test, run.backend) in recorded or (test, "*") in recorded:
-                continue
             file = "tests/" + test.split("::")[0]
             item = RELIABILITY_TESTS.get(file, "?")
-            if outcome in ("failed", "error"):
+            if outcome in ("failed", "error") and (test, run.backend) not in carried:
                 rows.append(Row(item, test, run.backend, "-", f"{outcome}: {message}", False))
-            elif outcome == "passed":
+            elif outcome == "passed" and test not in logged_tests:
                 unrecorded[(file, run.backend)] += 1
     for (file, backend), count in sorted(unrecorded.items()):
         rows.append(
@@ -245,6 +266,17 @@ def rows_of(log: Path, runs: list[Run]) -> list[Row]:
         )
     rows.sort(key=lambda r: (_item_number(r.item), r.item, r.test, r.backend))
     return rows
+
+
+def skipped_of(runs: list[Run]) -> list[tuple[str, str, str]]:
+    """``(test, backend, reason)`` of every case a run skipped, sorted: the report lists
+    them, since a skipped case proved nothing."""
+    return sorted(
+        (test, run.backend, message or "no reason given")
+        for run in runs
+        for test, outcome, message in run.cases
+        if outcome == "skipped"
+    )
 
 
 def _version(name: str) -> str:
@@ -305,8 +337,10 @@ def render(
             f"- {run.backend}: `{shlex.join(run.command)}`: {run.summary} "
             f"(exit {run.returncode}, {run.seconds:.0f} s)"
         )
+    skipped = skipped_of(runs)
     lines += [
-        f"- Cases: {len(rows)} rows, {failed} failed",
+        f"- Cases: {len(rows)} rows, {failed} failed, {len(skipped)} skipped"
+        + (" (listed below)" if skipped else ""),
         "",
         "| issue item | test | backend | load or faults applied | measured outcome | result |",
         "|---|---|---|---|---|---|",
@@ -314,6 +348,9 @@ def render(
     for r in rows:
         cells = [r.item, f"`{r.test}`", r.backend, r.applied, r.outcome, "pass" if r.ok else "FAIL"]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    if skipped:
+        lines += ["", "## Skipped cases", "", "Cases a run skipped, with pytest's reason.", ""]
+        lines += [f"- `{test}` ({backend}): {_cell(reason)}" for test, backend, reason in skipped]
     detailed = [r for r in rows if r.figures and len(r.figures) > 4]
     if detailed:
         lines += ["", "## Figures", "", "Every figure the larger cases recorded (times in ms).", ""]

@@ -541,6 +541,8 @@ def test_a_killed_operation_leaves_each_commit_whole_or_absent(
         f"(registry as before {ended['before']}, as after {ended['after']}), "
         f"{phases['after']} after it"
     )
+    assert len(kills) >= KILLS_PER_OPERATION
+    assert phases["before"] >= 1 and phases["during"] >= 1, record
     # Every kill passed _check (verify clean, each commit whole or absent), or the test failed there.
     reliability_log.record(
         item="1. crash safety",
@@ -555,8 +557,6 @@ def test_a_killed_operation_leaves_each_commit_whole_or_absent(
         ok=len(kills) >= KILLS_PER_OPERATION and phases["before"] >= 1 and phases["during"] >= 1,
         figures={"kills": len(kills), "verify_clean": len(kills), "seed": SEED, **phases},
     )
-    assert len(kills) >= KILLS_PER_OPERATION
-    assert phases["before"] >= 1 and phases["during"] >= 1, record
 
 
 def _upgrade_to_head(db: str) -> None:

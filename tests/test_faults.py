@@ -240,6 +240,9 @@ def test_cli_commit_on_a_full_tmpfs_fails_cleanly(
     # The advice works: with space freed, the same command commits.
     tmpfs.empty()
     retry = cli(*args, db=str(db))
+    assert_one_line_error(result, expected)
+    assert unchanged
+    assert retry.exit_code == 0, retry.output
     record(
         item=ITEM,
         test=f"cli {operation} on a full tmpfs",
@@ -249,9 +252,6 @@ def test_cli_commit_on_a_full_tmpfs_fails_cleanly(
         ok=ok and unchanged and retry.exit_code == 0,
         figures={"free_bytes": left},
     )
-    assert_one_line_error(result, expected)
-    assert unchanged
-    assert retry.exit_code == 0, retry.output
 
 
 @pytest.mark.parametrize("operation", OPERATIONS)
@@ -275,6 +275,9 @@ def test_cli_commit_past_a_page_limit_fails_cleanly(
     unchanged = dump_db(db) == before and file_bytes(db) == before_bytes
     page_limit.pages = None
     retry = cli(*args, db=str(db))
+    assert_one_line_error(result, expected)
+    assert unchanged
+    assert retry.exit_code == 0, retry.output
     record(
         item=ITEM,
         test=f"cli {operation} past a SQLite page limit",
@@ -283,9 +286,6 @@ def test_cli_commit_past_a_page_limit_fails_cleanly(
         f"{'byte-identical' if unchanged else 'CHANGED'}, retry without the limit: exit {retry.exit_code}",
         ok=result.exit_code == 1 and unchanged and retry.exit_code == 0,
     )
-    assert_one_line_error(result, expected)
-    assert unchanged
-    assert retry.exit_code == 0, retry.output
 
 
 def test_cli_on_a_disk_too_full_to_open_the_registry(
@@ -305,6 +305,9 @@ def test_cli_on_a_disk_too_full_to_open_the_registry(
     tmpfs.empty()
     unchanged = unchanged and dump_db(db) == before
     retry = cli(*args, db=str(db))
+    assert_one_line_error(result, expected)
+    assert unchanged
+    assert retry.exit_code == 0, retry.output
     record(
         item=ITEM,
         test="cli import on a disk too full to open the registry",
@@ -314,9 +317,6 @@ def test_cli_on_a_disk_too_full_to_open_the_registry(
         ok=result.exit_code == 1 and unchanged and retry.exit_code == 0,
         figures={"free_bytes": left},
     )
-    assert_one_line_error(result, expected)
-    assert unchanged
-    assert retry.exit_code == 0, retry.output
 
 
 # --------------------------------------------------------------------------
@@ -360,6 +360,8 @@ def test_cli_commit_on_a_read_only_registry_fails_cleanly(
         mount.remount("rw")
     else:
         db.chmod(0o644)
+    assert_one_line_error(result, expected)
+    assert unchanged
     record(
         item=ITEM,
         test=f"cli {operation} on a read-only registry ({how})",
@@ -368,8 +370,6 @@ def test_cli_commit_on_a_read_only_registry_fails_cleanly(
         f"{'byte-identical' if unchanged else 'CHANGED'}",
         ok=result.exit_code == 1 and result.stderr == f"error: {expected}\n" and unchanged,
     )
-    assert_one_line_error(result, expected)
-    assert unchanged
 
 
 # --------------------------------------------------------------------------
@@ -464,18 +464,6 @@ def test_a_read_only_registry_reads_the_commits_its_wal_still_holds(
         entries = json.loads(listed.stdout) if listed.exit_code == 0 else []
         ok = len(commits) == 3 and len(entries) == 40
         outcome = f"{len(commits)} commits and {len(entries)} entries of the WAL's import read"
-    record(
-        item=ITEM,
-        test=f"read-only registry whose WAL holds a commit ({how})",
-        applied="import left in the WAL (its holder SIGKILLed), then "
-        + {
-            "chmod": "chmod a-w",
-            "ro_mount": "a read-only remount",
-            "ro_mount_without_shm": "its -shm removed and a read-only remount",
-        }[how],
-        outcome=outcome + f", {kept}",
-        ok=ok and data_kept and (how == "chmod" or after == files),
-    )
     if how == "ro_mount_without_shm":
         assert_one_line_error(log, log.stderr.removeprefix("error: ").rstrip("\n"))
         assert log.stderr.startswith(f"error: {expected}")
@@ -488,6 +476,18 @@ def test_a_read_only_registry_reads_the_commits_its_wal_still_holds(
     assert data_kept
     if how != "chmod":
         assert after == files
+    record(
+        item=ITEM,
+        test=f"read-only registry whose WAL holds a commit ({how})",
+        applied="import left in the WAL (its holder SIGKILLed), then "
+        + {
+            "chmod": "chmod a-w",
+            "ro_mount": "a read-only remount",
+            "ro_mount_without_shm": "its -shm removed and a read-only remount",
+        }[how],
+        outcome=outcome + f", {kept}",
+        ok=ok and data_kept and (how == "chmod" or after == files),
+    )
 
 
 # --------------------------------------------------------------------------
@@ -533,6 +533,9 @@ def test_warm_start_on_a_full_disk_starts_and_says_why_nothing_was_committed(
     unchanged = dump_db(db) == before and file_bytes(db) == before_bytes
     tmpfs.empty()
     retry, _ = warm(None, GROWING_SHAPES)
+    assert_started_without_commit(report, tuned, reason, GROWING_TUNED)
+    assert unchanged
+    assert (retry.status, retry.committed) == ("partial", GROWING_TUNED)
     record(
         item=ITEM,
         test="warm start commit on a full tmpfs",
@@ -543,9 +546,6 @@ def test_warm_start_on_a_full_disk_starts_and_says_why_nothing_was_committed(
         ok=report.reason == reason and unchanged and retry.committed == GROWING_TUNED,
         figures={"free_bytes": left, "start_seconds": report.total_seconds},
     )
-    assert_started_without_commit(report, tuned, reason, GROWING_TUNED)
-    assert unchanged
-    assert (retry.status, retry.committed) == ("partial", GROWING_TUNED)
 
 
 def test_warm_start_on_a_disk_too_full_to_open_the_registry_tunes_uncached(
@@ -562,6 +562,10 @@ def test_warm_start_on_a_disk_too_full_to_open_the_registry_tunes_uncached(
     reason = f"disk full while writing registry {db}; free space and retry"
     unchanged = file_bytes(db) == before_bytes
     tmpfs.empty()
+    assert tuned.profiled == 18  # the block ran and tuned everything, uncached
+    assert (report.status, report.reason) == (f"uncached: {reason}", reason)
+    assert (report.loaded, report.tuned, report.committed) == (0, 18, 0)
+    assert unchanged
     record(
         item=ITEM,
         test="warm start on a disk too full to open the registry",
@@ -571,10 +575,6 @@ def test_warm_start_on_a_disk_too_full_to_open_the_registry_tunes_uncached(
         ok=report.reason == reason and report.tuned == 18 and unchanged,
         figures={"free_bytes": left, "start_seconds": report.total_seconds},
     )
-    assert tuned.profiled == 18  # the block ran and tuned everything, uncached
-    assert (report.status, report.reason) == (f"uncached: {reason}", reason)
-    assert (report.loaded, report.tuned, report.committed) == (0, 18, 0)
-    assert unchanged
 
 
 def test_warm_start_past_a_page_limit_starts_and_says_why_nothing_was_committed(
@@ -588,6 +588,8 @@ def test_warm_start_past_a_page_limit_starts_and_says_why_nothing_was_committed(
     report, tuned = warm(str(db), GROWING_SHAPES)
     reason = f"nothing committed: commit failed: disk full while writing registry {db}; free space and retry"
     unchanged = dump_db(db) == before and file_bytes(db) == before_bytes
+    assert_started_without_commit(report, tuned, reason, GROWING_TUNED)
+    assert unchanged
     record(
         item=ITEM,
         test="warm start commit past a SQLite page limit",
@@ -597,8 +599,6 @@ def test_warm_start_past_a_page_limit_starts_and_says_why_nothing_was_committed(
         ok=report.reason == reason and unchanged,
         figures={"start_seconds": report.total_seconds},
     )
-    assert_started_without_commit(report, tuned, reason, GROWING_TUNED)
-    assert unchanged
 
 
 @pytest.mark.parametrize("how", ["chmod", "ro_mount"])
@@ -629,6 +629,9 @@ def test_warm_start_on_a_read_only_registry_serves_and_says_why_nothing_was_comm
         mount.remount("rw")
     else:
         db.chmod(0o644)
+    assert_started_without_commit(report, tuned, reason)
+    assert f"registry {db} is read-only: this start commits nothing" in report.warnings
+    assert unchanged
     record(
         item=ITEM,
         test=f"warm start on a read-only registry ({how})",
@@ -639,9 +642,6 @@ def test_warm_start_on_a_read_only_registry_serves_and_says_why_nothing_was_comm
         ok=report.reason == reason and unchanged,
         figures={"start_seconds": report.total_seconds},
     )
-    assert_started_without_commit(report, tuned, reason)
-    assert f"registry {db} is read-only: this start commits nothing" in report.warnings
-    assert unchanged
 
 
 # --------------------------------------------------------------------------
@@ -728,6 +728,13 @@ def test_cli_commit_with_the_server_stopped(
     throwaway_server.resume()
     unchanged = dump_db(url) == before
     retry = cli(*args, db=url)
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"error: {unreachable_reason(url)}"), result.stderr
+    assert result.stderr.endswith("); check that the server runs and the URL is right\n")
+    assert "Connection refused" in result.stderr or "No such file" in result.stderr
+    assert result.stderr.count("\n") == 1
+    assert unchanged
+    assert retry.exit_code == 0, retry.output
     record(
         item=ITEM,
         test=f"cli {operation} with the PostgreSQL server stopped",
@@ -739,13 +746,6 @@ def test_cli_commit_with_the_server_stopped(
         backend="postgres",
         figures={"seconds": round(seconds, 3)},
     )
-    assert result.exit_code == 1
-    assert result.stderr.startswith(f"error: {unreachable_reason(url)}"), result.stderr
-    assert result.stderr.endswith("); check that the server runs and the URL is right\n")
-    assert "Connection refused" in result.stderr or "No such file" in result.stderr
-    assert result.stderr.count("\n") == 1
-    assert unchanged
-    assert retry.exit_code == 0, retry.output
 
 
 class SilentHost:
@@ -791,6 +791,13 @@ def test_cli_commit_with_the_server_unreachable(
     started = time.monotonic()
     result = cli(*args, db=url)
     seconds = time.monotonic() - started
+    assert result.exit_code == 1
+    assert seconds < CONNECT_CEILING_S, f"gave up after {seconds:.1f} s, not the URL's limit"
+    detail = "Connection refused" if where == "closed_port" else "connection timeout expired"
+    assert result.stderr.startswith(f"error: {unreachable_reason(url)}"), result.stderr
+    assert detail in result.stderr
+    assert result.stderr.endswith("); check that the server runs and the URL is right\n")
+    assert result.stderr.count("\n") == 1
     record(
         item=ITEM,
         test=f"cli import with the PostgreSQL server unreachable ({where})",
@@ -800,13 +807,6 @@ def test_cli_commit_with_the_server_unreachable(
         backend="postgres",
         figures={"seconds": round(seconds, 3)},
     )
-    assert result.exit_code == 1
-    assert seconds < CONNECT_CEILING_S, f"gave up after {seconds:.1f} s, not the URL's limit"
-    detail = "Connection refused" if where == "closed_port" else "connection timeout expired"
-    assert result.stderr.startswith(f"error: {unreachable_reason(url)}"), result.stderr
-    assert detail in result.stderr
-    assert result.stderr.endswith("); check that the server runs and the URL is right\n")
-    assert result.stderr.count("\n") == 1
 
 
 @pytest.mark.postgres
@@ -817,6 +817,11 @@ def test_warm_start_with_the_server_stopped_before_it_tunes_uncached(
     prepare_warm_registry(url)
     throwaway_server.halt()
     report, tuned = warm(url)
+    assert tuned.profiled == 18
+    assert (report.loaded, report.tuned, report.committed) == (0, 18, 0)
+    assert report.status == f"uncached: {report.reason}"
+    assert report.reason.startswith(unreachable_reason(url)), report.reason
+    assert report.reason.endswith("check that the server runs and the URL is right")
     record(
         item=ITEM,
         test="warm start with the PostgreSQL server stopped before it",
@@ -827,11 +832,6 @@ def test_warm_start_with_the_server_stopped_before_it_tunes_uncached(
         backend="postgres",
         figures={"start_seconds": report.total_seconds},
     )
-    assert tuned.profiled == 18
-    assert (report.loaded, report.tuned, report.committed) == (0, 18, 0)
-    assert report.status == f"uncached: {report.reason}"
-    assert report.reason.startswith(unreachable_reason(url)), report.reason
-    assert report.reason.endswith("check that the server runs and the URL is right")
 
 
 @pytest.mark.postgres
@@ -847,6 +847,12 @@ def test_warm_start_with_the_server_stopped_during_it_says_why_nothing_was_commi
     report = ws.report
     throwaway_server.resume()
     unchanged = dump_db(url) == before
+    assert tuned.profiled == 6
+    assert (report.status, report.loaded, report.tuned, report.committed) == ("partial", 12, 6, 0)
+    assert report.reason is not None
+    assert report.reason.startswith(f"nothing committed: commit failed: {unreachable_reason(url)}")
+    assert report.reason.endswith("check that the server runs and the URL is right")
+    assert unchanged
     record(
         item=ITEM,
         test="warm start with the PostgreSQL server stopped during it",
@@ -857,12 +863,6 @@ def test_warm_start_with_the_server_stopped_during_it_says_why_nothing_was_commi
         backend="postgres",
         figures={"start_seconds": report.total_seconds},
     )
-    assert tuned.profiled == 6
-    assert (report.status, report.loaded, report.tuned, report.committed) == ("partial", 12, 6, 0)
-    assert report.reason is not None
-    assert report.reason.startswith(f"nothing committed: commit failed: {unreachable_reason(url)}")
-    assert report.reason.endswith("check that the server runs and the URL is right")
-    assert unchanged
 
 
 @pytest.mark.postgres
@@ -875,6 +875,12 @@ def test_warm_start_with_the_server_unreachable_tunes_uncached_within_the_connec
     )
     report, tuned = warm(url)
     seconds = report.seconds.get("export", 0.0)  # rank 0's export: where it waits on the host
+    assert tuned.profiled == 18
+    assert (report.loaded, report.tuned, report.committed) == (0, 18, 0)
+    assert report.reason is not None and "connection timeout expired" in report.reason
+    assert report.status == f"uncached: {report.reason}"
+    # The URL's connect_timeout bounded the export's wait on the host.
+    assert seconds < CONNECT_CEILING_S, f"gave up after {seconds:.1f} s, not the URL's limit"
     record(
         item=ITEM,
         test="warm start with the PostgreSQL server unreachable (silent host)",
@@ -888,9 +894,3 @@ def test_warm_start_with_the_server_unreachable_tunes_uncached_within_the_connec
             "start_seconds": report.total_seconds,
         },
     )
-    assert tuned.profiled == 18
-    assert (report.loaded, report.tuned, report.committed) == (0, 18, 0)
-    assert report.reason is not None and "connection timeout expired" in report.reason
-    assert report.status == f"uncached: {report.reason}"
-    # The URL's connect_timeout bounded the export's wait on the host.
-    assert seconds < CONNECT_CEILING_S, f"gave up after {seconds:.1f} s, not the URL's limit"

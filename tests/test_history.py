@@ -235,10 +235,15 @@ def test_show_errors(cli, imported: Path, tmp_path: Path) -> None:
     assert not missing.exists()
 
 
-def test_commit_details_library(merged: Path, registry_db: str) -> None:
+def test_commit_details_library(
+    request: pytest.FixtureRequest, imported: Path, registry_db: str
+) -> None:
+    old_tuned = tuned_at(registry_db)[("shared", K16)]  # K16's, as the import stored it
+    assert old_tuned != 1000.0  # the merge's source file's: the two can be told apart
+    request.getfixturevalue("merged")  # commit 2, made after reading K16's tuned_at
+
     with Registry.open(registry_db) as reg:
         details = commit_details(reg, 2)
-        old_tuned = details.changes[0].old_tuned_at
 
     assert details == CommitDetails(
         commit(registry_db, 2),

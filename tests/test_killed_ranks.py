@@ -384,16 +384,6 @@ def check_case(
         figures["slowest_survivor_exit_s"] = round(slowest, 3)
     if slow_rank_end is not None:
         figures["slow_rank_exit_s"] = round(slow_rank_end, 3)
-    record(
-        item=ITEM,
-        test=name,
-        applied=f"world {world}: {fault} of rank {victim} at {case['phase']} "
-        f"(timeout {TIMEOUT_S:g} s)",
-        outcome=outcome,
-        ok=ok,
-        backend=backend,
-        figures=figures,
-    )
 
     assert struck is not None, f"the fault never struck: {out}"
     assert struck["phase"] == case["phase"] and struck["victim"] == victim
@@ -424,6 +414,16 @@ def check_case(
             assert TIMED_OUT.search(text), (r, text)
     assert state in (BEFORE, AFTER), state
     assert verified
+    record(
+        item=ITEM,
+        test=name,
+        applied=f"world {world}: {fault} of rank {victim} at {case['phase']} "
+        f"(timeout {TIMEOUT_S:g} s)",
+        outcome=outcome,
+        ok=ok,
+        backend=backend,
+        figures=figures,
+    )
 
 
 def _verify(db: str) -> bool:

@@ -318,6 +318,8 @@ def test_sustained_load_loses_nothing_and_verifies(
             f"{row['op_p50_ms']:>8.1f} {row['op_p99_ms']:>8.1f}"
         )
     print(json.dumps(figures))
+    assert not misses, "\n".join(misses[:30])
+    assert len(ops) >= WORKERS and len(commits) > 0
     record(
         item="8. sustained load",
         test=request.node.nodeid,
@@ -336,5 +338,3 @@ def test_sustained_load_loses_nothing_and_verifies(
         ok=not misses,
         figures=figures,
     )
-    assert not misses, "\n".join(misses[:30])
-    assert len(ops) >= WORKERS and len(commits) > 0

@@ -118,7 +118,9 @@ def _check_together(
     commits_key: str,
     stored_key: str,
     backend: str = "sqlite",
-) -> None:
+) -> dict[str, Any]:
+    """Assert what two groups starting cold at once must show; return the reliability log
+    row the caller records after its own last assertion."""
     _check_groups(job, phase)
     reports = [r[phase]["report"] for r in job]
     assert all(r[phase]["met"] is True for r in job)  # both groups tuned before either committed
@@ -143,7 +145,7 @@ def _check_together(
     for result in job:
         entries = result[phase]["entries"]
         assert {key: row[1] for key, row in entries.items()} == stored["shared"]
-    record(
+    return dict(
         item=ITEM,
         test=_nodeid(),
         applied="two 2-rank TP groups of a 4-rank job start cold at once on one registry and commit the same 18 keys",
@@ -157,14 +159,15 @@ def _check_together(
     )
 
 
-def _check_again(job: list[dict[str, Any]], phase: str, backend: str = "sqlite") -> None:
+def _check_again(job: list[dict[str, Any]], phase: str, backend: str = "sqlite") -> dict[str, Any]:
+    """Assert what a second start of both groups must show; return its log row (as above)."""
     _check_groups(job, phase)
     for result in job:
         start = result[phase]
         rep = start["report"]
         assert (rep["status"], rep["loaded"], rep["tuned"], rep["committed"]) == ("warm", ALL, 0, 0)
         assert start["standin"]["profiled"] == 0 and start["standin"]["hits"] == ALL
-    record(
+    return dict(
         item=ITEM,
         test=_nodeid(),
         applied="both 2-rank TP groups of a 4-rank job start again at once on their shared registry",
@@ -178,28 +181,37 @@ def _check_again(job: list[dict[str, Any]], phase: str, backend: str = "sqlite")
 def test_both_groups_commit_the_same_keys_at_once_and_nothing_is_lost(
     job: list[dict[str, Any]],
 ) -> None:
-    _check_together(job, "together", "together_commits", "together_stored")
+    row = _check_together(job, "together", "together_commits", "together_stored")
     assert job[0]["together_verify_clean"] is True
+    record(**row)
 
 
 def test_a_second_start_of_both_groups_loads_everything_and_tunes_nothing(
     job: list[dict[str, Any]],
 ) -> None:
-    _check_again(job, "again")
+    record(**_check_again(job, "again"))
 
 
 def test_flashinfers_real_loop_on_each_group(job: list[dict[str, Any]]) -> None:
     # The same two phases through FlashInfer's own choose_one (CUDA timing stood in):
     # its all-reduces (OOM flags, timings, 0.7.4's agreement gates) stay within each group.
-    _check_together(job, "fi_together", "fi_commits", "fi_stored")
-    _check_again(job, "fi_again")
+    rows = [
+        _check_together(job, "fi_together", "fi_commits", "fi_stored"),
+        _check_again(job, "fi_again"),
+    ]
     assert job[0]["fi_verify_clean"] is True
+    for row in rows:
+        record(**row)
 
 
 @pytest.mark.postgres
 def test_both_groups_on_one_postgresql_registry(tmp_path: Path, postgres_url: str) -> None:
     job = _run(tmp_path, postgres_url, real_loop=False)
     _check_groups(job, "alone")
-    _check_together(job, "together", "together_commits", "together_stored", "postgres")
-    _check_again(job, "again", "postgres")
+    rows = [
+        _check_together(job, "together", "together_commits", "together_stored", "postgres"),
+        _check_again(job, "again", "postgres"),
+    ]
     assert job[0]["together_verify_clean"] is True
+    for row in rows:
+        record(**row)

@@ -20,7 +20,7 @@ from ficache import schema
 from ficache.fingerprint import Fingerprint, collect
 from ficache.registry import NewEntry, PruneGroup, Registry
 from ficache.standin import standin_tune
-from ficache.usage import mark_served
+from ficache.usage import SERVED_MARK_RESOLUTION_S, mark_served
 
 #: Runs a test on SQLite and on PostgreSQL (``registry_db`` and ``cli`` follow).
 both_backends = pytest.mark.usefixtures("backend")
@@ -340,7 +340,18 @@ def test_a_warm_start_marks_its_fingerprint_served(registry_db: str, autotuner: 
     second = last_served()
 
     assert (again.status, again.slice_cache) == ("warm", "hit")
-    assert second is not None and second >= first
+    assert second == first  # a mark younger than SERVED_MARK_RESOLUTION_S is not written again
+
+    with Registry.open(registry_db) as reg:
+        [created] = [i.created_at for i in reg.fingerprints() if i.fingerprint.digest == digest]
+    stale = first - SERVED_MARK_RESOLUTION_S - 60  # as if the last start were over an hour ago
+    set_times(registry_db, collect(), created_at=created, last_served_at=stale)
+    before_later = time.time()
+    later = start(registry_db)
+    third = last_served()
+
+    assert (later.status, later.slice_cache) == ("warm", "hit")  # the state is unchanged
+    assert third is not None and third >= before_later  # this start, on the warm path, marked it
     with Registry.open(registry_db) as reg:
         assert len(reg.log()) == 1  # the marks are no commits
 

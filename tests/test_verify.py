@@ -1,8 +1,17 @@
 """``ficache verify``: a healthy registry is clean, and each kind of damage made
 behind ficache's back with plain SQL is found, read-only.
 
+Every problem kind verify reports is the expected finding of a damage case on
+each backend (``test_every_kind_is_found_by_a_damage_case_on_each_backend``):
+``DAMAGE`` and ``RECORD_DAMAGE`` run on both, ``DAMAGE_ON_ONE_BACKEND`` on the
+one that can hold it, and ``OTHER_DAMAGE_CASES`` names the tests that damage
+files and indexes. A duplicate entry is refused by the unique constraint on both
+backends; it is found once the constraint is gone. On PostgreSQL a B-tree leaf
+page of the registry is damaged on disk and ``amcheck`` finds it.
+
 Tests marked ``@both_backends`` run on SQLite and on PostgreSQL (the PostgreSQL
-cases in ``tox -e postgres``); the others are about SQLite files."""
+cases in ``tox -e postgres``); those marked ``postgres`` only there; the others
+are about SQLite files."""
 
 from __future__ import annotations
 
@@ -10,21 +19,25 @@ import hashlib
 import json
 import shutil
 import sqlite3
+import struct
 import subprocess
 import sys
 import time
 from contextlib import closing
 from pathlib import Path
 
+import pg_server
 import pytest
 import reliability_log
 from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.pool import NullPool
 
 from ficache import schema
 from ficache.fingerprint import Fingerprint
 from ficache.merge import open_source, plan_merge
+from ficache.records import NewRecord
 from ficache.registry import NewEntry, Registry
 from ficache.verify import KINDS, Checked, Problem, VerifyReport, verify
 
@@ -472,6 +485,42 @@ DAMAGE = {
         {"schema_drift": 1},
         "unexpected index entries.ix_entries_scope",
     ),
+    "unknown change action": (  # change 7 added m128 in commit 2: the log no longer holds it
+        ["UPDATE entry_changes SET action = 'moved' WHERE id = 7"],
+        {"bad_change": 1, "commit_counts": 1, "entry_unlogged": 1},
+        "change 7: unknown action 'moved'",
+    ),
+    "two changes to one entry in a commit": (  # commit 6 replaces m16 twice, counted
+        [
+            "INSERT INTO entry_changes (commit_id, fingerprint_id, scope, key, action, "
+            "old_runner, old_tactic, old_commit_id, new_runner, new_tactic) "
+            "SELECT commit_id, fingerprint_id, scope, key, action, new_runner, new_tactic, "
+            "commit_id, new_runner, new_tactic FROM entry_changes WHERE id = 15",
+            "UPDATE commits SET replaced = 2 WHERE id = 6",
+        ],
+        {"bad_change": 1},
+        "change 16: a second change to its entry in commit 6",
+    ),
+    "added change with an old value": (
+        ["UPDATE entry_changes SET old_runner = 'CutlassRunner', old_tactic = '1' WHERE id = 7"],
+        {"bad_change": 1},
+        "change 7: an added entry with an old value",
+    ),
+    "replaced change without its old value": (  # and so unlike the value commit 1 wrote
+        ["UPDATE entry_changes SET old_runner = NULL, old_tactic = NULL WHERE id = 15"],
+        {"bad_change": 1, "log_inconsistent": 1},
+        "change 15: a replaced entry without its old value",
+    ),
+    "removed change with a new value": (  # change 10 removed m64 in commit 3
+        ["UPDATE entry_changes SET new_runner = 'CutlassRunner', new_tactic = '5' WHERE id = 10"],
+        {"bad_change": 1},
+        "change 10: a removed entry with a new value",
+    ),
+    "selection not canonical": (
+        ["UPDATE entries SET selection = '{ }' WHERE id = 7"],
+        {"bad_selection": 1},
+        "entry 7: selection '{ }' is not canonical JSON",
+    ),
 }
 
 
@@ -480,22 +529,95 @@ DAMAGE = {
 def test_damage_is_found_read_only(
     cli, registry_db: str, backend: str, dump_db, damage: str, request: pytest.FixtureRequest
 ) -> None:
-    statements, counts, first = DAMAGE[damage]
     build(registry_db)
+    found_read_only(cli, registry_db, backend, dump_db, damage, *DAMAGE[damage], request)
+
+
+#: Damage one backend can hold: ``{name: (backend, statements, {kind: count}, first message)}``.
+DAMAGE_ON_ONE_BACKEND = {
+    # All of the registry's foreign keys are the orphan checks'; one a hand-added column
+    # declares is reported as a foreign key violation (and the column as drift). On
+    # PostgreSQL the same column is drift only: verify does not read PostgreSQL's keys
+    # row by row, it checks that PostgreSQL enforces them (below).
+    "foreign key of an added column": (
+        "sqlite",
+        [
+            "ALTER TABLE commits ADD COLUMN fingerprint_id INTEGER REFERENCES fingerprints (id)",
+            "UPDATE commits SET fingerprint_id = 99 WHERE id = 1",
+        ],
+        {"foreign_key": 1, "schema_drift": 2},  # the column, and its foreign key
+        "commits row 1 refers to a missing fingerprints row",
+    ),
+    "foreign key not validated": (
+        "postgres",
+        [
+            "UPDATE pg_constraint SET convalidated = false "
+            "WHERE conrelid = 'entries'::regclass AND conname = 'entries_commit_id_fkey'"
+        ],
+        {"foreign_key": 1},
+        "constraint entries_commit_id_fkey of entries is not validated",
+    ),
+    "index marked invalid": (
+        "postgres",
+        [
+            "UPDATE pg_index SET indisvalid = false "
+            "WHERE indexrelid = 'ix_entry_changes_commit_id'::regclass"
+        ],
+        {"integrity": 1},
+        "index ix_entry_changes_commit_id of entry_changes is invalid; REINDEX it",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        pytest.param(name, id=name, marks=[pytest.mark.postgres] if on == "postgres" else [])
+        for name, (on, *_case) in DAMAGE_ON_ONE_BACKEND.items()
+    ],
+)
+def test_damage_one_backend_can_hold_is_found_read_only(
+    cli, registry_path: Path, dump_db, damage: str, request: pytest.FixtureRequest
+) -> None:
+    backend, *case = DAMAGE_ON_ONE_BACKEND[damage]
+    db = (
+        str(request.getfixturevalue("postgres_url"))
+        if backend == "postgres"
+        else str(registry_path)
+    )
+    build(db)
+    found_read_only(cli, db, backend, dump_db, damage, *case, request)
+
+
+def found_read_only(
+    cli,
+    registry_db: str,
+    backend: str,
+    dump_db,
+    damage: str,
+    statements: list[str],
+    counts: dict[str, int],
+    first: str,
+    request: pytest.FixtureRequest,
+) -> None:
+    """Apply ``statements`` behind the registry's back; verify finds exactly ``counts``,
+    ``first`` first, in the library and the CLI (exit 1), and changes nothing."""
     behind_the_back(registry_db, *statements)
     before = dump_db(registry_db)
+    first = first.replace("{readded}", str(READDED[backend]))
 
     report = verify(registry_db)
-    result = cli("verify")
+    result = cli("verify", db=registry_db)
 
     assert dict(report.counts) == counts
-    assert report.problems[0].message == first.replace("{readded}", str(READDED[backend]))
+    assert report.problems[0].message == first
     assert all(p.kind in KINDS for p in report.problems)
     assert (result.exit_code, result.stderr) == (1, "")
     lines = result.stdout.splitlines()
     found = len(report.problems)
-    assert lines[2 + len(report.notes)] == f"{found} problem{'s' if found > 1 else ''}:"
-    assert f"  {first.replace('{readded}', str(READDED[backend]))}" in lines
+    header = 1 + (report.checked is not None) + len(report.notes)  # registry, checked, notes
+    assert lines[header] == f"{found} problem{'s' if found > 1 else ''}:"
+    assert f"  {first}" in lines
     assert dump_db(registry_db) == before
     reliability_log.record(
         item="2. verify",
@@ -509,6 +631,130 @@ def test_damage_is_found_read_only(
         ok=True,
         figures={"problems": found},
     )
+
+
+@both_backends
+def test_an_older_revision_is_reported_and_skips_the_data_checks(
+    cli, registry_db: str, dump_db
+) -> None:
+    build(registry_db)
+    behind_the_back(registry_db, "UPDATE alembic_version SET version_num = '0001_registry'")
+    before = dump_db(registry_db)
+
+    report = verify(registry_db)
+    result = cli("verify")
+
+    assert (report.counts, report.checked) == ((("schema_revision", 1),), None)
+    assert report.problems[0].message == (
+        f"schema is at 0001_registry, head is {HEAD}; upgrade it (ficache db upgrade)"
+    )
+    assert (result.exit_code, result.stderr) == (1, "")
+    assert "schema_revision: 1" in result.stdout.splitlines()
+    assert dump_db(registry_db) == before
+
+
+def build_records(db: str) -> None:
+    """``build``'s registry, then commit 7: two records of H200 (1 ``ns/a``, 2 ``ns/b``),
+    and commit 8: record 1 replaced (record changes 1, 2 added; 3 replaced)."""
+    build(db)
+    with Registry.open(db) as reg:
+        reg.write(
+            [],
+            kind="import",
+            records=[NewRecord(H200, "ns", "a", "1"), NewRecord(H200, "ns", "b", '{"x":2}')],
+        )
+        reg.write([], kind="import", records=[NewRecord(H200, "ns", "a", "3")])
+
+
+#: Damage to the records tables: ``(statements, {kind: count}, the first problem's message)``.
+RECORD_DAMAGE = {
+    "record of a missing fingerprint": (
+        ["UPDATE records SET fingerprint_id = 7 WHERE id = 2"],
+        {"orphan_record": 1, "record_unlogged": 2},
+        "record 2: fingerprint 7 is missing",
+    ),
+    "record value not canonical": (
+        ["UPDATE records SET value = '{\"x\": 2}' WHERE id = 2"],
+        {"bad_record": 1, "record_unlogged": 1},
+        "record 2: record value '{\"x\": 2}' is not canonical JSON",
+    ),
+    "record counts": (
+        ["UPDATE commits SET records_replaced = 0 WHERE id = 8"],
+        {"record_counts": 1},
+        "commit 8 has record changes: 1 replaced (the commit says 0)",
+    ),
+    "record value differs from the log": (
+        ["UPDATE records SET value = '4' WHERE id = 1"],
+        {"record_unlogged": 1},
+        "record 1 is not what commit 8 wrote",
+    ),
+}
+
+
+@both_backends
+@pytest.mark.parametrize("damage", RECORD_DAMAGE, ids=list(RECORD_DAMAGE))
+def test_damage_to_records_is_found_read_only(
+    cli, registry_db: str, backend: str, dump_db, damage: str, request: pytest.FixtureRequest
+) -> None:
+    build_records(registry_db)
+    assert verify(registry_db).ok
+    found_read_only(cli, registry_db, backend, dump_db, damage, *RECORD_DAMAGE[damage], request)
+
+
+#: A second entry with entry 7's identity (H200, shared, m128), as a restore tool might insert it.
+DUPLICATE_ENTRY = (
+    "INSERT INTO entries (fingerprint_id, scope, key, op, runner, tactic, policy_id, commit_id, "
+    "updated_at, tuned_at) SELECT fingerprint_id, scope, key, op, runner, tactic, policy_id, "
+    "commit_id, updated_at, tuned_at FROM entries WHERE id = 7"
+)
+
+
+def without_the_unique_constraint(db: str) -> list[str]:
+    """Statements that drop entries' unique constraint: PostgreSQL drops it; SQLite cannot
+    drop a table's constraint, so the table is rebuilt without it (as a hand-made copy would)."""
+    if db.startswith("postgresql"):
+        return ["ALTER TABLE entries DROP CONSTRAINT uq_entries_fingerprint_scope_key"]
+    with closing(sqlite3.connect(db)) as conn:
+        [create] = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'entries'").fetchone()
+    unique = (
+        ' \n\tCONSTRAINT uq_entries_fingerprint_scope_key UNIQUE (fingerprint_id, scope, "key"),'
+    )
+    assert unique in create
+    return [
+        create.replace(unique, "").replace("CREATE TABLE entries", "CREATE TABLE entries_copy"),
+        "INSERT INTO entries_copy SELECT * FROM entries",
+        "DROP TABLE entries",
+        "ALTER TABLE entries_copy RENAME TO entries",
+    ]
+
+
+@both_backends
+def test_a_duplicate_entry_is_refused_and_found_once_the_constraint_is_gone(
+    cli, registry_db: str, dump_db
+) -> None:
+    build(registry_db)
+    before = dump_db(registry_db)
+    # The unique constraint makes a duplicate impossible while it stands: the database refuses it.
+    with pytest.raises((sqlite3.IntegrityError, IntegrityError), match="(?i)unique"):
+        behind_the_back(registry_db, DUPLICATE_ENTRY)
+    assert dump_db(registry_db) == before
+    assert verify(registry_db).ok
+
+    behind_the_back(registry_db, *without_the_unique_constraint(registry_db), DUPLICATE_ENTRY)
+    report = verify(registry_db)
+    result = cli("verify")
+
+    assert dict(report.counts) == {"schema_drift": 1, "duplicate_entry": 1}
+    [drift] = report.examples("schema_drift", 1)
+    assert "uq_entries_fingerprint_scope_key" in drift.message
+    [duplicate] = report.examples("duplicate_entry", 1)
+    assert duplicate.row_id not in (None, 7)
+    assert duplicate.message == (
+        f"entry {duplicate.row_id} repeats entry 7 (fingerprint 1, scope shared, "
+        f"key {short(key(128))})"
+    )
+    assert (result.exit_code, result.stderr) == (1, "")
+    assert "duplicate_entry: 1" in result.stdout.splitlines()
 
 
 @both_backends
@@ -817,8 +1063,125 @@ def test_postgres_indexes_are_checked_with_amcheck_when_installed(postgres_url: 
     assert (report.problems, report.notes) == ((), ())
 
 
+PAGE = 8192  # PostgreSQL's block size (the embedded server's default)
+
+
+def corrupt_a_leaf_of(
+    server: pg_server.PostgresServer, url: str, index: str, old: bytes, new: bytes
+) -> int:
+    """Overwrite ``old`` with ``new`` (as long) in the first leaf page of ``index`` that
+    holds it, on disk, with the page's checksum recomputed, as a bad disk or a bad restore
+    could leave it; returns the block. The index's buffers are written out and evicted
+    first, so the server reads the damaged page back (``pageinspect`` reads the page and
+    sums it, ``pg_buffercache`` evicts it; both are dropped again)."""
+    assert len(old) == len(new)
+    engine = create_engine(url, poolclass=NullPool, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            run = conn.exec_driver_sql
+            run("CREATE EXTENSION pageinspect")
+            run("CREATE EXTENSION pg_buffercache")
+            run("CHECKPOINT")  # every page of the index is on disk, as the buffers hold it
+            relation = run(f"SELECT pg_relation_filepath('{index}')").scalar_one()
+            blocks = run(f"SELECT pg_relation_size('{index}') / {PAGE}").scalar_one()
+            for block in range(1, blocks):  # block 0 is the metapage
+                page = bytearray(run(f"SELECT get_raw_page('{index}', {block})").scalar_one())
+                if old in page:
+                    break
+            else:
+                raise AssertionError(f"no page of {index} holds {old!r}")
+            at = page.index(old)
+            page[at : at + len(old)] = new
+            checksum = run(
+                "SELECT page_checksum(%(page)s, %(block)s)", {"page": bytes(page), "block": block}
+            ).scalar_one()
+            page[8:10] = struct.pack("<h", checksum)  # pd_checksum
+            _evicted, _flushed, skipped = run(
+                f"SELECT * FROM pg_buffercache_evict_relation('{index}')"
+            ).one()
+            assert skipped == 0, "a buffer of the index is pinned"
+            with (server.pgdata / relation).open("r+b") as file:
+                file.seek(block * PAGE)
+                file.write(page)
+            run("DROP EXTENSION pageinspect")
+            run("DROP EXTENSION pg_buffercache")
+    finally:
+        engine.dispose()
+    return block
+
+
+@pytest.mark.postgres
+def test_postgres_a_damaged_btree_index_is_found_by_amcheck(
+    cli, postgres_server, postgres_url: str, dump_db
+) -> None:
+    build(postgres_url)
+    behind_the_back(postgres_url, "CREATE EXTENSION amcheck")
+    assert verify(postgres_url).ok
+    # The unique index's leaf holds H200's shared keys in order, m16 before m32. Entry 2's
+    # key becomes m10 in the index only: the heap row still says m32, and the leaf is out
+    # of order, which amcheck detects (queries just miss the row).
+    index = "uq_entries_fingerprint_scope_key"
+    corrupt_a_leaf_of(postgres_server, postgres_url, index, b"((32, 4096)", b"((10, 4096)")
+    before = dump_db(postgres_url)
+
+    report = verify(postgres_url)
+    result = cli("verify", db=postgres_url)
+
+    assert report.counts == (("integrity", 1),)
+    [problem] = report.problems
+    assert problem.message.startswith(f"index {index} of entries: ")
+    assert "item order invariant violated" in problem.message
+    assert (report.checked, report.notes) == (
+        None,
+        ("data checks skipped: the database is damaged",),
+    )
+    assert (result.exit_code, result.stderr) == (1, "")
+    assert result.stdout.splitlines()[-3:] == ["1 problem:", "integrity: 1", f"  {problem.message}"]
+    assert dump_db(postgres_url) == before
+
+
 def test_every_kind_is_documented() -> None:
     import ficache.verify
 
     doc = ficache.verify.__doc__ or ""
     assert [kind for kind in KINDS if f"``{kind}``" not in doc] == []
+
+
+#: Damage cases outside the tables above: ``{(kind, backend): the test that finds it}``.
+OTHER_DAMAGE_CASES = {
+    ("integrity", "sqlite"): "test_a_damaged_index_page_fails_integrity_check",
+    ("integrity", "postgres"): "test_postgres_a_damaged_btree_index_is_found_by_amcheck",
+    ("foreign_key", "postgres"): "test_postgres_foreign_keys_not_enforced",
+    **{
+        (kind, backend): test
+        for kind, test in (
+            ("schema_revision", "test_an_older_revision_is_reported_and_skips_the_data_checks"),
+            (
+                "duplicate_entry",
+                "test_a_duplicate_entry_is_refused_and_found_once_the_constraint_is_gone",
+            ),
+        )
+        for backend in ("sqlite", "postgres")
+    },
+}
+
+
+def test_every_kind_is_found_by_a_damage_case_on_each_backend() -> None:
+    """Each kind verify reports is the expected finding of some damage case on SQLite and on
+    PostgreSQL (the cases assert their exact counts, so a silenced check fails one)."""
+    both = ("sqlite", "postgres")
+    found = {
+        (kind, backend)
+        for _statements, counts, _first in (*DAMAGE.values(), *RECORD_DAMAGE.values())
+        for kind in counts
+        for backend in both
+    }
+    found |= {
+        (kind, on) for on, _s, counts, _f in DAMAGE_ON_ONE_BACKEND.values() for kind in counts
+    }
+    found |= set(OTHER_DAMAGE_CASES)
+
+    assert [
+        (kind, backend) for kind in KINDS for backend in both if (kind, backend) not in found
+    ] == []
+    assert [test for test in OTHER_DAMAGE_CASES.values() if not callable(globals().get(test))] == []
