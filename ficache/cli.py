@@ -46,6 +46,10 @@ FORMAT = click.option(
     help="Output as an aligned table or as JSON.",
 )
 
+#: ``ficache.merge.POLICIES`` (merge's and import's ``--on-conflict``), repeated so
+#: that `--help` does not import the library.
+MERGE_POLICIES = ("keep", "theirs", "newest", "vote", "drop", "fail")
+
 
 class _Context:
     def __init__(self, db: str | None, debug: bool) -> None:
@@ -411,6 +415,17 @@ def fingerprints_cmd(obj: _Context, fmt: str) -> None:
     help="With --from-vllm: the layout that per-rank files are scoped to, as the vLLM "
     "plugin names it (tp4-pp1-dp1-ep4) [default: tp<files>-pp1-dp<D>-ep1].",
 )
+@click.option(
+    "--on-conflict",
+    "policy",
+    type=click.Choice(MERGE_POLICIES),
+    default="keep",
+    show_default=True,
+    help="Which value wins when two FILES hold one key with different values, as in merge: "
+    "the first file's (keep), the last's (theirs), the most recently tuned (newest), the "
+    "most files' (vote); or import none of them (drop), or import nothing and exit 1 (fail).",
+)
+@click.option("--dry-run", is_flag=True, help="Show what the import would do and change nothing.")
 @FORMAT
 @pass_ctx
 def import_cmd(
@@ -420,6 +435,8 @@ def import_cmd(
     scope: str,
     from_vllm: str | None,
     layout: str | None,
+    policy: str,
+    dry_run: bool,
     fmt: str,
 ) -> None:
     """Import FlashInfer autotune cache files, or ficache bundles, all of them as one commit.
@@ -442,10 +459,15 @@ def import_cmd(
     """
     from ficache.bundle import is_bundle
     from ficache.flashinfer_format import read_cache_file
+    from ficache.importing import file_inputs, plan_import
 
     if from_vllm is not None:
         if files or fingerprint_ref is not None or scope != "shared":
             raise click.UsageError("--from-vllm takes no FILES, --fingerprint or --scope")
+        if dry_run or policy != "keep":
+            raise click.UsageError(
+                "--dry-run and --on-conflict go with FILES or bundles, not --from-vllm"
+            )
         _import_from_vllm(obj, from_vllm, layout, fmt)
         return
     if layout is not None:
@@ -453,20 +475,43 @@ def import_cmd(
     if not files:
         raise click.UsageError("give FILES to import, or --from-vllm")
     if any(_is_dir(f) for f in files):
+        if dry_run or policy != "keep":
+            raise click.UsageError(
+                "--dry-run and --on-conflict go with FILES or bundles, not v2 store directories"
+            )
         _import_v2_stores(obj, files, fingerprint_ref, scope, fmt)
         return
     if any(is_bundle(f) for f in files):
-        _import_bundles(obj, files, fingerprint_ref, scope, fmt)
+        _import_bundles(obj, files, fingerprint_ref, scope, policy, dry_run, fmt)
         return
     with _progress(files, "reading files") as items:
-        parsed = [(str(f), read_cache_file(f)) for f in items]
-    with obj.registry() as reg:
-        fp = _resolve_fingerprint(reg, fingerprint_ref) if fingerprint_ref else None
-        result = reg.import_cache(parsed, fingerprint=fp, scope=scope)
-    total = sum(len(c.entries) for _, c in parsed)
-    records = sum(len(c.record_rows) for _, c in parsed)
-    _report_import(fmt, result, total, len(parsed), "file", records)
-    ignored = sum(c.ignored_selections for _, c in parsed)
+        parsed = [(str(f), read_cache_file(f), _mtime(f)) for f in items]
+
+    def plan_of(fp: Any) -> Any:
+        inputs = file_inputs(
+            [(name, cache) for name, cache, _ in parsed],
+            fingerprint=fp,
+            scope=scope,
+            mtimes=[mtime for _, _, mtime in parsed],
+        )
+        return plan_import(inputs, policy)
+
+    plan = None
+    if fingerprint_ref in (None, "current"):  # planned (and refused) before the registry opens
+        plan = plan_of(_resolve_fingerprint(None, fingerprint_ref) if fingerprint_ref else None)
+        plan.check()
+    with _import_registry(obj, dry_run) as reg:
+        if plan is None:
+            if reg is None:
+                raise NotFoundError(
+                    f"no registry at {obj.db or 'the default path'}, so no fingerprint "
+                    f"{fingerprint_ref!r}; see `ficache fingerprints`"
+                )
+            plan = plan_of(_resolve_fingerprint(reg, str(fingerprint_ref)))
+        message = ", ".join(name for name, _, _ in parsed)
+        result = plan.preview(reg) if dry_run else plan.execute(reg, message=message)
+    _report_import(fmt, plan, result, "file", dry_run=dry_run)
+    ignored = sum(c.ignored_selections for _, c, _ in parsed)
     if ignored:
         click.echo(
             f"warning: {ignored} entr{'y' if ignored == 1 else 'ies'} held a fourth element that "
@@ -475,46 +520,110 @@ def import_cmd(
         )
 
 
+def _mtime(path: Path) -> float | None:
+    """A file's mtime (when its entries were tuned, for ``--on-conflict newest``)."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def _import_registry(obj: _Context, dry_run: bool) -> Iterator[Any]:
+    """The registry an import writes; with ``dry_run``, opened to read only, or None
+    where no registry exists yet (a dry run creates none)."""
+    from ficache import schema
+
+    if not dry_run:
+        with obj.registry() as reg:
+            reg.require_writable()
+            yield reg
+        return
+    location = schema.resolve(obj.db)
+    if location.path is not None and not location.path.exists():
+        yield None
+        return
+    with obj.registry(create=False, write=False) as reg:
+        yield reg
+
+
+def _among_inputs(duplicates: int, conflicts: int) -> str:
+    """``, N duplicates, M conflicts`` of an import's inputs; empty when both are 0."""
+    return f", {duplicates} duplicates, {conflicts} conflicts" if duplicates or conflicts else ""
+
+
 def _report_import(
-    fmt: str,
-    result: Any,
-    entries: int,
-    sources: int,
-    source_noun: str,
-    records: int,
+    fmt: str, plan: Any, result: Any, source_noun: str, *, dry_run: bool = False
 ) -> None:
-    """The report of one ``import`` commit (entries and namespaced records), as text or JSON."""
+    """The report of one import (``ficache.importing.ImportPlan``), as text or JSON.
+
+    Every input entry is in one count: added, replaced, unchanged,
+    duplicates or conflicts (records likewise).
+    """
     if fmt == "json":
         _dump_json(
             {
-                "files": sources,
-                "entries": entries,
+                "files": len(plan.sources),
+                "entries": plan.entries,
                 "commit": result.commit_id,
+                "dry_run": dry_run,
+                "on_conflict": plan.policy,
                 "added": result.added,
                 "replaced": result.replaced,
                 "unchanged": result.unchanged,
-                "records": records,
+                "duplicates": plan.duplicates,
+                "conflicts": plan.conflicts,
+                "records": plan.records,
                 "records_added": result.records_added,
                 "records_replaced": result.records_replaced,
                 "records_unchanged": result.records_unchanged,
+                "records_duplicates": plan.records_duplicates,
+                "records_conflicts": plan.records_conflicts,
+                "conflicting": [
+                    {**c.as_json(), "files": [plan.sources[n - 1] for n, _v in c.sources]}
+                    for c in plan.conflicting
+                ],
+                "conflicting_records": [
+                    {**c.as_json(), "files": [plan.sources[n - 1] for n, _v in c.sources]}
+                    for c in plan.conflicting_records
+                ],
             }
         )
     else:
-        where = (
-            f"commit {result.commit_id}"
-            if result.commit_id is not None
-            else "nothing new, no commit"
+        if dry_run:
+            where = "dry run: nothing changed"
+        elif result.commit_id is not None:
+            where = f"commit {result.commit_id}"
+        else:
+            where = "nothing new, no commit"
+        records = plan.records
+        held = (
+            f"{plan.entries} entries and {records} records"
+            if records
+            else f"{plan.entries} entries"
         )
-        held = f"{entries} entries and {records} records" if records else f"{entries} entries"
         record_counts = (
             f"; records {result.records_added} added, {result.records_replaced} replaced, "
             f"{result.records_unchanged} unchanged"
+            + _among_inputs(plan.records_duplicates, plan.records_conflicts)
             if records
             else ""
         )
+        verb = "would import" if dry_run else "imported"
         click.echo(
-            f"imported {held} from {sources} {source_noun}(s): {result.added} added, "
-            f"{result.replaced} replaced, {result.unchanged} unchanged{record_counts} ({where})"
+            f"{verb} {held} from {len(plan.sources)} {source_noun}(s): {result.added} added, "
+            f"{result.replaced} replaced, {result.unchanged} unchanged"
+            f"{_among_inputs(plan.duplicates, plan.conflicts)}{record_counts} ({where})"
+        )
+    first = plan.conflicting[0] if plan.conflicting else None
+    if first is not None and not plan.refused:
+        names = ", ".join(dict.fromkeys(plan.sources[n - 1] for n, _v in first.sources))
+        n = len(plan.conflicting)
+        click.echo(
+            f"warning: {n} entr{'y' if n == 1 else 'ies'} held different values in two "
+            f"{source_noun}s, resolved by --on-conflict {plan.policy}; first: {first.key[:160]} "
+            f"({names}) -> {first.resolution}",
+            err=True,
         )
 
 
@@ -737,10 +846,16 @@ def _import_v2_stores(
 
 
 def _import_bundles(
-    obj: _Context, files: tuple[Path, ...], fingerprint_ref: str | None, scope: str, fmt: str
+    obj: _Context,
+    files: tuple[Path, ...],
+    fingerprint_ref: str | None,
+    scope: str,
+    policy: str,
+    dry_run: bool,
+    fmt: str,
 ) -> None:
     """``import`` of bundles: verify every one, then one commit."""
-    from ficache.bundle import import_bundles, is_bundle, read_bundle
+    from ficache.bundle import bundles_provenance, is_bundle, plan_bundle_import, read_bundle
 
     if not all(is_bundle(f) for f in files):
         raise click.UsageError("import bundles and FlashInfer cache files in separate commands")
@@ -749,11 +864,15 @@ def _import_bundles(
             "a bundle carries its own fingerprints and scopes; drop --fingerprint/--scope"
         )
     bundles = [(str(f), read_bundle(f)) for f in files]
-    with obj.registry() as reg:
-        result = import_bundles(reg, bundles)
-    total = sum(len(b.entries) for _, b in bundles)
-    records = sum(int(b.provenance["records"]) for _, b in bundles)
-    _report_import(fmt, result, total, len(bundles), "bundle", records)
+    plan = plan_bundle_import(bundles, policy)
+    plan.check()
+    with _import_registry(obj, dry_run) as reg:
+        if dry_run:
+            result = plan.preview(reg)
+        else:
+            message = ", ".join(source for source, _ in bundles)
+            result = plan.execute(reg, message=message, provenance=bundles_provenance(bundles))
+    _report_import(fmt, plan, result, "bundle", dry_run=dry_run)
 
 
 @cli.command("export")
@@ -1237,8 +1356,6 @@ def show_cmd(obj: _Context, commit_id: int, fmt: str) -> None:
 
 # -- merge ---------------------------------------------------------------------------
 
-#: ``ficache.merge.POLICIES``, repeated so that `--help` does not import the library.
-MERGE_POLICIES = ("keep", "theirs", "newest", "vote", "drop", "fail")
 #: Conflicts a text report lists (JSON lists them all).
 SHOWN_CONFLICTS = 50
 

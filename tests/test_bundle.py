@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from samples import SHORT_H200_METADATA
+from samples import NO_DUPLICATES, SHORT_H200_METADATA
 
 from ficache.bundle import (
     MAGIC,
@@ -330,6 +330,7 @@ def test_import_twice_makes_one_commit_naming_the_bundle(
         "records_added": 0,
         "records_replaced": 0,
         "records_unchanged": 0,
+        **NO_DUPLICATES,
     }
     assert dump_db(target) == after_first
     with Registry.open(str(target), create=False) as reg:
