@@ -23,7 +23,6 @@ from ficache.errors import (
 )
 from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import parse_cache_bytes, parse_key
-from ficache.importing import file_inputs, plan_import
 from ficache.registry import (
     NewEntry,
     PruneGroup,
@@ -506,6 +505,8 @@ def test_import_cache_takes_a_key_two_files_hold_from_the_first_as_merge_keeps(
 def test_an_import_plan_counts_every_input_entry_once_and_previews_without_writing(
     reg: Registry, registry_db: str, dump_db
 ) -> None:
+    from ficache.importing import file_inputs, plan_import
+
     reg.import_cache([("old.json", _cache({key(1): ["CutlassRunner", 0]}))])
     before = dump_db(registry_db)
     inputs = file_inputs(
