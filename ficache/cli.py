@@ -475,11 +475,7 @@ def import_cmd(
     if not files:
         raise click.UsageError("give FILES to import, or --from-vllm")
     if any(_is_dir(f) for f in files):
-        if dry_run or policy != "keep":
-            raise click.UsageError(
-                "--dry-run and --on-conflict go with FILES or bundles, not v2 store directories"
-            )
-        _import_v2_stores(obj, files, fingerprint_ref, scope, fmt)
+        _import_v2_stores(obj, files, fingerprint_ref, scope, policy, dry_run, fmt)
         return
     if any(is_bundle(f) for f in files):
         _import_bundles(obj, files, fingerprint_ref, scope, policy, dry_run, fmt)
@@ -579,23 +575,12 @@ def _report_import(
                 "records_unchanged": result.records_unchanged,
                 "records_duplicates": plan.records_duplicates,
                 "records_conflicts": plan.records_conflicts,
-                "conflicting": [
-                    {**c.as_json(), "files": [plan.sources[n - 1] for n, _v in c.sources]}
-                    for c in plan.conflicting
-                ],
-                "conflicting_records": [
-                    {**c.as_json(), "files": [plan.sources[n - 1] for n, _v in c.sources]}
-                    for c in plan.conflicting_records
-                ],
+                "conflicting": _conflicts_json(plan),
+                "conflicting_records": _conflicts_json(plan, records=True),
             }
         )
     else:
-        if dry_run:
-            where = "dry run: nothing changed"
-        elif result.commit_id is not None:
-            where = f"commit {result.commit_id}"
-        else:
-            where = "nothing new, no commit"
+        where = _import_outcome(result, dry_run)
         records = plan.records
         held = (
             f"{plan.entries} entries and {records} records"
@@ -615,16 +600,39 @@ def _report_import(
             f"{result.replaced} replaced, {result.unchanged} unchanged"
             f"{_among_inputs(plan.duplicates, plan.conflicts)}{record_counts} ({where})"
         )
-    first = plan.conflicting[0] if plan.conflicting else None
-    if first is not None and not plan.refused:
-        names = ", ".join(dict.fromkeys(plan.sources[n - 1] for n, _v in first.sources))
-        n = len(plan.conflicting)
-        click.echo(
-            f"warning: {n} entr{'y' if n == 1 else 'ies'} held different values in two "
-            f"{source_noun}s, resolved by --on-conflict {plan.policy}; first: {first.key[:160]} "
-            f"({names}) -> {first.resolution}",
-            err=True,
-        )
+    _warn_of_conflicts(plan, source_noun)
+
+
+def _import_outcome(result: Any, dry_run: bool) -> str:
+    """How an import's summary line ends: its commit, no commit, or a dry run."""
+    if dry_run:
+        return "dry run: nothing changed"
+    if result.commit_id is not None:
+        return f"commit {result.commit_id}"
+    return "nothing new, no commit"
+
+
+def _conflicts_json(plan: Any, *, records: bool = False) -> list[dict[str, Any]]:
+    """An import plan's conflicts (entries, or records), each naming its inputs."""
+    return [
+        {**c.as_json(), "files": [plan.sources[n - 1] for n, _v in c.sources]}
+        for c in (plan.conflicting_records if records else plan.conflicting)
+    ]
+
+
+def _warn_of_conflicts(plan: Any, source_noun: str) -> None:
+    """One stderr line when an import's inputs disagreed on some entries (the first named)."""
+    if not plan.conflicting or plan.refused:
+        return
+    first = plan.conflicting[0]
+    names = ", ".join(dict.fromkeys(plan.sources[n - 1] for n, _v in first.sources))
+    n = len(plan.conflicting)
+    click.echo(
+        f"warning: {n} entr{'y' if n == 1 else 'ies'} held different values in two "
+        f"{source_noun}s, resolved by --on-conflict {plan.policy}; first: {first.key[:160]} "
+        f"({names}) -> {first.resolution}",
+        err=True,
+    )
 
 
 def _import_from_vllm(obj: _Context, root: str, layout: str | None, fmt: str) -> None:
@@ -757,18 +765,35 @@ def _is_dir(path: Path) -> bool:
 
 
 def _import_v2_stores(
-    obj: _Context, dirs: tuple[Path, ...], fingerprint_ref: str | None, scope: str, fmt: str
+    obj: _Context,
+    dirs: tuple[Path, ...],
+    fingerprint_ref: str | None,
+    scope: str,
+    policy: str,
+    dry_run: bool,
+    fmt: str,
 ) -> None:
     """``import`` of FlashInfer v2 stores: read every one, then one commit."""
-    from ficache.v2_store import import_stores, measurement_label, read_store
+    from ficache.v2_store import (
+        measurement_label,
+        plan_store_import,
+        read_store,
+        stores_provenance,
+    )
 
     if not all(_is_dir(d) for d in dirs):
         raise click.UsageError("import v2 store directories and files in separate commands")
     if fingerprint_ref is not None:
         raise click.UsageError("a v2 store's manifest names its environments; drop --fingerprint")
     stores = [read_store(d) for d in dirs]
-    with obj.registry() as reg:
-        result = import_stores(reg, stores, scope=scope)
+    plan = plan_store_import(stores, scope=scope, policy=policy)
+    plan.check()
+    with _import_registry(obj, dry_run) as reg:
+        if dry_run:
+            result = plan.preview(reg)
+        else:
+            message = ", ".join(str(s.source) for s in stores)
+            result = plan.execute(reg, message=message, provenance=stores_provenance(stores))
     envs = [env for store in stores for env in store.environments]
     entries = sum(s.entries for s in stores)
     skipped_entries = sum(s.skipped_entries for s in stores)
@@ -794,9 +819,14 @@ def _import_v2_stores(
                 "skipped_environments": len(skipped_envs),
                 "ignored_records": records,
                 "commit": result.commit_id,
+                "dry_run": dry_run,
+                "on_conflict": plan.policy,
                 "added": result.added,
                 "replaced": result.replaced,
                 "unchanged": result.unchanged,
+                "duplicates": plan.duplicates,
+                "conflicts": plan.conflicts,
+                "conflicting": _conflicts_json(plan),
             }
         )
     else:
@@ -816,15 +846,13 @@ def _import_v2_stores(
                     ),
                 )
             )
-        where = (
-            f"commit {result.commit_id}"
-            if result.commit_id is not None
-            else "nothing new, no commit"
-        )
         click.echo(
-            f"imported {entries} entries from {len(envs)} environment(s): {result.added} added, "
-            f"{result.replaced} replaced, {result.unchanged} unchanged ({where})"
+            f"{'would import' if dry_run else 'imported'} {entries} entries from {len(envs)} "
+            f"environment(s): {result.added} added, {result.replaced} replaced, "
+            f"{result.unchanged} unchanged{_among_inputs(plan.duplicates, plan.conflicts)} "
+            f"({_import_outcome(result, dry_run)})"
         )
+    _warn_of_conflicts(plan, "store")
     if skipped_entries:
         first = next(s for e in envs for s in e.first_skipped)
         click.echo(
