@@ -464,11 +464,12 @@ def import_cmd(
     if from_vllm is not None:
         if files or fingerprint_ref is not None or scope != "shared":
             raise click.UsageError("--from-vllm takes no FILES, --fingerprint or --scope")
-        if dry_run or policy != "keep":
+        if policy != "keep":
             raise click.UsageError(
-                "--dry-run and --on-conflict go with FILES or bundles, not --from-vllm"
+                "--on-conflict goes with FILES, bundles or v2 stores; --from-vllm keeps the "
+                "later cache's value (v2 store over per-rank files over a single file)"
             )
-        _import_from_vllm(obj, from_vllm, layout, fmt)
+        _import_from_vllm(obj, from_vllm, layout, dry_run, fmt)
         return
     if layout is not None:
         raise click.UsageError("--layout goes with --from-vllm")
@@ -635,8 +636,14 @@ def _warn_of_conflicts(plan: Any, source_noun: str) -> None:
     )
 
 
-def _import_from_vllm(obj: _Context, root: str, layout: str | None, fmt: str) -> None:
-    """``import --from-vllm``: find and read vLLM's caches, then one commit (if any)."""
+def _import_from_vllm(
+    obj: _Context, root: str, layout: str | None, dry_run: bool, fmt: str
+) -> None:
+    """``import --from-vllm``: find and read vLLM's caches, then one commit (if any).
+
+    ``dry_run``: the adoption previewed as an import plan of one input
+    (``ficache.importing``), reading the registry only.
+    """
     from ficache.adopt import (
         V2_STORE,
         KnownLayout,
@@ -657,8 +664,14 @@ def _import_from_vllm(obj: _Context, root: str, layout: str | None, fmt: str) ->
     plan = plan_adoption(sources, known=known)
     result = None
     if not plan.is_empty:
-        with obj.registry() as reg:
-            result = plan.execute(reg)
+        with _import_registry(obj, dry_run) as reg:
+            if dry_run:
+                from ficache.importing import ImportInput, plan_import
+
+                adopted = ImportInput(sources.display, tuple(plan.entries), tuple(plan.records))
+                result = plan_import([adopted]).preview(reg)
+            else:
+                result = plan.execute(reg)
     if fmt == "json":
         _dump_json(
             {
@@ -677,6 +690,7 @@ def _import_from_vllm(obj: _Context, root: str, layout: str | None, fmt: str) ->
                 "record_conflicts": plan.record_conflicts,
                 "ignored_records": plan.ignored_records,
                 "commit": result.commit_id if result else None,
+                "dry_run": dry_run,
                 "added": result.added if result else 0,
                 "replaced": result.replaced if result else 0,
                 "unchanged": result.unchanged if result else 0,
@@ -702,11 +716,7 @@ def _import_from_vllm(obj: _Context, root: str, layout: str | None, fmt: str) ->
         if result is None:
             click.echo(f"found nothing to adopt under {sources.display}")
         else:
-            where = (
-                f"commit {result.commit_id}"
-                if result.commit_id is not None
-                else "nothing new, no commit"
-            )
+            where = _import_outcome(result, dry_run)
             held, record_counts = "", ""
             if plan.records:
                 held = (
@@ -718,7 +728,7 @@ def _import_from_vllm(obj: _Context, root: str, layout: str | None, fmt: str) ->
                     f"replaced, {result.records_unchanged} unchanged"
                 )
             click.echo(
-                f"adopted {len(plan.entries)} entries ({plan.shared} shared, {plan.scoped} "
+                f"{'would adopt' if dry_run else 'adopted'} {len(plan.entries)} entries ({plan.shared} shared, {plan.scoped} "
                 f"scoped){held} from {plan.files} file(s): {result.added} added, "
                 f"{result.replaced} replaced, {result.unchanged} unchanged{record_counts} "
                 f"({where})"

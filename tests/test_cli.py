@@ -460,19 +460,6 @@ def test_import_dry_run_on_a_missing_registry_creates_none(
     assert not registry_path.exists()
 
 
-@pytest.mark.parametrize(
-    "args", [("--from-vllm", "--dry-run"), ("--from-vllm", "--on-conflict", "theirs")]
-)
-def test_import_dry_run_and_on_conflict_are_refused_where_they_do_not_apply(
-    cli, registry_path: Path, args: tuple[str, ...]
-) -> None:
-    result = cli("import", *args)
-
-    assert result.exit_code == 2
-    assert "--dry-run and --on-conflict go with FILES or bundles" in result.output
-    assert not registry_path.exists()
-
-
 # -- list / fingerprints / stats / log ---------------------------------------------------------
 
 
