@@ -23,6 +23,9 @@ Policies decide which value stays:
   start re-tunes it.
 - ``fail``: nothing changes; executing raises ``MergeConflictError``.
 
+``resolve`` is the one rule for conflicts among sources: ``import`` applies
+it, with no target, to the keys its own inputs share (``ficache.importing``).
+
 Invariants:
 - Sources are read, parsed and verified before the registry's write lock is
   taken; the lock is held for SQL only. A damaged source raises one
