@@ -533,7 +533,6 @@ def _import_registry(obj: _Context, dry_run: bool) -> Iterator[Any]:
 
     if not dry_run:
         with obj.registry() as reg:
-            reg.require_writable()
             yield reg
         return
     location = schema.resolve(obj.db)

@@ -260,30 +260,38 @@ def _reconcile_entries(
 ) -> tuple[list[NewEntry], int, int, list[MergeConflict]]:
     """The entry to write per identity, and the duplicates and conflicts among the inputs.
 
-    Grouped per (fingerprint, scope), then per key: entries come in runs of
-    one fingerprint object and scope, so a fingerprint is hashed once per run.
+    The hot path is one dict lookup per entry: each (fingerprint, scope) group
+    maps a key to the first (input number, entry) holding it, and only keys
+    held again get a candidate list. Entries come in runs of one fingerprint object and scope,
+    so a fingerprint is hashed once per run.
     """
-    by_group: dict[tuple[Fingerprint, str], dict[str, list[tuple[int, NewEntry]]]] = {}
+    by_group: dict[tuple[Fingerprint, str], dict[str, tuple[int, NewEntry]]] = {}
+    again: dict[tuple[Fingerprint, str, str], list[tuple[int, NewEntry]]] = {}
     for number, source in enumerate(inputs, start=1):
         last_fp: Fingerprint | None = None
         last_scope: str | None = None
-        group: dict[str, list[tuple[int, NewEntry]]] = {}
+        group: dict[str, tuple[int, NewEntry]] = {}
         for e in source.entries:  # (fingerprint, key, runner, tactic, policy, scope, ...)
             if e[0] is not last_fp or e[5] != last_scope:
                 last_fp, last_scope = e[0], e[5]
                 group = by_group.setdefault((last_fp, last_scope), {})
-            found = group.get(e[1])
-            if found is None:
-                group[e[1]] = [(number, e)]
-            else:
-                found.append((number, e))
+            cand = (number, e)
+            first = group.setdefault(e[1], cand)
+            if first is not cand:
+                ident = (e[0], e[5], e[1])
+                if ident not in again:
+                    again[ident] = [first]
+                again[ident].append(cand)
+    if not again:  # the common case: every identity once, in input order
+        return [e for source in inputs for e in source.entries], 0, 0, []
     writes: list[NewEntry] = []
     duplicates = conflicts = 0
     conflicting: list[MergeConflict] = []
     for (fp, scope), group in by_group.items():
-        for key, cands in group.items():
-            if len(cands) == 1:
-                writes.append(cands[0][1])
+        for key, (_number, only) in group.items():
+            cands = again.get((fp, scope, key))
+            if cands is None:
+                writes.append(only)
                 continue
             values = list(dict.fromkeys((e[2], e[3], e[4]) for _n, e in cands))
             duplicates += len(cands) - len(values)
