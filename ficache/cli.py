@@ -445,6 +445,11 @@ def import_cmd(
     A bundle (from `export --bundle`) is recognised by its content and keeps
     its own fingerprints, scopes and tuning times.
 
+    A key two inputs hold is imported once: a duplicate when they agree, a
+    conflict settled by --on-conflict (merge's rule) when they do not. The
+    summary counts every input entry once: added, replaced, unchanged,
+    duplicates, conflicts. --dry-run prints it and changes nothing.
+
     A directory is a FlashInfer v2 store (`autotune_v2`): its root, or one
     environment directory under root/v2/. Every environment is imported with
     its fingerprint and measurement policy; malformed entries are skipped and
