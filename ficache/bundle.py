@@ -75,7 +75,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ficache.errors import BundleError, FingerprintError, NotFoundError
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
@@ -89,6 +89,9 @@ from ficache.flashinfer_format import (
 from ficache.publish import publish
 from ficache.records import NewRecord, record_values
 from ficache.registry import NewEntry, Registry, WriteResult, validate_scope
+
+if TYPE_CHECKING:
+    from ficache.importing import ImportPlan
 
 #: The newest format this module reads and writes; it writes 1 for content version 1 can carry.
 FORMAT_VERSION = 2
@@ -652,30 +655,48 @@ def bundle_bytes(
     return data, summary
 
 
-def import_bundles(registry: Registry, bundles: Sequence[tuple[str, Bundle]]) -> WriteResult:
+def plan_bundle_import(bundles: Sequence[tuple[str, Bundle]], policy: str = "keep") -> ImportPlan:
+    """The import plan of verified ``(source, bundle)`` pairs (``ficache.importing``).
+
+    Entries keep their scope, ``tuned_at`` and selection, records their scope
+    (they carry no tuning time: the import's is used). A key two bundles hold
+    with different values is resolved by ``policy``, as ``merge`` does.
+    """
+    from ficache.importing import ImportInput, plan_import
+
+    return plan_import(
+        [ImportInput(source, tuple(b.entries), tuple(bundle_records(b))) for source, b in bundles],
+        policy,
+    )
+
+
+def bundles_provenance(bundles: Sequence[tuple[str, Bundle]]) -> dict[str, Any]:
+    """An import commit's provenance: every bundle by digest."""
+    return {
+        "bundles": [
+            {
+                "digest": b.digest,
+                "format_version": b.format_version,
+                "entries": len(b.entries),
+                "records": int(b.provenance["records"]),
+            }
+            for _source, b in bundles
+        ]
+    }
+
+
+def import_bundles(
+    registry: Registry, bundles: Sequence[tuple[str, Bundle]], *, on_conflict: str = "keep"
+) -> WriteResult:
     """Store the entries of verified ``(source, bundle)`` pairs as one import commit.
 
-    Entries keep their scope, ``tuned_at`` and selection, records their scope (they
-    carry no tuning time: the import's is used); the commit's provenance
-    names every bundle by digest. Importing the same bundles again changes
-    nothing and makes no commit.
+    The commit's provenance names every bundle by digest. Importing the same
+    bundles again changes nothing and makes no commit.
     """
-    return registry.write(
-        [e for _source, b in bundles for e in b.entries],
-        records=[r for _source, b in bundles for r in bundle_records(b)],
-        kind="import",
-        message=", ".join(source for source, _ in bundles)[:2000],
-        provenance={
-            "bundles": [
-                {
-                    "digest": b.digest,
-                    "format_version": b.format_version,
-                    "entries": len(b.entries),
-                    "records": int(b.provenance["records"]),
-                }
-                for _source, b in bundles
-            ]
-        },
+    return plan_bundle_import(bundles, on_conflict).execute(
+        registry,
+        message=", ".join(source for source, _ in bundles),
+        provenance=bundles_provenance(bundles),
     )
 
 
@@ -696,7 +717,9 @@ __all__ = [
     "Bundle",
     "BundleSummary",
     "bundle_records",
+    "bundles_provenance",
     "import_bundles",
+    "plan_bundle_import",
     "is_bundle",
     "parse_bundle_bytes",
     "read_bundle",

@@ -29,7 +29,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from ficache import __version__
-from ficache.errors import FicacheError
+from ficache.errors import FicacheError, NotFoundError
 
 T = TypeVar("T")
 
@@ -45,6 +45,10 @@ FORMAT = click.option(
     show_default=True,
     help="Output as an aligned table or as JSON.",
 )
+
+#: ``ficache.merge.POLICIES`` (merge's and import's ``--on-conflict``), repeated so
+#: that `--help` does not import the library.
+MERGE_POLICIES = ("keep", "theirs", "newest", "vote", "drop", "fail")
 
 
 class _Context:
@@ -468,6 +472,17 @@ def _fingerprints_table(summaries: Sequence[Any], *, wide: bool) -> str:
     help="With --from-vllm: the layout that per-rank files are scoped to, as the vLLM "
     "plugin names it (tp4-pp1-dp1-ep4) [default: tp<files>-pp1-dp<D>-ep1].",
 )
+@click.option(
+    "--on-conflict",
+    "policy",
+    type=click.Choice(MERGE_POLICIES),
+    default="keep",
+    show_default=True,
+    help="Which value wins when two FILES hold one key with different values, as in merge: "
+    "the first file's (keep), the last's (theirs), the most recently tuned (newest), the "
+    "most files' (vote); or import none of them (drop), or import nothing and exit 1 (fail).",
+)
+@click.option("--dry-run", is_flag=True, help="Show what the import would do and change nothing.")
 @FORMAT
 @pass_ctx
 def import_cmd(
@@ -477,6 +492,8 @@ def import_cmd(
     scope: str,
     from_vllm: str | None,
     layout: str | None,
+    policy: str,
+    dry_run: bool,
     fmt: str,
 ) -> None:
     """Import FlashInfer autotune cache files, or ficache bundles, all of them as one commit.
@@ -484,6 +501,11 @@ def import_cmd(
     Every file is read and validated first: one invalid file imports nothing.
     A bundle (from `export --bundle`) is recognised by its content and keeps
     its own fingerprints, scopes and tuning times.
+
+    A key two inputs hold is imported once: a duplicate when they agree, a
+    conflict settled by --on-conflict (merge's rule) when they do not. The
+    summary counts every input entry once: added, replaced, unchanged,
+    duplicates, conflicts. --dry-run prints it and changes nothing.
 
     A directory is a FlashInfer v2 store (`autotune_v2`): its root, or one
     environment directory under root/v2/. Every environment is imported with
@@ -499,34 +521,63 @@ def import_cmd(
     """
     from ficache.bundle import is_bundle
     from ficache.flashinfer_format import read_cache_file
+    from ficache.importing import file_inputs, plan_import
 
     if from_vllm is not None:
         if files or fingerprint_ref is not None or scope != "shared":
             raise click.UsageError("--from-vllm takes no FILES, --fingerprint or --scope")
-        _import_from_vllm(obj, from_vllm, layout, fmt)
+        if policy != "keep":
+            raise click.UsageError(
+                "--on-conflict goes with FILES, bundles or v2 stores; --from-vllm keeps the "
+                "later cache's value (v2 store over per-rank files over a single file)"
+            )
+        _import_from_vllm(obj, from_vllm, layout, dry_run, fmt)
         return
     if layout is not None:
         raise click.UsageError("--layout goes with --from-vllm")
     if not files:
         raise click.UsageError("give FILES to import, or --from-vllm")
     if any(_is_dir(f) for f in files):
-        _import_v2_stores(obj, files, fingerprint_ref, scope, fmt)
+        _import_v2_stores(obj, files, fingerprint_ref, scope, policy, dry_run, fmt)
         return
     if any(is_bundle(f) for f in files):
-        _import_bundles(obj, files, fingerprint_ref, scope, fmt)
+        _import_bundles(obj, files, fingerprint_ref, scope, policy, dry_run, fmt)
         return
     with _progress(files, "reading files") as items:
-        parsed = [(str(f), read_cache_file(f)) for f in items]
-    fingerprint_note = _fingerprint_option_note(parsed) if fingerprint_ref else None
-    with obj.registry() as reg:
-        fp = _resolve_fingerprint(reg, fingerprint_ref) if fingerprint_ref else None
-        result = reg.import_cache(parsed, fingerprint=fp, scope=scope)
-    total = sum(len(c.entries) for _, c in parsed)
-    records = sum(len(c.record_rows) for _, c in parsed)
-    _report_import(fmt, result, total, len(parsed), "file", records)
+        parsed = [(str(f), read_cache_file(f), _mtime(f)) for f in items]
+    fingerprint_note = (
+        _fingerprint_option_note([(name, cache) for name, cache, _ in parsed])
+        if fingerprint_ref
+        else None
+    )
+
+    def plan_of(fp: Any) -> Any:
+        inputs = file_inputs(
+            [(name, cache) for name, cache, _ in parsed],
+            fingerprint=fp,
+            scope=scope,
+            mtimes=[mtime for _, _, mtime in parsed],
+        )
+        return plan_import(inputs, policy)
+
+    plan = None
+    if fingerprint_ref in (None, "current"):  # planned (and refused) before the registry opens
+        plan = plan_of(_resolve_fingerprint(None, fingerprint_ref) if fingerprint_ref else None)
+        plan.check()
+    with _import_registry(obj, dry_run) as reg:
+        if plan is None:
+            if reg is None:
+                raise NotFoundError(
+                    f"no registry at {obj.db or 'the default path'}, so no fingerprint "
+                    f"{fingerprint_ref!r}; see `ficache fingerprints`"
+                )
+            plan = plan_of(_resolve_fingerprint(reg, str(fingerprint_ref)))
+        message = ", ".join(name for name, _, _ in parsed)
+        result = plan.preview(reg) if dry_run else plan.execute(reg, message=message)
+    _report_import(fmt, plan, result, "file", dry_run=dry_run)
     if fingerprint_note:
         click.echo(fingerprint_note, err=True)
-    ignored = sum(c.ignored_selections for _, c in parsed)
+    ignored = sum(c.ignored_selections for _, c, _ in parsed)
     if ignored:
         click.echo(
             f"warning: {ignored} entr{'y' if ignored == 1 else 'ies'} held a fourth element that "
@@ -557,51 +608,132 @@ def _fingerprint_option_note(parsed: Sequence[tuple[str, Any]]) -> str | None:
     )
 
 
+def _mtime(path: Path) -> float | None:
+    """A file's mtime (when its entries were tuned, for ``--on-conflict newest``)."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def _import_registry(obj: _Context, dry_run: bool) -> Iterator[Any]:
+    """The registry an import writes; with ``dry_run``, opened to read only, or None
+    where no registry exists yet (a dry run creates none)."""
+    from ficache import schema
+
+    if not dry_run:
+        with obj.registry() as reg:
+            yield reg
+        return
+    location = schema.resolve(obj.db)
+    if location.path is not None and not location.path.exists():
+        yield None
+        return
+    with obj.registry(create=False, write=False) as reg:
+        yield reg
+
+
+def _among_inputs(duplicates: int, conflicts: int) -> str:
+    """``, N duplicates, M conflicts`` of an import's inputs; empty when both are 0."""
+    return f", {duplicates} duplicates, {conflicts} conflicts" if duplicates or conflicts else ""
+
+
 def _report_import(
-    fmt: str,
-    result: Any,
-    entries: int,
-    sources: int,
-    source_noun: str,
-    records: int,
+    fmt: str, plan: Any, result: Any, source_noun: str, *, dry_run: bool = False
 ) -> None:
-    """The report of one ``import`` commit (entries and namespaced records), as text or JSON."""
+    """The report of one import (``ficache.importing.ImportPlan``), as text or JSON.
+
+    Every input entry is in one count: added, replaced, unchanged,
+    duplicates or conflicts (records likewise).
+    """
     if fmt == "json":
         _dump_json(
             {
-                "files": sources,
-                "entries": entries,
+                "files": len(plan.sources),
+                "entries": plan.entries,
                 "commit": result.commit_id,
+                "dry_run": dry_run,
+                "on_conflict": plan.policy,
                 "added": result.added,
                 "replaced": result.replaced,
                 "unchanged": result.unchanged,
-                "records": records,
+                "duplicates": plan.duplicates,
+                "conflicts": plan.conflicts,
+                "records": plan.records,
                 "records_added": result.records_added,
                 "records_replaced": result.records_replaced,
                 "records_unchanged": result.records_unchanged,
+                "records_duplicates": plan.records_duplicates,
+                "records_conflicts": plan.records_conflicts,
+                "conflicting": _conflicts_json(plan),
+                "conflicting_records": _conflicts_json(plan, records=True),
             }
         )
     else:
-        where = (
-            f"commit {result.commit_id}"
-            if result.commit_id is not None
-            else "nothing new, no commit"
+        where = _import_outcome(result, dry_run)
+        records = plan.records
+        held = (
+            f"{plan.entries} entries and {records} records"
+            if records
+            else f"{plan.entries} entries"
         )
-        held = f"{entries} entries and {records} records" if records else f"{entries} entries"
         record_counts = (
             f"; records {result.records_added} added, {result.records_replaced} replaced, "
             f"{result.records_unchanged} unchanged"
+            + _among_inputs(plan.records_duplicates, plan.records_conflicts)
             if records
             else ""
         )
+        verb = "would import" if dry_run else "imported"
         click.echo(
-            f"imported {held} from {sources} {source_noun}(s): {result.added} added, "
-            f"{result.replaced} replaced, {result.unchanged} unchanged{record_counts} ({where})"
+            f"{verb} {held} from {len(plan.sources)} {source_noun}(s): {result.added} added, "
+            f"{result.replaced} replaced, {result.unchanged} unchanged"
+            f"{_among_inputs(plan.duplicates, plan.conflicts)}{record_counts} ({where})"
         )
+    _warn_of_conflicts(plan, source_noun)
 
 
-def _import_from_vllm(obj: _Context, root: str, layout: str | None, fmt: str) -> None:
-    """``import --from-vllm``: find and read vLLM's caches, then one commit (if any)."""
+def _import_outcome(result: Any, dry_run: bool) -> str:
+    """How an import's summary line ends: its commit, no commit, or a dry run."""
+    if dry_run:
+        return "dry run: nothing changed"
+    if result.commit_id is not None:
+        return f"commit {result.commit_id}"
+    return "nothing new, no commit"
+
+
+def _conflicts_json(plan: Any, *, records: bool = False) -> list[dict[str, Any]]:
+    """An import plan's conflicts (entries, or records), each naming its inputs."""
+    return [
+        {**c.as_json(), "files": [plan.sources[n - 1] for n, _v in c.sources]}
+        for c in (plan.conflicting_records if records else plan.conflicting)
+    ]
+
+
+def _warn_of_conflicts(plan: Any, source_noun: str) -> None:
+    """One stderr line when an import's inputs disagreed on some entries (the first named)."""
+    if not plan.conflicting or plan.refused:
+        return
+    first = plan.conflicting[0]
+    names = ", ".join(dict.fromkeys(plan.sources[n - 1] for n, _v in first.sources))
+    n = len(plan.conflicting)
+    click.echo(
+        f"warning: {n} entr{'y' if n == 1 else 'ies'} held different values in two "
+        f"{source_noun}s, resolved by --on-conflict {plan.policy}; first: {first.key[:160]} "
+        f"({names}) -> {first.resolution}",
+        err=True,
+    )
+
+
+def _import_from_vllm(
+    obj: _Context, root: str, layout: str | None, dry_run: bool, fmt: str
+) -> None:
+    """``import --from-vllm``: find and read vLLM's caches, then one commit (if any).
+
+    ``dry_run``: the adoption previewed as an import plan of one input
+    (``ficache.importing``), reading the registry only.
+    """
     from ficache.adopt import (
         V2_STORE,
         KnownLayout,
@@ -622,8 +754,14 @@ def _import_from_vllm(obj: _Context, root: str, layout: str | None, fmt: str) ->
     plan = plan_adoption(sources, known=known)
     result = None
     if not plan.is_empty:
-        with obj.registry() as reg:
-            result = plan.execute(reg)
+        with _import_registry(obj, dry_run) as reg:
+            if dry_run:
+                from ficache.importing import ImportInput, plan_import
+
+                adopted = ImportInput(sources.display, tuple(plan.entries), tuple(plan.records))
+                result = plan_import([adopted]).preview(reg)
+            else:
+                result = plan.execute(reg)
     if fmt == "json":
         _dump_json(
             {
@@ -642,6 +780,7 @@ def _import_from_vllm(obj: _Context, root: str, layout: str | None, fmt: str) ->
                 "record_conflicts": plan.record_conflicts,
                 "ignored_records": plan.ignored_records,
                 "commit": result.commit_id if result else None,
+                "dry_run": dry_run,
                 "added": result.added if result else 0,
                 "replaced": result.replaced if result else 0,
                 "unchanged": result.unchanged if result else 0,
@@ -667,11 +806,7 @@ def _import_from_vllm(obj: _Context, root: str, layout: str | None, fmt: str) ->
         if result is None:
             click.echo(f"found nothing to adopt under {sources.display}")
         else:
-            where = (
-                f"commit {result.commit_id}"
-                if result.commit_id is not None
-                else "nothing new, no commit"
-            )
+            where = _import_outcome(result, dry_run)
             held, record_counts = "", ""
             if plan.records:
                 held = (
@@ -683,7 +818,7 @@ def _import_from_vllm(obj: _Context, root: str, layout: str | None, fmt: str) ->
                     f"replaced, {result.records_unchanged} unchanged"
                 )
             click.echo(
-                f"adopted {len(plan.entries)} entries ({plan.shared} shared, {plan.scoped} "
+                f"{'would adopt' if dry_run else 'adopted'} {len(plan.entries)} entries ({plan.shared} shared, {plan.scoped} "
                 f"scoped){held} from {plan.files} file(s): {result.added} added, "
                 f"{result.replaced} replaced, {result.unchanged} unchanged{record_counts} "
                 f"({where})"
@@ -730,18 +865,35 @@ def _is_dir(path: Path) -> bool:
 
 
 def _import_v2_stores(
-    obj: _Context, dirs: tuple[Path, ...], fingerprint_ref: str | None, scope: str, fmt: str
+    obj: _Context,
+    dirs: tuple[Path, ...],
+    fingerprint_ref: str | None,
+    scope: str,
+    policy: str,
+    dry_run: bool,
+    fmt: str,
 ) -> None:
     """``import`` of FlashInfer v2 stores: read every one, then one commit."""
-    from ficache.v2_store import import_stores, measurement_label, read_store
+    from ficache.v2_store import (
+        measurement_label,
+        plan_store_import,
+        read_store,
+        stores_provenance,
+    )
 
     if not all(_is_dir(d) for d in dirs):
         raise click.UsageError("import v2 store directories and files in separate commands")
     if fingerprint_ref is not None:
         raise click.UsageError("a v2 store's manifest names its environments; drop --fingerprint")
     stores = [read_store(d) for d in dirs]
-    with obj.registry() as reg:
-        result = import_stores(reg, stores, scope=scope)
+    plan = plan_store_import(stores, scope=scope, policy=policy)
+    plan.check()
+    with _import_registry(obj, dry_run) as reg:
+        if dry_run:
+            result = plan.preview(reg)
+        else:
+            message = ", ".join(str(s.source) for s in stores)
+            result = plan.execute(reg, message=message, provenance=stores_provenance(stores))
     envs = [env for store in stores for env in store.environments]
     entries = sum(s.entries for s in stores)
     skipped_entries = sum(s.skipped_entries for s in stores)
@@ -767,9 +919,14 @@ def _import_v2_stores(
                 "skipped_environments": len(skipped_envs),
                 "ignored_records": records,
                 "commit": result.commit_id,
+                "dry_run": dry_run,
+                "on_conflict": plan.policy,
                 "added": result.added,
                 "replaced": result.replaced,
                 "unchanged": result.unchanged,
+                "duplicates": plan.duplicates,
+                "conflicts": plan.conflicts,
+                "conflicting": _conflicts_json(plan),
             }
         )
     else:
@@ -789,15 +946,13 @@ def _import_v2_stores(
                     ),
                 )
             )
-        where = (
-            f"commit {result.commit_id}"
-            if result.commit_id is not None
-            else "nothing new, no commit"
-        )
         click.echo(
-            f"imported {entries} entries from {len(envs)} environment(s): {result.added} added, "
-            f"{result.replaced} replaced, {result.unchanged} unchanged ({where})"
+            f"{'would import' if dry_run else 'imported'} {entries} entries from {len(envs)} "
+            f"environment(s): {result.added} added, {result.replaced} replaced, "
+            f"{result.unchanged} unchanged{_among_inputs(plan.duplicates, plan.conflicts)} "
+            f"({_import_outcome(result, dry_run)})"
         )
+    _warn_of_conflicts(plan, "store")
     if skipped_entries:
         first = next(s for e in envs for s in e.first_skipped)
         click.echo(
@@ -819,10 +974,16 @@ def _import_v2_stores(
 
 
 def _import_bundles(
-    obj: _Context, files: tuple[Path, ...], fingerprint_ref: str | None, scope: str, fmt: str
+    obj: _Context,
+    files: tuple[Path, ...],
+    fingerprint_ref: str | None,
+    scope: str,
+    policy: str,
+    dry_run: bool,
+    fmt: str,
 ) -> None:
     """``import`` of bundles: verify every one, then one commit."""
-    from ficache.bundle import import_bundles, is_bundle, read_bundle
+    from ficache.bundle import bundles_provenance, is_bundle, plan_bundle_import, read_bundle
 
     if not all(is_bundle(f) for f in files):
         raise click.UsageError("import bundles and FlashInfer cache files in separate commands")
@@ -831,11 +992,15 @@ def _import_bundles(
             "a bundle carries its own fingerprints and scopes; drop --fingerprint/--scope"
         )
     bundles = [(str(f), read_bundle(f)) for f in files]
-    with obj.registry() as reg:
-        result = import_bundles(reg, bundles)
-    total = sum(len(b.entries) for _, b in bundles)
-    records = sum(int(b.provenance["records"]) for _, b in bundles)
-    _report_import(fmt, result, total, len(bundles), "bundle", records)
+    plan = plan_bundle_import(bundles, policy)
+    plan.check()
+    with _import_registry(obj, dry_run) as reg:
+        if dry_run:
+            result = plan.preview(reg)
+        else:
+            message = ", ".join(source for source, _ in bundles)
+            result = plan.execute(reg, message=message, provenance=bundles_provenance(bundles))
+    _report_import(fmt, plan, result, "bundle", dry_run=dry_run)
 
 
 @cli.command("export")
@@ -1410,8 +1575,6 @@ def show_cmd(obj: _Context, commit_id: int, fmt: str) -> None:
 
 # -- merge ---------------------------------------------------------------------------
 
-#: ``ficache.merge.POLICIES``, repeated so that `--help` does not import the library.
-MERGE_POLICIES = ("keep", "theirs", "newest", "vote", "drop", "fail")
 #: Conflicts a text report lists (JSON lists them all).
 SHOWN_CONFLICTS = 50
 

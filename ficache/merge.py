@@ -23,6 +23,9 @@ Policies decide which value stays:
   start re-tunes it.
 - ``fail``: nothing changes; executing raises ``MergeConflictError``.
 
+``resolve`` is the one rule for conflicts among sources: ``import`` applies
+it, with no target, to the keys its own inputs share (``ficache.importing``).
+
 Invariants:
 - Sources are read, parsed and verified before the registry's write lock is
   taken; the lock is held for SQL only. A damaged source raises one
@@ -538,7 +541,7 @@ _TARGET = "target"
 _DROP = "dropped"
 
 
-def _resolve(
+def resolve(
     policy: str,
     target: tuple[Any, float | None] | None,
     candidates: list[tuple[int, Any]],
@@ -592,7 +595,7 @@ def plan_merge(
                 conn,
                 [s.records for s in sources],
                 policy,
-                _resolve_record,
+                resolve_record,
                 target_word=_TARGET,
                 drop_word=_DROP,
             )
@@ -605,10 +608,10 @@ def _record_value(r: NewRecord) -> str:
     return r.value_json
 
 
-def _resolve_record(
+def resolve_record(
     policy: str, target: tuple[str, float | None] | None, candidates: list[tuple[int, NewRecord]]
 ) -> str | tuple[int, Any]:
-    return _resolve(policy, target, candidates, _record_value)
+    return resolve(policy, target, candidates, _record_value)
 
 
 def _plan(registry: Registry, sources: Sequence[MergeSource], policy: str) -> MergePlan:
@@ -717,7 +720,7 @@ def _plan(registry: Registry, sources: Sequence[MergeSource], policy: str) -> Me
                     group[3] += 1
                 continue
             group[4] += 1
-            winner = _resolve(policy, (now[0], now[1]) if now is not None else None, cands)
+            winner = resolve(policy, (now[0], now[1]) if now is not None else None, cands)
             resolution = winner if isinstance(winner, str) else f"source {winner[0]}"
             if winner == _DROP:
                 if now is not None:
@@ -831,4 +834,6 @@ __all__ = [
     "plan_merge",
     "read_sources",
     "registry_digest",
+    "resolve",
+    "resolve_record",
 ]

@@ -617,7 +617,7 @@ class RecordMergePlan:
         }
 
 
-#: ``merge._resolve``: (policy, (target value, tuned_at) | None, [(source n, record)]) -> winner.
+#: ``merge.resolve``: (policy, (target value, tuned_at) | None, [(source n, record)]) -> winner.
 Resolve = Callable[[str, "tuple[str, float | None] | None", list[tuple[int, NewRecord]]], Any]
 
 

@@ -1318,60 +1318,24 @@ class Registry:
         *,
         fingerprint: Fingerprint | None = None,
         scope: str = SHARED_SCOPE,
-        kind: str = "import",
         provenance: dict[str, Any] | None = None,
+        on_conflict: str = "keep",
     ) -> WriteResult:
         """Import parsed FlashInfer files in one commit.
 
         A file's own ``_metadata`` names its fingerprint; ``fingerprint`` is
         used only for files that have none, and such a file without it is
-        refused before anything is written.
+        refused before anything is written. A key two files hold is
+        imported once, chosen by ``on_conflict`` when their values differ
+        (``ficache.importing``: merge's policies, ``keep`` = the first file's;
+        ``fail`` raises ``MergeConflictError`` and writes nothing).
         """
-        validate_scope(scope)
-        with paused_gc():  # one NewEntry per entry: many small objects, no cycles
-            new = self._entries_of_files(files, fingerprint, scope)
-            records = [
-                r
-                for source, cache in files
-                if cache.record_rows
-                for r in rec.records_of_file(
-                    self._file_fingerprint(source, cache, fingerprint), cache.record_rows, scope
-                )
-            ]
-            message = ", ".join(source for source, _ in files)
-            return self.write(
-                new, kind=kind, message=message[:2000], provenance=provenance, records=records
-            )
+        from ficache.importing import file_inputs, plan_import
 
-    @staticmethod
-    def _file_fingerprint(
-        source: str, cache: CacheFile, fingerprint: Fingerprint | None
-    ) -> Fingerprint:
-        if cache.metadata is not None:
-            return Fingerprint.from_flashinfer_metadata(cache.metadata)
-        if fingerprint is not None:
-            return fingerprint
-        raise FingerprintError(
-            f"{source} has no _metadata, so its environment is unknown; "
-            "import it with --fingerprint ID|current"
+        plan = plan_import(file_inputs(files, fingerprint=fingerprint, scope=scope), on_conflict)
+        return plan.execute(
+            self, message=", ".join(source for source, _ in files), provenance=provenance
         )
-
-    @staticmethod
-    def _entries_of_files(
-        files: Sequence[tuple[str, CacheFile]], fingerprint: Fingerprint | None, scope: str
-    ) -> list[NewEntry]:
-        new: list[NewEntry] = []
-        make = _tuple_new
-        for source, cache in files:
-            fp = Registry._file_fingerprint(source, cache, fingerprint)
-            # A FileEntry is (key, runner, tactic, policy, fields, selection).
-            new.extend(
-                [
-                    make(NewEntry, (fp, key, runner, tactic, policy, scope, kf, None, selection))
-                    for key, runner, tactic, policy, kf, selection in cache.entries
-                ]
-            )
-        return new
 
     # -- prune --------------------------------------------------------------
 

@@ -80,7 +80,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ficache.errors import FingerprintError, NotFoundError, V2StoreError
 from ficache.fingerprint import FLASHINFER_FIELDS, Fingerprint
@@ -93,6 +93,9 @@ from ficache.flashinfer_format import (
 from ficache.models import SHARED_SCOPE
 from ficache.publish import publish
 from ficache.registry import NewEntry, Registry, WriteResult, validate_scope
+
+if TYPE_CHECKING:
+    from ficache.importing import ImportPlan
 
 SCHEMA = "v2"
 SCHEMA_KEY = "cache_schema"
@@ -506,27 +509,41 @@ def _check_one_policy_per_fingerprint(stores: Sequence[StoreContents]) -> None:
                 )
 
 
-def import_stores(
-    registry: Registry, stores: Sequence[StoreContents], *, scope: str = SHARED_SCOPE
-) -> WriteResult:
-    """Import every environment of ``stores`` as one commit.
+def plan_store_import(
+    stores: Sequence[StoreContents], *, scope: str = SHARED_SCOPE, policy: str = "keep"
+) -> ImportPlan:
+    """The import plan of ``stores`` (``ficache.importing``: one input per store).
 
-    The commit's provenance records each environment's hash, fingerprint
-    digest and measurement policy (what a later export reads back).
+    A key two stores hold with different values is resolved by ``policy``,
+    as ``merge`` does.
     """
+    from ficache.importing import ImportInput, plan_import
+
     validate_scope(scope)
     _check_one_policy_per_fingerprint(stores)
-    new: list[NewEntry] = []
+    inputs = [
+        ImportInput(
+            str(store.source),
+            tuple(
+                NewEntry(
+                    env.fingerprint, e.key, e.runner, e.tactic_json, e.policy_json, scope, e.fields
+                )
+                for env in store.environments
+                for e in env.entries
+            ),
+        )
+        for store in stores
+    ]
+    return plan_import(inputs, policy)
+
+
+def stores_provenance(stores: Sequence[StoreContents]) -> dict[str, Any]:
+    """An import commit's provenance: each environment's hash, fingerprint digest and
+    measurement policy (what a later export reads back)."""
     environments: list[dict[str, Any]] = []
     skipped_environments: list[dict[str, str]] = []
     for store in stores:
         for env in store.environments:
-            new.extend(
-                NewEntry(
-                    env.fingerprint, e.key, e.runner, e.tactic_json, e.policy_json, scope, e.fields
-                )
-                for e in env.entries
-            )
             environments.append(
                 {
                     "path": str(env.path),
@@ -544,8 +561,23 @@ def import_stores(
     provenance: dict[str, Any] = {"source": PROVENANCE_SOURCE, "environments": environments}
     if skipped_environments:
         provenance["skipped_environments"] = skipped_environments[:MAX_REASONS]
-    message = ", ".join(str(s.source) for s in stores)
-    return registry.write(new, kind="import", message=message[:2000], provenance=provenance)
+    return provenance
+
+
+def import_stores(
+    registry: Registry,
+    stores: Sequence[StoreContents],
+    *,
+    scope: str = SHARED_SCOPE,
+    on_conflict: str = "keep",
+) -> WriteResult:
+    """Import every environment of ``stores`` as one commit (``stores_provenance``)."""
+    plan = plan_store_import(stores, scope=scope, policy=on_conflict)
+    return plan.execute(
+        registry,
+        message=", ".join(str(s.source) for s in stores),
+        provenance=stores_provenance(stores),
+    )
 
 
 def recorded_measurements(registry: Registry) -> dict[str, dict[str, str]]:

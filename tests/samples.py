@@ -25,3 +25,16 @@ SHORT_H200_METADATA = {
     "cutlass_dsl_version": "4.8.1",
     "gpu": "NVIDIA H200",
 }
+
+
+#: The keys ``import --format json`` adds for an import whose inputs share no key.
+NO_DUPLICATES = {
+    "dry_run": False,
+    "on_conflict": "keep",
+    "duplicates": 0,
+    "conflicts": 0,
+    "records_duplicates": 0,
+    "records_conflicts": 0,
+    "conflicting": [],
+    "conflicting_records": [],
+}

@@ -705,6 +705,7 @@ def test_cli_adopts_a_tree_and_reports_it(cli: Any, tmp_path: Path, registry_db:
         "record_conflicts": 0,
         "ignored_records": 0,
         "commit": None,
+        "dry_run": False,
         "added": 0,
         "replaced": 0,
         "unchanged": 5,
@@ -712,6 +713,39 @@ def test_cli_adopts_a_tree_and_reports_it(cli: Any, tmp_path: Path, registry_db:
         "records_replaced": 0,
         "records_unchanged": 0,
     }
+
+
+def test_cli_dry_run_shows_the_adoption_and_changes_nothing(
+    cli: Any, tmp_path: Path, registry_path: Path
+) -> None:
+    root, directory, env_dir = small_tree(tmp_path)
+    table = [
+        "kind      layout           files  shared  scoped  skipped  directory",
+        f"per rank  tp2-pp1-dp1-ep1  2      1       3       0        {directory}",
+        f"v2 store  shared           1      1       0       0        {env_dir}",
+    ]
+    summary = "5 entries (2 shared, 3 scoped) from 3 file(s): 5 added, 0 replaced, 0 unchanged"
+
+    planned = cli("import", "--from-vllm", str(root), "--dry-run")
+
+    assert (planned.exit_code, planned.stderr) == (0, "")
+    assert planned.stdout.splitlines() == [
+        *table,
+        f"would adopt {summary} (dry run: nothing changed)",
+    ]
+    assert not registry_path.exists()
+    assert cli("import", "--from-vllm", str(root)).stdout.splitlines() == [
+        *table,
+        f"adopted {summary} (commit 1)",
+    ]
+    before = registry_path.read_bytes()
+    again = cli("import", "--from-vllm", str(root), "--dry-run", "--format", "json")
+    assert {k: json.loads(again.stdout)[k] for k in ("dry_run", "commit", "unchanged")} == {
+        "dry_run": True,
+        "commit": None,
+        "unchanged": 5,
+    }
+    assert registry_path.read_bytes() == before
 
 
 def test_cli_layout_names_the_scopes(cli: Any, tmp_path: Path, registry_db: str) -> None:
@@ -797,6 +831,7 @@ def test_cli_refuses_a_root_that_is_not_a_directory(
         (["--layout", "tp2-pp1-dp1-ep1", "file.json"], "--layout goes with --from-vllm"),
         ([], "give FILES to import, or --from-vllm"),
         (["--from-vllm", "ROOT", "--layout", "a/b"], "'a/b' is not a layout the vLLM plugin names"),
+        (["--from-vllm", "ROOT", "--on-conflict", "theirs"], "--on-conflict goes with FILES"),
     ],
 )
 def test_cli_usage_errors(cli: Any, tmp_path: Path, args: list[str], message: str) -> None:

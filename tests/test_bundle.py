@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from samples import SHORT_H200_METADATA
+from samples import NO_DUPLICATES, SHORT_H200_METADATA
 
 from ficache.bundle import (
     MAGIC,
@@ -311,6 +311,37 @@ def test_import_keeps_scopes_and_tuned_at(
     assert {row[1] for row in theirs} == {"shared", "tp2/rank1"}
 
 
+def test_two_bundles_holding_one_key_differently_follow_on_conflict_and_dry_run(
+    cli, cache_file, bundle_file: Path, target: Path, tmp_path: Path, dump_db
+) -> None:
+    other_db, other = tmp_path / "other.db", tmp_path / "other.bundle"
+    retuned = cache_file("retuned.json", {K16: ["Runner", 99]}, metadata=META)
+    assert cli("import", retuned, db=other_db).exit_code == 0
+    assert cli("export", "--bundle", other, "--all", db=other_db).exit_code == 0
+    before, file_bytes = dump_db(target), target.read_bytes()
+
+    planned = cli("import", bundle_file, other, "--dry-run", db=target)
+
+    assert (planned.exit_code, planned.stdout) == (
+        0,
+        "would import 5 entries from 2 bundle(s): 4 added, 0 replaced, 0 unchanged, "
+        "0 duplicates, 1 conflicts (dry run: nothing changed)\n",
+    )
+    assert (dump_db(target), target.read_bytes()) == (before, file_bytes)
+    refused = cli("import", bundle_file, other, "--on-conflict", "fail", db=target)
+    assert (refused.exit_code, refused.stdout) == (1, "")
+    assert refused.stderr.startswith(
+        f'error: {bundle_file} and {other} hold different values for entry "{K16}"'
+    )
+    assert dump_db(target) == before
+
+    done = cli("import", bundle_file, other, "--on-conflict", "theirs", db=target)
+
+    assert done.stdout.endswith("0 duplicates, 1 conflicts (commit 2)\n")
+    h200 = Fingerprint.from_flashinfer_metadata(META).digest
+    assert [row[4] for row in stored(target) if row[:3] == (h200, "shared", K16)] == ["99"]
+
+
 def test_import_twice_makes_one_commit_naming_the_bundle(
     cli, bundle_file: Path, target: Path, dump_db
 ) -> None:
@@ -330,6 +361,7 @@ def test_import_twice_makes_one_commit_naming_the_bundle(
         "records_added": 0,
         "records_replaced": 0,
         "records_unchanged": 0,
+        **NO_DUPLICATES,
     }
     assert dump_db(target) == after_first
     with Registry.open(str(target), create=False) as reg:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import click
 import pytest
-from samples import SHORT_H200_METADATA
+from samples import NO_DUPLICATES, SHORT_H200_METADATA
 from terminal import run_in_a_terminal
 
 from ficache import schema
@@ -205,6 +205,7 @@ def test_import_replaces_and_reports_json(cli, populated: str, cache_file) -> No
         "records_added": 0,
         "records_replaced": 0,
         "records_unchanged": 0,
+        **NO_DUPLICATES,
     }
 
 
@@ -264,6 +265,199 @@ def test_import_without_metadata_as_the_current_environment(cli, cache_file) -> 
     assert result.exit_code == 0
     [info] = json.loads(cli("fingerprints", "--format", "json").stdout)
     assert info["digest"] == collect().digest
+
+
+# -- import: the inputs' own duplicates and conflicts (issue 23) ------------------------------
+
+#: Two files as in the operator's report: b.json holds K16 and K32 like a.json (K32
+#: with another value) and K64 twice over with a.json's value.
+A_ENTRIES = {K16: ["Runner", 1], K32: ["Runner", 2], K64: ["Runner", 3]}
+B_ENTRIES = {K16: ["Runner", 1], K32: ["Runner", 20], K64: ["Runner", 3]}
+
+
+def stored_tactics(db: str | Path) -> dict[str, object]:
+    with Registry.open(str(db), create=False) as reg:
+        return {e.key: json.loads(e.tactic_json) for e in reg.entries()}
+
+
+@both_backends
+def test_import_counts_duplicates_and_conflicts_and_keeps_the_first_file_as_merge_does(
+    cli, cache_file, registry_db: str, tmp_path: Path
+) -> None:
+    a = cache_file("a.json", A_ENTRIES, metadata=META)
+    b = cache_file("b.json", B_ENTRIES, metadata=META)
+
+    result = cli("import", a, b)
+
+    assert result.exit_code == 0
+    assert result.stdout == (
+        "imported 6 entries from 2 file(s): 3 added, 0 replaced, 0 unchanged, "
+        "2 duplicates, 1 conflicts (commit 1)\n"
+    )
+    assert result.stderr == (
+        f"warning: 1 entry held different values in two files, resolved by --on-conflict "
+        f"keep; first: {K32} ({a}, {b}) -> source 1\n"
+    )
+    merged = tmp_path / "merged.db"
+    assert cli("merge", a, b, db=merged).exit_code == 0
+    assert stored_tactics(registry_db) == stored_tactics(merged) == {K16: 1, K32: 2, K64: 3}
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected", "counts"),
+    [
+        ("keep", {K16: 1, K32: 2, K64: 3}, (3, 3, 2)),
+        ("theirs", {K16: 1, K32: 30, K64: 3}, (3, 3, 2)),
+        ("newest", {K16: 1, K32: 20, K64: 3}, (3, 3, 2)),
+        ("vote", {K16: 1, K32: 20, K64: 3}, (3, 3, 2)),
+        ("drop", {K16: 1, K64: 3}, (2, 3, 3)),
+    ],
+)
+def test_import_on_conflict_follows_merge_and_every_entry_is_counted_once(
+    cli, cache_file, registry_db: str, tmp_path: Path, policy: str, expected, counts
+) -> None:
+    """Four files hold K32 as 2 (a, the first), 20 (b, the newest, and c) and 30 (d, the
+    last); K16 and K64 twice with one value. 8 entries: 3 duplicates (one per key), K32's
+    other values are conflicts (all three of them when dropped)."""
+    a = cache_file("a.json", A_ENTRIES, metadata=META)
+    b = cache_file("b.json", B_ENTRIES, metadata=META)
+    c = cache_file("c.json", {K32: ["Runner", 20]}, metadata=META)
+    d = cache_file("d.json", {K32: ["Runner", 30]}, metadata=META)
+    for age, path in enumerate((d, c, a, b)):  # b is the newest file, d the oldest
+        os.utime(path, (1_700_000_000 + age, 1_700_000_000 + age))
+
+    result = cli("import", a, b, c, d, "--on-conflict", policy, "--format", "json")
+
+    report = json.loads(result.stdout)
+    assert (report["added"], report["duplicates"], report["conflicts"]) == counts
+    assert (
+        report["added"]
+        + report["replaced"]
+        + report["unchanged"]
+        + report["duplicates"]
+        + report["conflicts"]
+        == report["entries"]
+        == 8
+    )
+    [conflict] = report["conflicting"]
+    assert (conflict["key"], conflict["files"]) == (K32, [str(a), str(b), str(c), str(d)])
+    merged = tmp_path / "merged.db"
+    assert cli("merge", a, b, c, d, "--on-conflict", policy, db=merged).exit_code == 0
+    assert stored_tactics(registry_db) == stored_tactics(merged) == expected
+
+
+@both_backends
+def test_import_on_conflict_fail_names_a_key_and_the_files_and_changes_nothing(
+    cli, populated: str, cache_file, dump_db
+) -> None:
+    a = cache_file("a.json", A_ENTRIES, metadata=META)
+    b = cache_file("b.json", B_ENTRIES, metadata=META)
+    before = dump_db(populated)
+
+    result = cli("import", a, b, "--on-conflict", "fail")
+
+    one_error_line(
+        result,
+        f'{a} and {b} hold different values for entry "{K32}" (fingerprint {DIGEST[:12]}, '
+        "scope shared); nothing imported; choose which wins with "
+        "--on-conflict keep|theirs|newest|vote|drop",
+    )
+    assert dump_db(populated) == before
+    agreeing = cli(
+        "import",
+        a,
+        cache_file("k16.json", {K16: ["Runner", 1]}, metadata=META),
+        "--on-conflict",
+        "fail",
+    )
+    assert agreeing.stdout.endswith("1 duplicates, 0 conflicts (commit 2)\n")
+
+
+def test_import_on_conflict_fail_on_a_new_registry_creates_none(
+    cli, cache_file, registry_path: Path
+) -> None:
+    a = cache_file("a.json", A_ENTRIES, metadata=META)
+    b = cache_file("b.json", B_ENTRIES, metadata=META)
+
+    result = cli("import", a, b, "--on-conflict", "fail")
+
+    assert result.exit_code == 1
+    assert not registry_path.exists()
+
+
+def test_import_resolves_conflicting_records_like_entries(cli, cache_file) -> None:
+    a = cache_file(
+        "a.json", {"_records": {"ns": {"k": 1, "same": 2}}, K16: ["Runner", 1]}, metadata=META
+    )
+    b = cache_file(
+        "b.json", {"_records": {"ns": {"k": 5, "same": 2}}, K16: ["Runner", 1]}, metadata=META
+    )
+
+    refused = cli("import", a, b, "--on-conflict", "fail")
+    one_error_line(
+        refused,
+        f"{a} and {b} hold different values for record ns/'k' (fingerprint {DIGEST[:12]}, "
+        "scope shared); nothing imported; choose which wins with "
+        "--on-conflict keep|theirs|newest|vote|drop",
+    )
+    result = cli("import", a, b, "--on-conflict", "theirs")
+
+    assert result.stdout == (
+        "imported 2 entries and 4 records from 2 file(s): 1 added, 0 replaced, 0 unchanged, "
+        "1 duplicates, 0 conflicts; records 2 added, 0 replaced, 0 unchanged, 1 duplicates, "
+        "1 conflicts (commit 1)\n"
+    )
+    assert cli("list", "--records").stdout.splitlines()[1:] == [
+        "1            shared  ns         k     5      1",
+        "1            shared  ns         same  2      1",
+    ]
+
+
+# -- import --dry-run -------------------------------------------------------------------------
+
+
+@both_backends
+def test_import_dry_run_shows_what_the_import_does_and_changes_nothing(
+    cli, populated: str, cache_file, dump_db, registry_db: str
+) -> None:
+    a = cache_file("a.json", {K16: ["Runner", 9], K32: ["Runner", 4]}, metadata=META)
+    b = cache_file("b.json", {K64: ["Runner", 1], K16: ["Runner", 8]}, metadata=META)
+    before = dump_db(populated)
+    file_bytes = Path(populated).read_bytes() if registry_db != str(populated) else None
+
+    planned = cli("import", a, b, "--dry-run")
+
+    summary = (
+        "4 entries from 2 file(s): 1 added, 1 replaced, 1 unchanged, 0 duplicates, 1 conflicts"
+    )
+    assert (planned.exit_code, planned.stdout) == (
+        0,
+        f"would import {summary} (dry run: nothing changed)\n",
+    )
+    assert dump_db(populated) == before
+    if file_bytes is not None:
+        assert Path(populated).read_bytes() == file_bytes
+    as_json = json.loads(cli("import", a, b, "--dry-run", "--format", "json").stdout)
+    assert (as_json["dry_run"], as_json["commit"]) == (True, None)
+    assert dump_db(populated) == before
+
+    done = cli("import", a, b)
+
+    assert done.stdout == f"imported {summary} (commit 2)\n"
+
+
+def test_import_dry_run_on_a_missing_registry_creates_none(
+    cli, cache_file, registry_path: Path
+) -> None:
+    a = cache_file("a.json", A_ENTRIES, metadata=META)
+
+    result = cli("import", a, "--dry-run")
+
+    assert result.stdout == (
+        "would import 3 entries from 1 file(s): 3 added, 0 replaced, 0 unchanged "
+        "(dry run: nothing changed)\n"
+    )
+    assert not registry_path.exists()
 
 
 # -- list / fingerprints / stats / log ---------------------------------------------------------

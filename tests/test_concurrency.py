@@ -179,6 +179,61 @@ def test_parallel_importers_all_succeed_and_lose_nothing(
     )
 
 
+# -- 2 importers of the same keys (issue 23) -------------------------------------------------
+
+SAME_KEYS = 610
+
+
+def write_same_keys(path: Path, writer: int) -> None:
+    """SAME_KEYS entries every writer's file holds; half of them with this writer's value."""
+    entries = {key(0, m): ["Runner", [m, writer if m % 2 else 0]] for m in range(SAME_KEYS)}
+    path.write_text(json.dumps({"_metadata": META, **entries}))
+
+
+def stored_values(db: str) -> dict[str, str]:
+    with Registry.open(db, create=False) as reg:
+        return {e.key: e.tactic_json for e in reg.entries()}
+
+
+@both_backends
+def test_two_importers_of_the_same_keys_both_succeed_and_end_as_a_sequential_run(
+    tmp_path: Path, registry_db: str
+) -> None:
+    """Each import's values are compared with the stored ones under the write lock, so the
+    one that waits for the other's commit still succeeds, replacing what differs."""
+    Registry.open(registry_db).close()
+    files = [tmp_path / "a.json", tmp_path / "b.json"]
+    for writer, path in enumerate(files, start=1):
+        write_same_keys(path, writer)
+    start = time.time() + START_DELAY_S
+    outputs = run_all(
+        [
+            [sys.executable, "-c", _IMPORT_AT, repr(start), "--db", registry_db, "import", str(f)]
+            for f in files
+        ]
+    )
+
+    assert [(code, err) for code, _out, err in outputs] == [(0, "")] * 2
+    with Registry.open(registry_db) as reg:
+        order = [c.message for c in reversed(reg.log(None))]  # in commit order
+    assert sorted(order) == sorted(str(f) for f in files)
+    replaced = SAME_KEYS // 2
+    by_file = dict(zip((str(f) for f in files), (out for _code, out, _err in outputs), strict=True))
+    assert by_file[order[0]].startswith(
+        f"imported {SAME_KEYS} entries from 1 file(s): {SAME_KEYS} added, 0 replaced"
+    )
+    assert by_file[order[1]].startswith(
+        f"imported {SAME_KEYS} entries from 1 file(s): 0 added, {replaced} replaced, "
+        f"{SAME_KEYS - replaced} unchanged"
+    )
+    sequential = str(tmp_path / "sequential.db")
+    for name in order:
+        with Registry.open(sequential) as reg:
+            reg.import_cache([(name, read_cache_file(name))])
+    assert stored_values(registry_db) == stored_values(sequential)
+    assert_history_explains_every_entry(registry_db)
+
+
 # -- 8 servers committing the same keys at once --------------------------------------------
 
 SHARED_KEYS = 50  # every server tuned these

@@ -658,8 +658,8 @@ def test_piped_output_has_no_progress(cli, cache_file) -> None:
     assert "reading" not in merged.stdout
     assert merged.stdout.startswith("merge plan (on conflict: keep, 6 source(s)):\n")
     assert (imported.stdout, imported.stderr) == (
-        "imported 12 entries from 6 file(s): 0 added, 0 replaced, 2 unchanged "
-        "(nothing new, no commit)\n",
+        "imported 12 entries from 6 file(s): 0 added, 0 replaced, 2 unchanged, "
+        "10 duplicates, 0 conflicts (nothing new, no commit)\n",
         "",
     )
 

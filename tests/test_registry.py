@@ -14,7 +14,13 @@ import pytest
 from sqlalchemy import event, text
 
 from ficache import schema
-from ficache.errors import ConflictError, FicacheError, FingerprintError, NotFoundError
+from ficache.errors import (
+    ConflictError,
+    FicacheError,
+    FingerprintError,
+    MergeConflictError,
+    NotFoundError,
+)
 from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import parse_cache_bytes, parse_key
 from ficache.registry import (
@@ -549,6 +555,69 @@ def test_import_without_metadata_needs_a_fingerprint(reg: Registry) -> None:
     assert result.added == 1
     [stored] = reg.entries()
     assert (reg.fingerprint(stored.fingerprint_id).fingerprint, stored.scope) == (B200, "tp4/rank3")
+
+
+def _cache(entries: dict[str, Any], records: dict[str, Any] | None = None) -> Any:
+    data: dict[str, Any] = {"_metadata": H200.flashinfer_metadata(), **entries}
+    if records is not None:
+        data["_records"] = records
+    return parse_cache_bytes(json.dumps(data).encode())
+
+
+def test_import_cache_takes_a_key_two_files_hold_from_the_first_as_merge_keeps(
+    reg: Registry,
+) -> None:
+    a = _cache({key(1): ["CutlassRunner", 1], key(2): ["CutlassRunner", 2]}, {"ns": {"r": 1}})
+    b = _cache({key(1): ["CutlassRunner", 10], key(2): ["CutlassRunner", 2]}, {"ns": {"r": 9}})
+
+    with pytest.raises(MergeConflictError, match=r"^a\.json and b\.json hold different values"):
+        reg.import_cache([("a.json", a), ("b.json", b)], on_conflict="fail")
+    assert reg.log() == []
+
+    result = reg.import_cache([("a.json", a), ("b.json", b)])
+
+    assert (result.added, result.replaced, result.unchanged, result.records_added) == (2, 0, 0, 1)
+    assert {k: t for (_f, _s, k), t in current(reg).items()} == {key(1): "1", key(2): "2"}
+    assert reg.slice_records([1], ["shared"]) == {"ns": {"r": "1"}}
+    [commit] = reg.log()
+    assert {k: commit.provenance[k] for k in ("on_conflict", "duplicates", "conflicts")} == {
+        "on_conflict": "keep",
+        "duplicates": 1,
+        "conflicts": 1,
+    }
+
+
+def test_an_import_plan_counts_every_input_entry_once_and_previews_without_writing(
+    reg: Registry, registry_db: str, dump_db
+) -> None:
+    from ficache.importing import file_inputs, plan_import
+
+    reg.import_cache([("old.json", _cache({key(1): ["CutlassRunner", 0]}))])
+    before = dump_db(registry_db)
+    inputs = file_inputs(
+        [
+            ("a.json", _cache({key(1): ["CutlassRunner", 1], key(2): ["CutlassRunner", 2]})),
+            ("b.json", _cache({key(1): ["CutlassRunner", 1], key(3): ["CutlassRunner", 3]})),
+            ("c.json", _cache({key(1): ["CutlassRunner", 5], key(3): ["CutlassRunner", 3]})),
+        ]
+    )
+
+    plan = plan_import(inputs, "vote")
+    preview = plan.preview(reg)
+
+    assert dump_db(registry_db) == before
+    assert (plan.entries, plan.duplicates, plan.conflicts) == (6, 2, 1)
+    assert (preview.added, preview.replaced, preview.unchanged) == (2, 1, 0)
+    assert preview.added + preview.replaced + preview.unchanged + 2 + 1 == plan.entries
+    [conflict] = plan.conflicting
+    assert (conflict.key, conflict.resolution) == (key(1), "source 1")
+    result = plan.execute(reg, message="a, b, c")
+    assert (result.added, result.replaced, result.unchanged) == (2, 1, 0)
+    assert {k: t for (_f, _s, k), t in current(reg).items()} == {
+        key(1): "1",
+        key(2): "2",
+        key(3): "3",
+    }
 
 
 def test_fingerprint_lookup_by_id_and_digest_prefix(reg: Registry) -> None:

@@ -238,6 +238,38 @@ def test_importing_the_same_store_twice_makes_no_second_commit(cli, tmp_path: Pa
     )
 
 
+def test_two_stores_holding_one_key_differently_follow_on_conflict_and_dry_run(
+    cli, tmp_path: Path, registry_path: Path
+) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    publish_like_tuning(first)
+    retuned = [(*TUNED[0][:4], 77, TUNED[0][5]), *TUNED[1:]]
+    publish_like_tuning(second, tuned=retuned)
+    [key_of_retuned] = [k.file_key for k in cache_keys(retuned)[:1]]
+
+    planned = cli("import", first, second, "--dry-run")
+
+    assert planned.exit_code == 0
+    assert planned.stdout.endswith(
+        "would import 10 entries from 2 environment(s): 5 added, 0 replaced, 0 unchanged, "
+        "4 duplicates, 1 conflicts (dry run: nothing changed)\n"
+    )
+    assert not registry_path.exists()
+    refused = cli("import", first, second, "--on-conflict", "fail")
+    assert (refused.exit_code, refused.stdout) == (1, "")
+    assert refused.stderr.startswith(f"error: {first} and {second} hold different values for entry")
+    assert not registry_path.exists()
+
+    done = cli("import", first, second, "--on-conflict", "theirs")
+
+    assert done.stdout.endswith(
+        "imported 10 entries from 2 environment(s): 5 added, 0 replaced, 0 unchanged, "
+        "4 duplicates, 1 conflicts (commit 1)\n"
+    )
+    listed = {e["key"]: e["tactic"] for e in json.loads(cli("list", "--format", "json").stdout)}
+    assert listed[key_of_retuned] == 77
+
+
 # -- export: FlashInfer serves it --------------------------------------------------
 
 

@@ -1,0 +1,365 @@
+"""Import plans: an import's own inputs reconciled under merge's policies, then one commit.
+
+``plan_import(inputs, policy)`` takes the inputs of one ``import`` (FlashInfer
+files, bundles, v2 stores: each an ``ImportInput`` of entries and namespaced
+records) and decides, for every identity that more than one input holds,
+which value is imported. ``ImportPlan.execute(registry)`` writes the chosen
+values as one ``import`` commit; ``ImportPlan.preview(registry)`` says what
+that commit would do, reading the registry only (``import --dry-run``).
+
+An import stores what its inputs hold, replacing the registry's values: the
+registry is no party to a conflict among the inputs, and a conflict is one
+(fingerprint, scope, key) (for records: and namespace) that two input entries
+hold with different values (runner, tactic, policy; a record's JSON value).
+
+Invariants:
+- One rule with ``merge``: a conflict is resolved by ``ficache.merge.resolve``
+  with no target, as a merge resolves the sources of a key the registry does
+  not hold (``keep``: the first input's value; ``theirs``: the last's;
+  ``newest``: the latest tuned, a file's entries dated by its mtime; ``vote``:
+  the value most inputs hold). ``drop`` leaves the identity out of the import
+  (an import never removes: the registry's value, if any, stays as it was);
+  ``fail`` refuses the whole import (``check``: one line naming a key and its
+  inputs) before the registry is written.
+- Every input entry is in exactly one count: of an identity's ``n`` input
+  entries holding ``d`` distinct values, the one imported is added, replaced
+  or unchanged (by the write), ``d - 1`` are ``conflicts`` (all ``d`` when the
+  identity is dropped) and ``n - d`` are ``duplicates``. Records likewise.
+- The plan is a function of the inputs and the policy only. ``execute``
+  writes every chosen value, equal ones too, in one ``Registry.write`` that
+  compares them with the stored values under the write lock: an import is
+  never applied to a state it was not planned from, so concurrent imports
+  all succeed and end as some sequential order of them would.
+- ``preview`` is the counts ``execute`` returns on the same registry state,
+  computed as a one-source ``theirs`` merge plan (``ficache.merge``), which
+  never writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ficache._gcpause import paused_gc
+from ficache.errors import FingerprintError, MergeConflictError
+from ficache.fingerprint import Fingerprint
+from ficache.flashinfer_format import CacheFile
+from ficache.history import EntryValue
+from ficache.merge import (
+    POLICIES,
+    MergeConflict,
+    MergeSource,
+    plan_merge,
+    resolve,
+    resolve_record,
+)
+from ficache.models import SHARED_SCOPE
+from ficache.records import NewRecord, RecordConflict, records_of_file
+from ficache.registry import NewEntry, Registry, WriteResult, validate_scope
+
+
+@dataclass(frozen=True)
+class ImportInput:
+    """One input of an import: its name and what it holds.
+
+    ``tuned_at``: when its entries and records that carry no time of their
+    own were tuned (a FlashInfer file's mtime), for the ``newest`` policy
+    only; what is written keeps the entries' own ``tuned_at``.
+    """
+
+    name: str
+    entries: tuple[NewEntry, ...] = field(repr=False)
+    records: tuple[NewRecord, ...] = field(default=(), repr=False)
+    tuned_at: float | None = None
+
+
+@dataclass(frozen=True)
+class ImportPlan:
+    """What one import writes: the chosen value of every identity its inputs hold."""
+
+    policy: str
+    sources: tuple[str, ...]  # the inputs' names, in order (numbered from 1)
+    entries: int  # input entries, duplicates and conflicts included
+    records: int  # input records, likewise
+    writes: tuple[NewEntry, ...] = field(repr=False)
+    record_writes: tuple[NewRecord, ...] = field(repr=False)
+    duplicates: int = 0
+    conflicts: int = 0
+    records_duplicates: int = 0
+    records_conflicts: int = 0
+    #: Each identity held with different values, and how the policy resolved it
+    #: (``fingerprint_id`` and ``target`` are None: the registry is no party).
+    conflicting: tuple[MergeConflict, ...] = ()
+    conflicting_records: tuple[RecordConflict, ...] = ()
+
+    @property
+    def refused(self) -> bool:
+        """True when the policy is ``fail`` and inputs disagree (entries or records)."""
+        return self.policy == "fail" and bool(self.conflicting or self.conflicting_records)
+
+    def check(self) -> None:
+        """Raise ``MergeConflictError`` (one line naming a key and its inputs) when refused."""
+        if not self.refused:
+            return
+        if self.conflicting:
+            first: Any = self.conflicting[0]
+            what = f"entry {first.key[:160]!r}"
+        else:
+            first = self.conflicting_records[0]
+            what = f"record {first.namespace}/{first.key[:160]!r}"
+        names = list(dict.fromkeys(self.sources[n - 1] for n, _value in first.sources))
+        held = " and ".join(names) if len(names) > 1 else f"{names[0]} (twice)"
+        others = len(self.conflicting) + len(self.conflicting_records) - 1
+        more = f" ({others} more conflicting)" if others else ""
+        raise MergeConflictError(
+            f"{held} hold different values for {what} (fingerprint {first.fingerprint[:12]}, "
+            f"scope {first.scope}){more}; nothing imported; choose which wins with "
+            "--on-conflict keep|theirs|newest|vote|drop"
+        )
+
+    def execute(
+        self,
+        registry: Registry,
+        *,
+        message: str,
+        provenance: dict[str, Any] | None = None,
+    ) -> WriteResult:
+        """Write the chosen values as one ``import`` commit (none when nothing changes).
+
+        Raises ``MergeConflictError`` for a refused plan, writing nothing.
+        """
+        self.check()
+        if self.duplicates or self.conflicts or self.records_duplicates or self.records_conflicts:
+            provenance = {
+                **(provenance or {}),
+                "on_conflict": self.policy,
+                "duplicates": self.duplicates,
+                "conflicts": self.conflicts,
+                "records_duplicates": self.records_duplicates,
+                "records_conflicts": self.records_conflicts,
+            }
+        with paused_gc():
+            return registry.write(
+                self.writes,
+                kind="import",
+                message=message[:2000],
+                provenance=provenance,
+                records=self.record_writes,
+            )
+
+    def preview(self, registry: Registry | None) -> WriteResult:
+        """The counts ``execute`` would return on ``registry``'s current state; writes nothing.
+
+        ``registry`` None: a registry that does not exist yet (everything is added).
+        """
+        self.check()
+        if registry is None:
+            return WriteResult(None, added=len(self.writes), records_added=len(self.record_writes))
+        source = MergeSource("import", "flashinfer", "", self.writes, self.record_writes)
+        plan = plan_merge(registry, [source], "theirs")
+        return WriteResult(
+            None,
+            added=plan.added,
+            replaced=plan.replaced,
+            unchanged=plan.identical,
+            records_added=plan.records.added,
+            records_replaced=plan.records.replaced,
+            records_unchanged=plan.records.identical,
+        )
+
+
+def plan_import(inputs: Sequence[ImportInput], policy: str = "keep") -> ImportPlan:
+    """Plan importing ``inputs`` (in this order) under ``policy`` (``ficache.merge.POLICIES``)."""
+    if policy not in POLICIES:
+        raise ValueError(
+            f"unknown conflict policy {policy!r}; expected one of {', '.join(POLICIES)}"
+        )
+    with paused_gc():
+        writes, duplicates, conflicts, conflicting = _reconcile_entries(inputs, policy)
+        record_writes, r_duplicates, r_conflicts, r_conflicting = _reconcile_records(inputs, policy)
+    return ImportPlan(
+        policy,
+        tuple(i.name for i in inputs),
+        sum(len(i.entries) for i in inputs),
+        sum(len(i.records) for i in inputs),
+        tuple(writes),
+        tuple(record_writes),
+        duplicates,
+        conflicts,
+        r_duplicates,
+        r_conflicts,
+        tuple(conflicting),
+        tuple(r_conflicting),
+    )
+
+
+def file_inputs(
+    files: Sequence[tuple[str, CacheFile]],
+    *,
+    fingerprint: Fingerprint | None = None,
+    scope: str = SHARED_SCOPE,
+    mtimes: Sequence[float | None] | None = None,
+) -> list[ImportInput]:
+    """The ``ImportInput`` of each parsed FlashInfer file, in order.
+
+    A file's own ``_metadata`` names its fingerprint; ``fingerprint`` is used
+    only for files that have none (``FingerprintError`` for such a file
+    without it). ``mtimes``: each file's mtime, for ``newest``.
+    """
+    validate_scope(scope)
+    inputs = []
+    make = tuple.__new__
+    for number, (source, cache) in enumerate(files):
+        fp = _file_fingerprint(source, cache, fingerprint)
+        # A FileEntry is (key, runner, tactic, policy, fields, selection).
+        entries = tuple(
+            [
+                make(NewEntry, (fp, key, runner, tactic, policy, scope, kf, None, selection))
+                for key, runner, tactic, policy, kf, selection in cache.entries
+            ]
+        )
+        records = tuple(records_of_file(fp, cache.record_rows, scope)) if cache.record_rows else ()
+        tuned_at = mtimes[number] if mtimes is not None else None
+        inputs.append(ImportInput(source, entries, records, tuned_at))
+    return inputs
+
+
+def _file_fingerprint(
+    source: str, cache: CacheFile, fingerprint: Fingerprint | None
+) -> Fingerprint:
+    if cache.metadata is not None:
+        return Fingerprint.from_flashinfer_metadata(cache.metadata)
+    if fingerprint is not None:
+        return fingerprint
+    raise FingerprintError(
+        f"{source} has no _metadata, so its environment is unknown; "
+        "import it with --fingerprint ID|current"
+    )
+
+
+def _dated(entry: Any, tuned_at: float | None) -> Any:
+    """``entry`` with its input's time where it has none of its own (for ``newest``)."""
+    if entry.tuned_at is None and tuned_at is not None:
+        return (
+            entry._replace(tuned_at=tuned_at)
+            if isinstance(entry, NewEntry)
+            else (dataclasses.replace(entry, tuned_at=tuned_at))
+        )
+    return entry
+
+
+def _undated(cands: list[Any], dated: list[Any], winner: Any) -> Any:
+    """The winner as its input holds it (``resolve`` returns one of ``dated``)."""
+    return next(c for c, d in zip(cands, dated, strict=True) if d is winner)[1]
+
+
+def _reconcile_entries(
+    inputs: Sequence[ImportInput], policy: str
+) -> tuple[list[NewEntry], int, int, list[MergeConflict]]:
+    """The entry to write per identity, and the duplicates and conflicts among the inputs.
+
+    The hot path is one dict lookup per entry: each (fingerprint, scope) group
+    maps a key to the first (input number, entry) holding it, and only keys
+    held again get a candidate list. Entries come in runs of one fingerprint object and scope,
+    so a fingerprint is hashed once per run.
+    """
+    by_group: dict[tuple[Fingerprint, str], dict[str, tuple[int, NewEntry]]] = {}
+    again: dict[tuple[Fingerprint, str, str], list[tuple[int, NewEntry]]] = {}
+    for number, source in enumerate(inputs, start=1):
+        last_fp: Fingerprint | None = None
+        last_scope: str | None = None
+        group: dict[str, tuple[int, NewEntry]] = {}
+        for e in source.entries:  # (fingerprint, key, runner, tactic, policy, scope, ...)
+            if e[0] is not last_fp or e[5] != last_scope:
+                last_fp, last_scope = e[0], e[5]
+                group = by_group.setdefault((last_fp, last_scope), {})
+            cand = (number, e)
+            first = group.setdefault(e[1], cand)
+            if first is not cand:
+                ident = (e[0], e[5], e[1])
+                if ident not in again:
+                    again[ident] = [first]
+                again[ident].append(cand)
+    if not again:  # the common case: every identity once, in input order
+        return [e for source in inputs for e in source.entries], 0, 0, []
+    writes: list[NewEntry] = []
+    duplicates = conflicts = 0
+    conflicting: list[MergeConflict] = []
+    for (fp, scope), group in by_group.items():
+        for key, (_number, only) in group.items():
+            cands = again.get((fp, scope, key))
+            if cands is None:
+                writes.append(only)
+                continue
+            values = list(dict.fromkeys((e[2], e[3], e[4]) for _n, e in cands))
+            duplicates += len(cands) - len(values)
+            if len(values) == 1:
+                writes.append(cands[0][1])
+                continue
+            dated = [(n, _dated(e, inputs[n - 1].tuned_at)) for n, e in cands]
+            winner = resolve(policy, None, dated)
+            if isinstance(winner, str):  # dropped, or unresolved (``fail``)
+                conflicts += len(values)
+                resolution = winner
+            else:
+                conflicts += len(values) - 1
+                writes.append(_undated(cands, dated, winner))
+                resolution = f"source {winner[0]}"
+            conflicting.append(
+                MergeConflict(
+                    fp.digest,
+                    None,
+                    scope,
+                    key,
+                    None,
+                    tuple((n, EntryValue(e[2], e[3], e[4])) for n, e in cands),
+                    resolution,
+                )
+            )
+    return writes, duplicates, conflicts, conflicting
+
+
+def _reconcile_records(
+    inputs: Sequence[ImportInput], policy: str
+) -> tuple[list[NewRecord], int, int, list[RecordConflict]]:
+    """``_reconcile_entries`` for namespaced records."""
+    by_ident: dict[tuple[Fingerprint, str, str, str], list[tuple[int, NewRecord]]] = {}
+    for number, source in enumerate(inputs, start=1):
+        for r in source.records:
+            by_ident.setdefault(r.identity, []).append((number, r))
+    writes: list[NewRecord] = []
+    duplicates = conflicts = 0
+    conflicting: list[RecordConflict] = []
+    for (fp, scope, ns, key), cands in by_ident.items():
+        values = list(dict.fromkeys(r.value_json for _n, r in cands))
+        duplicates += len(cands) - len(values)
+        if len(values) == 1:
+            writes.append(cands[0][1])
+            continue
+        dated = [(n, _dated(r, inputs[n - 1].tuned_at)) for n, r in cands]
+        winner = resolve_record(policy, None, dated)
+        if isinstance(winner, str):
+            conflicts += len(values)
+            resolution = winner
+        else:
+            conflicts += len(values) - 1
+            writes.append(_undated(cands, dated, winner))
+            resolution = f"source {winner[0]}"
+        conflicting.append(
+            RecordConflict(
+                fp.digest,
+                None,
+                scope,
+                ns,
+                key,
+                None,
+                tuple((n, r.value_json) for n, r in cands),
+                resolution,
+            )
+        )
+    return writes, duplicates, conflicts, conflicting
+
+
+__all__ = ["ImportInput", "ImportPlan", "file_inputs", "plan_import"]
