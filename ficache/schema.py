@@ -72,7 +72,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError
+from sqlalchemy.exc import ArgumentError, DatabaseError, NoSuchModuleError, OperationalError
 from sqlalchemy.pool import NullPool
 
 from ficache.deadline import watch_engine
@@ -117,7 +117,24 @@ class Location:
         return make_url(self.url).render_as_string(hide_password=True)
 
 
+#: The registry URLs ficache is built for, as error messages name them.
+ACCEPTED_FORMS = (
+    "a SQLite file path, sqlite:///PATH, or postgresql+psycopg://USER@HOST/DATABASE "
+    "(postgres:// and postgresql:// mean the same)"
+)
+#: The PostgreSQL driver ficache ships with (the ``ficache[postgres]`` extra, psycopg 3).
+POSTGRES_DRIVERNAME = "postgresql+psycopg"
+
+
 def resolve(db: str | os.PathLike[str] | None = None) -> Location:
+    """Where ``db`` (else ``FICACHE_DB``, else the default) names a registry.
+
+    ``postgres://`` and ``postgresql://`` become ``postgresql+psycopg://``
+    (libpq's scheme, which SQLAlchemy does not know, and SQLAlchemy's without
+    a driver, which picks psycopg2 before SQLAlchemy 2.1, a driver ficache
+    does not ship); ``postgres+DRIVER://`` becomes
+    ``postgresql+DRIVER://``. Every other URL is kept as given.
+    """
     raw = os.fspath(db) if db is not None else os.environ.get(ENV_VAR) or None
     if raw is None:
         path = default_registry_path()
@@ -127,8 +144,15 @@ def resolve(db: str | os.PathLike[str] | None = None) -> Location:
             url = make_url(raw)
         except ArgumentError:
             raise RegistryError(
-                f"cannot parse registry URL {raw!r}; give a path or a SQLAlchemy URL"
+                f"cannot parse registry URL {raw!r}; give {ACCEPTED_FORMS}"
             ) from None
+        backend, _, driver = url.drivername.partition("+")
+        if backend in ("postgres", "postgresql"):
+            named = f"postgresql+{driver}" if driver else POSTGRES_DRIVERNAME
+            if named != url.drivername:
+                url = url.set(drivername=named)
+                return Location(url.render_as_string(hide_password=False), None)
+            return Location(raw, None)
         if url.get_backend_name() == "sqlite":
             database = url.database
             if database and database != ":memory:" and not database.startswith("file:"):
@@ -305,15 +329,25 @@ def make_engine(location: Location, *, create: bool = True) -> tuple[Engine, boo
     try:
         engine = create_engine(location.url, pool_pre_ping=True, connect_args=connect_args)
     except ImportError as exc:
-        hint = (
-            "install the PostgreSQL driver: pip install 'ficache[postgres]' "
-            "(and use a postgresql+psycopg:// URL)"
-            if url.get_backend_name() == "postgresql"
-            else "install its driver"
-        )
+        if url.get_backend_name() != "postgresql":
+            hint = f"install its driver, or give {ACCEPTED_FORMS}"
+        elif url.drivername == POSTGRES_DRIVERNAME:
+            hint = "install the PostgreSQL driver: pip install 'ficache[postgres]'"
+        else:
+            hint = (
+                "install the PostgreSQL driver: pip install 'ficache[postgres]' "
+                f"(and use a {POSTGRES_DRIVERNAME}:// URL)"
+            )
         raise RegistryError(f"cannot use registry URL {location.display}: {exc}; {hint}") from None
+    except NoSuchModuleError:
+        raise RegistryError(
+            f"cannot use registry URL {location.display}: SQLAlchemy knows no database "
+            f"{url.drivername!r}; give {ACCEPTED_FORMS}"
+        ) from None
     except ArgumentError as exc:
-        raise RegistryError(f"cannot use registry URL {location.display}: {exc}") from None
+        raise RegistryError(
+            f"cannot use registry URL {location.display}: {exc}; give {ACCEPTED_FORMS}"
+        ) from None
     if engine.dialect.name == "sqlite":
         _install_sqlite_events(engine, readonly=False)
     elif engine.dialect.name == "postgresql":
