@@ -196,7 +196,37 @@ def _debug(ctx: click.Context) -> bool:
     return bool(obj and obj.debug) or "--debug" in sys.argv
 
 
-pass_ctx = click.make_pass_decorator(_Context)
+_pass_context = click.make_pass_decorator(_Context)
+
+#: ``--db``'s help, before the subcommand and after it.
+_DB_HELP = (
+    "Registry: a SQLite path or SQLAlchemy URL [env FICACHE_DB; default: the user cache dir]."
+)
+
+
+def _db_after_subcommand(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
+    """Click callback: ``--db`` given after the subcommand replaces the one before it."""
+    if value is not None:
+        ctx.find_object(_Context).db = value  # type: ignore[union-attr]
+
+
+def pass_ctx(command: Any) -> Any:
+    """Pass the command's ``_Context``; and take ``--db`` after the subcommand too.
+
+    Every command that opens a registry takes the context, so each of them
+    accepts ``ficache list --db X`` as well as ``ficache --db X list``. Given
+    in both places, the one after the subcommand wins (it is the later on
+    the command line, as a repeated option's last value does); FICACHE_DB
+    applies only where ``--db`` is given in neither.
+    """
+    return click.option(
+        "--db",
+        "db_after_subcommand",
+        metavar="PATH_OR_URL",
+        expose_value=False,
+        callback=_db_after_subcommand,
+        help=_DB_HELP,
+    )(_pass_context(command))
 
 
 def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
@@ -317,7 +347,7 @@ def _progress(items: Sequence[T], label: str) -> Iterator[Iterable[T]]:
     "--db",
     envvar="FICACHE_DB",
     metavar="PATH_OR_URL",
-    help="Registry: a SQLite path or SQLAlchemy URL [env FICACHE_DB; default: the user cache dir].",
+    help=_DB_HELP,
 )
 @click.option("--debug", is_flag=True, help="Show tracebacks of errors.")
 @click.version_option(__version__, prog_name="ficache")

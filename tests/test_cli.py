@@ -901,6 +901,50 @@ def test_registry_from_env_url_and_default(cli, cache_file, tmp_path: Path, monk
     assert cli("stats", db=None).stdout.splitlines()[0] == f"registry         {default}"
 
 
+#: The commands that take no --db after their name: they open no registry (the group
+#: ``db`` only names its subcommands; ``ficache`` itself takes --db before them all).
+NO_DB_AFTER = {"db", "db history", "fingerprint"}
+
+
+def test_db_is_taken_after_the_subcommand_and_wins_there(
+    cli, populated: Path, cache_file, tmp_path: Path, monkeypatch
+) -> None:
+    takes_db = {
+        " ".join(path)
+        for path, command in ALL_COMMANDS
+        if any("--db" in p.opts for p in command.params)
+    }
+    assert takes_db == {" ".join(path) for path, _ in ALL_COMMANDS} - NO_DB_AFTER
+    for args in (
+        ("list",),
+        ("stats",),
+        ("log",),
+        ("fingerprints",),
+        ("show", "1"),
+        ("export", "--fingerprint", "1"),
+    ):
+        before = cli(*args)
+        assert before.exit_code == 0
+        after = cli(*args, "--db", populated, db=None)
+        assert (after.exit_code, after.stdout, after.stderr) == (0, before.stdout, "")
+    assert cli("db", "current", "--db", populated, db=None).stdout.startswith("0007_compat")
+
+    other = tmp_path / "other.db"
+    data = cache_file("b.json", {K64: ["Runner", 5]}, metadata=META)
+    assert cli("import", data, "--db", other, db=None).exit_code == 0
+    assert [e.key for e in Registry.open(str(other)).entries()] == [K64]
+
+    # Given both before and after the subcommand, the one after it wins.
+    keys = cli("list", "--format", "json", "--db", other, db=populated)
+    assert [e["key"] for e in json.loads(keys.stdout)] == [K64]
+    # FICACHE_DB applies only where --db is given nowhere.
+    monkeypatch.setenv("FICACHE_DB", str(tmp_path / "missing.db"))
+    assert [
+        e["key"] for e in json.loads(cli("list", "--format", "json", "--db", other, db=None).stdout)
+    ] == [K64]
+    assert not (tmp_path / "missing.db").exists()
+
+
 def test_read_commands_do_not_create_a_registry(cli, registry_path: Path) -> None:
     for args in (("list",), ("stats",), ("log",), ("fingerprints",), ("db", "current")):
         result = cli(*args)
