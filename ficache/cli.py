@@ -61,6 +61,8 @@ class _Context:
         from ficache.registry import Registry
 
         reg = Registry.open(self.db, create=create, write=write)
+        if reg.created:
+            _say_created(reg.location)
         reg.commit_listeners.append(self._made)
         return reg
 
@@ -69,6 +71,11 @@ class _Context:
         pause = os.environ.get(PAUSE_AFTER_COMMIT_ENV)
         if pause:
             _pause_after_commit(Path(pause), commit_id)
+
+
+def _say_created(location: Any) -> None:
+    """One line on stderr when a command creates a new SQLite registry (a mistyped --db)."""
+    click.echo(f"creating a new registry at {location.display}", err=True)
 
 
 #: Test hook: a file path. After each commit (SIGINT held) the CLI writes the commit
@@ -1646,7 +1653,10 @@ def _schema_engine(obj: _Context, *, create: bool) -> tuple[Any, Any]:
     from ficache import schema
 
     location = schema.resolve(obj.db)
+    new = create and schema.is_new_sqlite_file(location)
     engine, _readonly = schema.make_engine(location, create=create)
+    if new:
+        _say_created(location)
     return location, engine
 
 

@@ -164,6 +164,15 @@ def resolve(db: str | os.PathLike[str] | None = None) -> Location:
     return Location(f"sqlite:///{path}", path)
 
 
+def is_new_sqlite_file(location: Location) -> bool:
+    """True when ``location`` is a SQLite file that does not exist yet: a write creates it.
+
+    Callers say so before the first write creates it (the CLI on stderr):
+    a mistyped ``--db`` would otherwise give a new, empty registry silently.
+    """
+    return location.path is not None and not location.path.exists()
+
+
 def _local_path(text: str) -> Path:
     """``text`` as an absolute path, ``~`` and ``~user`` expanded.
 

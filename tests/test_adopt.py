@@ -501,7 +501,7 @@ def test_a_rank_loads_the_adopted_records_it_held(tmp_path: Path, registry_db: s
 
 
 def test_cli_reports_adopted_and_ignored_records(
-    cli: Any, tmp_path: Path, registry_db: str
+    cli: Any, tmp_path: Path, registry_db: str, created_note: Any
 ) -> None:
     tree = records_tree(tmp_path)
 
@@ -514,13 +514,14 @@ def test_cli_reports_adopted_and_ignored_records(
         "file(s): 2 added, 0 replaced, 0 unchanged; records 7 added, 0 replaced, 0 unchanged "
         "(commit 1)"
     )
-    assert result.stderr.splitlines()[1:] == [
+    stderr = result.stderr.removeprefix(created_note(registry_db))
+    assert stderr.splitlines()[1:] == [
         "warning: 1 record(s) held different values in two vLLM caches; the later cache's "
         "value was kept",
         "warning: 1 v2 protocol record(s) were not imported (FlashInfer keeps them apart from "
         "the _records that ficache stores, and they stay in the store it serves them from)",
     ]
-    assert result.stderr.startswith("warning: skipped 1 unreadable file(s)")
+    assert stderr.startswith("warning: skipped 1 unreadable file(s)")
     assert {
         k: report[k]
         for k in (
@@ -646,10 +647,12 @@ def small_tree(tmp_path: Path) -> tuple[Path, Path, Path]:
     return root, directory, env_dir
 
 
-def test_cli_adopts_a_tree_and_reports_it(cli: Any, tmp_path: Path, registry_db: str) -> None:
+def test_cli_adopts_a_tree_and_reports_it(
+    cli: Any, tmp_path: Path, registry_db: str, created_note: Any
+) -> None:
     root, directory, env_dir = small_tree(tmp_path)
     result = cli("import", "--from-vllm", str(root))
-    assert (result.exit_code, result.stderr) == (0, "")
+    assert (result.exit_code, result.stderr) == (0, created_note(registry_db))
     assert result.stdout.splitlines() == [
         "kind      layout           files  shared  scoped  skipped  directory",
         f"per rank  tp2-pp1-dp1-ep1  2      1       3       0        {directory}",
@@ -735,7 +738,7 @@ def test_cli_default_roots_are_vllms_and_flashinfers(
 
 
 def test_cli_reports_skipped_files_and_imports_the_rest(
-    cli: Any, tmp_path: Path, registry_db: str
+    cli: Any, tmp_path: Path, registry_db: str, created_note: Any
 ) -> None:
     root, directory, _env = small_tree(tmp_path)
     broken = directory.parent / HASH_DP2 / "autotune_configs.json"
@@ -746,7 +749,7 @@ def test_cli_reports_skipped_files_and_imports_the_rest(
     assert result.stdout.splitlines()[1] == (
         f"single file  shared           1      0       0       1        {broken.parent}"
     )
-    assert result.stderr == (
+    assert result.stderr == created_note(registry_db) + (
         "warning: skipped 1 unreadable file(s), entr(ies) or environment(s); first: "
         f"{broken}: invalid JSON (Expecting value: line 1 column 15 (char 14)); "
         "the file is truncated or not a FlashInfer cache\n"
