@@ -619,7 +619,9 @@ def _import_from_vllm(obj: _Context, root: str, layout: str | None, fmt: str) ->
                     ["kind", "layout", "files", "shared", "scoped", "skipped", "directory"], rows
                 )
             )
-        if result is None:
+        if result is None and not rows:
+            click.echo(f"found nothing to adopt under {sources.display}: {sources.searched_str}")
+        elif result is None:
             click.echo(f"found nothing to adopt under {sources.display}")
         else:
             where = (
@@ -688,13 +690,14 @@ def _import_v2_stores(
     obj: _Context, dirs: tuple[Path, ...], fingerprint_ref: str | None, scope: str, fmt: str
 ) -> None:
     """``import`` of FlashInfer v2 stores: read every one, then one commit."""
+    from ficache.adopt import import_hint
     from ficache.v2_store import import_stores, measurement_label, read_store
 
     if not all(_is_dir(d) for d in dirs):
         raise click.UsageError("import v2 store directories and files in separate commands")
     if fingerprint_ref is not None:
         raise click.UsageError("a v2 store's manifest names its environments; drop --fingerprint")
-    stores = [read_store(d) for d in dirs]
+    stores = [read_store(d, hint=import_hint) for d in dirs]
     with obj.registry() as reg:
         result = import_stores(reg, stores, scope=scope)
     envs = [env for store in stores for env in store.environments]

@@ -594,7 +594,9 @@ def test_a_directory_that_is_not_a_store_is_refused(
         assert (result.exit_code, result.stdout) == (1, "")
         assert result.stderr == (
             f"error: {directory}: not a FlashInfer v2 store (no v2/ directory) nor one of its "
-            "environment directories (no manifest.json); give the store root\n"
+            "environment directories (no manifest.json); it holds no cache file (*.json) and no "
+            "vLLM autotune cache; give cache files (`ficache import DIR/*.json`) or vLLM's cache "
+            "root (`ficache import --from-vllm DIR`)\n"
         )
     assert dump_db(populated) == before
 
