@@ -1279,36 +1279,82 @@ def show_cmd(obj: _Context, commit_id: int, fmt: str) -> None:
 
 #: ``ficache.merge.POLICIES``, repeated so that `--help` does not import the library.
 MERGE_POLICIES = ("keep", "theirs", "newest", "vote", "drop", "fail")
-#: Conflicts a text report lists (JSON lists them all).
-SHOWN_CONFLICTS = 50
+#: What a text merge plan lists without --verbose (--verbose and JSON list everything):
+#: sources, (fingerprint, scope, op) groups (beyond it, one row per op), conflicts of
+#: entries and of records.
+SHOWN_SOURCES = 10
+SHOWN_GROUPS = 20
+SHOWN_CONFLICTS = 10
+#: A conflict's sources are named one by one up to this many; beyond, counted per value,
+#: the SHOWN_VALUES most held values shown.
+SHOWN_HOLDERS = 4
+SHOWN_VALUES = 3
+_ALL = "--verbose or --format json for all"
 
 
-def _echo_merge_plan(plan: Any) -> None:
+def _echo_merge_plan(plan: Any, *, verbose: bool = False) -> None:
+    """The plan as text: a summary bounded by the ``SHOWN_*`` limits, or all of it (``verbose``).
+
+    Each part is cut at its limit with one "... N more" line, so a merge of
+    hundreds of sources prints tens of lines, not one line per source per
+    conflict; ``--format json`` holds every source, group and conflict.
+    """
     click.echo(f"merge plan (on conflict: {plan.policy}, {len(plan.sources)} source(s)):")
+    sources = plan.sources if verbose else plan.sources[:SHOWN_SOURCES]
     click.echo(
         _table(
             ["source", "kind", "entries", "sha256", "name"],
-            (
-                (n, s.kind, s.entries, s.digest[:12], s.name)
-                for n, s in enumerate(plan.sources, start=1)
-            ),
+            ((n, s.kind, s.entries, s.digest[:12], s.name) for n, s in enumerate(sources, start=1)),
         )
     )
-    if plan.groups:
+    _echo_more(len(plan.sources) - len(sources), "source(s)")
+    if verbose or len(plan.groups) <= SHOWN_GROUPS:
+        _echo_merge_groups(plan.groups)
+    else:
+        _echo_merge_ops(plan.groups)
+    if plan.conflicts:
+        click.echo(f"conflicts ({plan.conflicting}):")
+        shown = plan.conflicts if verbose else plan.conflicts[:SHOWN_CONFLICTS]
+        for c in shown:
+            where = (
+                c.fingerprint_id if c.fingerprint_id is not None else f"new {c.fingerprint[:12]}"
+            )
+            held = _conflict_values(c.target, c.sources, verbose=verbose)
+            click.echo(f"  {where} {c.scope} {c.key}: {held} -> {c.resolution}")
+        _echo_more(plan.conflicting - len(shown), "conflict(s)")
+    records = plan.records
+    if records.candidates:
+        click.echo(
+            f"records: {records.added} added, {records.replaced} replaced, {records.removed} "
+            f"removed, {records.identical} identical, {len(records.conflicts)} conflicting"
+        )
+        shown_records = records.conflicts if verbose else records.conflicts[:SHOWN_CONFLICTS]
+        for rc in shown_records:
+            where = (
+                rc.fingerprint_id if rc.fingerprint_id is not None else f"new {rc.fingerprint[:12]}"
+            )
+            held = _conflict_values(rc.target, rc.sources, verbose=verbose)
+            click.echo(
+                f"  record {where} {rc.scope} {rc.namespace} {rc.key}: {held} -> {rc.resolution}"
+            )
+        _echo_more(len(records.conflicts) - len(shown_records), "record conflict(s)")
+    click.echo(f"total: {plan.totals_str}")
+
+
+def _echo_more(left_out: int, what: str) -> None:
+    if left_out > 0:
+        click.echo(f"  ... {left_out} more {what}; {_ALL}")
+
+
+_GROUP_COUNTS = ("added", "replaced", "removed", "identical", "conflicting")
+
+
+def _echo_merge_groups(groups: Sequence[Any]) -> None:
+    """One row per (fingerprint, scope, op) of the plan."""
+    if groups:
         click.echo(
             _table(
-                [
-                    "fingerprint",
-                    "digest",
-                    "gpu",
-                    "scope",
-                    "op",
-                    "added",
-                    "replaced",
-                    "removed",
-                    "identical",
-                    "conflicting",
-                ],
+                ["fingerprint", "digest", "gpu", "scope", "op", *_GROUP_COUNTS],
                 (
                     (
                         g.fingerprint_id if g.fingerprint_id is not None else "new",
@@ -1316,53 +1362,46 @@ def _echo_merge_plan(plan: Any) -> None:
                         g.gpu,
                         g.scope,
                         g.op,
-                        g.added,
-                        g.replaced,
-                        g.removed,
-                        g.identical,
-                        g.conflicting,
+                        *(getattr(g, name) for name in _GROUP_COUNTS),
                     )
-                    for g in plan.groups
+                    for g in groups
                 ),
             )
         )
-    if plan.conflicts:
-        click.echo(f"conflicts ({plan.conflicting}):")
-        for c in plan.conflicts[:SHOWN_CONFLICTS]:
-            where = (
-                c.fingerprint_id if c.fingerprint_id is not None else f"new {c.fingerprint[:12]}"
-            )
-            held = ([f"target {c.target}"] if c.target is not None else []) + [
-                f"source {n} {v}" for n, v in c.sources
-            ]
-            click.echo(f"  {where} {c.scope} {c.key}: {'; '.join(held)} -> {c.resolution}")
-        if plan.conflicting > SHOWN_CONFLICTS:
-            click.echo(
-                f"  ... and {plan.conflicting - SHOWN_CONFLICTS} more (--format json lists all)"
-            )
-    records = plan.records
-    if records.candidates:
-        click.echo(
-            f"records: {records.added} added, {records.replaced} replaced, {records.removed} "
-            f"removed, {records.identical} identical, {len(records.conflicts)} conflicting"
-        )
-        for rc in records.conflicts[:SHOWN_CONFLICTS]:
-            where = (
-                rc.fingerprint_id if rc.fingerprint_id is not None else f"new {rc.fingerprint[:12]}"
-            )
-            held = ([f"target {rc.target}"] if rc.target is not None else []) + [
-                f"source {n} {v}" for n, v in rc.sources
-            ]
-            click.echo(
-                f"  record {where} {rc.scope} {rc.namespace} {rc.key}: {'; '.join(held)} "
-                f"-> {rc.resolution}"
-            )
-        if len(records.conflicts) > SHOWN_CONFLICTS:
-            click.echo(
-                f"  ... and {len(records.conflicts) - SHOWN_CONFLICTS} more record conflicts "
-                "(--format json lists all)"
-            )
-    click.echo(f"total: {plan.totals_str}")
+
+
+def _echo_merge_ops(groups: Sequence[Any]) -> None:
+    """The groups' counts summed per op (the summary of a plan with many groups)."""
+    per_op: dict[str, list[int]] = {}
+    for g in groups:
+        counts = per_op.setdefault(g.op, [0] * (1 + len(_GROUP_COUNTS)))
+        counts[0] += 1
+        for i, name in enumerate(_GROUP_COUNTS, start=1):
+            counts[i] += getattr(g, name)
+    click.echo(_table(["op", "groups", *_GROUP_COUNTS], ((op, *c) for op, c in per_op.items())))
+    fingerprints = len({g.fingerprint for g in groups})
+    click.echo(
+        f"  ({len(groups)} fingerprint/scope/op groups in {fingerprints} fingerprint(s); {_ALL})"
+    )
+
+
+def _conflict_values(target: Any, sources: Sequence[tuple[int, Any]], *, verbose: bool) -> str:
+    """The values a conflict holds: each source's, or (many sources) each value's count."""
+    held = [f"target {target}"] if target is not None else []
+    if verbose or len(sources) <= SHOWN_HOLDERS:
+        return "; ".join([*held, *(f"source {n} {v}" for n, v in sources)])
+    counts: dict[str, list[int]] = {}  # value -> source numbers, in source order
+    for n, v in sources:
+        counts.setdefault(str(v), []).append(n)
+    ranked = sorted(counts.items(), key=lambda item: (-len(item[1]), item[1][0]))
+    values = ", ".join(
+        f"{v} (source {ns[0]}{f' and {len(ns) - 1} more' if len(ns) > 1 else ''})"
+        for v, ns in ranked[:SHOWN_VALUES]
+    )
+    if len(ranked) > SHOWN_VALUES:
+        values += f", {len(ranked) - SHOWN_VALUES} more value(s)"
+    held.append(f"{len(sources)} sources hold {len(counts)} value(s): {values}")
+    return "; ".join(held)
 
 
 @cli.command("merge")
@@ -1378,10 +1417,17 @@ def _echo_merge_plan(plan: Any) -> None:
     "or change nothing and exit 1 (fail).",
 )
 @click.option("--dry-run", is_flag=True, help="Show the plan and change nothing.")
+@click.option(
+    "-v",
+    "--verbose",
+    is_flag=True,
+    help="List every source, group and conflict (with each source's value) in the text plan "
+    "[default: a summary; --format json lists all].",
+)
 @FORMAT
 @pass_ctx
 def merge_cmd(
-    obj: _Context, sources: tuple[str, ...], policy: str, dry_run: bool, fmt: str
+    obj: _Context, sources: tuple[str, ...], policy: str, dry_run: bool, verbose: bool, fmt: str
 ) -> None:
     """Merge registries, FlashInfer cache files and bundles into the registry as one commit.
 
@@ -1404,7 +1450,7 @@ def merge_cmd(
     if fmt == "json":
         _dump_json({**plan.as_json(), "dry_run": dry_run, "commit": commit_id})
     else:
-        _echo_merge_plan(plan)
+        _echo_merge_plan(plan, verbose=verbose)
         if dry_run and not plan.refused:
             click.echo("dry run: nothing changed")
         elif result is not None and commit_id is None:
