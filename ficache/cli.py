@@ -7,7 +7,10 @@ Invariants:
   traceback only with ``--debug``), 2 usage (click's own).
 - Destructive commands (``prune``, ``revert``, ``db downgrade``) build a plan,
   print it, stop on ``--dry-run``, ask unless ``--yes``, then execute.
-- Read-only commands never create a registry.
+- Read-only commands never create a registry. A write that creates a new
+  SQLite registry says "creating a new registry at PATH" once on stderr.
+- ``--db`` is taken before the subcommand and, on every command that opens
+  a registry (``pass_ctx``), after it too; there it wins.
 - A commit made is reported as made: once a command's registry made a commit
   (``Registry.commit_listeners``), a Ctrl-C no longer stops it with
   "interrupted" and exit 130; it finishes, prints its report, notes the

@@ -1,7 +1,11 @@
 """Engines, connection settings and schema migrations run in code.
 
 Where a registry lives: ``--db`` / ``FICACHE_DB`` (a path or any SQLAlchemy
-URL), else ``registry.db`` in the user cache dir (platformdirs).
+URL), else ``registry.db`` in the user cache dir (platformdirs). ``resolve``
+is the one place a name becomes a ``Location``: ``postgres://`` and
+``postgresql://`` mean ``postgresql+psycopg://``; a database SQLAlchemy does
+not know, or a driver that is missing, is one ``RegistryError`` naming the
+accepted forms (``make_engine``).
 
 Invariants:
 - SQLite connections use WAL, a busy timeout and foreign keys. A write
