@@ -216,8 +216,9 @@ _DB_HELP = (
 
 def _db_after_subcommand(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
     """Click callback: ``--db`` given after the subcommand replaces the one before it."""
-    if value is not None:
-        ctx.find_object(_Context).db = value  # type: ignore[union-attr]
+    obj = ctx.find_object(_Context)  # made by ``cli`` before any subcommand's options
+    if value is not None and obj is not None:
+        obj.db = value
 
 
 def pass_ctx(command: Any) -> Any:
