@@ -122,6 +122,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import sqlite3
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -155,6 +156,8 @@ AUTOTUNE_DIR = "flashinfer_autotune_cache"
 SINGLE_FILE_NAME = "autotune_configs.json"
 #: vLLM 0.32+: one file per rank (``flashinfer_autotune_filename(dp_rank, rank)``).
 RANK_FILE_NAME = re.compile(r"autotune_configs_dp(\d{1,6})_rank(\d{1,6})\.json")
+#: ``RANK_FILE_NAME`` as a report names it.
+RANK_FILE_PATTERN = "autotune_configs_dp<D>_rank<R>.json"
 #: Skipped items kept with their reasons (all are counted).
 MAX_REASONS = 20
 
@@ -177,6 +180,22 @@ class Sources:
     @property
     def display(self) -> str:
         return ", ".join(str(p) for p in (*self.roots, *self.v2_roots))
+
+    @property
+    def searched_str(self) -> str:
+        """Where an adoption looks and for what, in one line (for "found nothing")."""
+
+        def named(paths: Sequence[Path]) -> str:
+            return ", ".join(f"{p}{'' if p.is_dir() else ' (missing)'}" for p in paths)
+
+        text = (
+            f"looked for {SINGLE_FILE_NAME} (vLLM 0.27-0.31) and {RANK_FILE_PATTERN} "
+            f"(vLLM 0.32+) in ROOT, ROOT/* and ROOT/{AUTOTUNE_DIR}/<version>/<arch>[/*], "
+            f"and for a FlashInfer v2 store ({SCHEMA}/) in those; ROOT: {named(self.roots)}"
+        )
+        if self.v2_roots:
+            text += f"; and for a v2 store in {named(self.v2_roots)}"
+        return text
 
 
 def default_vllm_cache_root(environ: Mapping[str, str] | None = None) -> Path:
@@ -794,6 +813,28 @@ def _adopt_store(root: Path, entries: _Entries, found: _Collector) -> list[Adopt
 def _one_policy(env: StoreEnvironment, entries: _Entries) -> bool:
     first = entries.measurements.setdefault(env.fingerprint, env.measurement)
     return first == env.measurement
+
+
+def import_hint(directory: Path) -> str:
+    """What to run for ``directory``, given to ``import`` but no v2 store: what it holds decides.
+
+    vLLM's caches (found as ``plan_adoption`` finds them) suggest ``--from-vllm``;
+    FlashInfer cache files in it, naming them (``DIR/*.json``); else both forms.
+    """
+    quoted = shlex.quote(str(directory))
+    deployments, stores = _find(Sources((directory,)), _Collector())
+    if deployments or stores:
+        return f"it holds vLLM's autotune caches: adopt them with `ficache import --from-vllm {quoted}`"
+    try:
+        files = sum(1 for p in directory.glob("*.json") if p.is_file())
+    except OSError:
+        files = 0
+    if files:
+        return f"to import the {files} cache file(s) in it, name them: `ficache import {quoted}/*.json`"
+    return (
+        "it holds no cache file (*.json) and no vLLM autotune cache; give cache files "
+        "(`ficache import DIR/*.json`) or vLLM's cache root (`ficache import --from-vllm DIR`)"
+    )
 
 
 def plan_adoption(sources: Sources, *, known: KnownLayout | None = None) -> AdoptionPlan:

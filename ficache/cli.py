@@ -7,7 +7,10 @@ Invariants:
   traceback only with ``--debug``), 2 usage (click's own).
 - Destructive commands (``prune``, ``revert``, ``db downgrade``) build a plan,
   print it, stop on ``--dry-run``, ask unless ``--yes``, then execute.
-- Read-only commands never create a registry.
+- Read-only commands never create a registry. A write that creates a new
+  SQLite registry says "creating a new registry at PATH" once on stderr.
+- ``--db`` is taken before the subcommand and, on every command that opens
+  a registry (``pass_ctx``), after it too; there it wins.
 - A commit made is reported as made: once a command's registry made a commit
   (``Registry.commit_listeners``), a Ctrl-C no longer stops it with
   "interrupted" and exit 130; it finishes, prints its report, notes the
@@ -65,6 +68,8 @@ class _Context:
         from ficache.registry import Registry
 
         reg = Registry.open(self.db, create=create, write=write)
+        if reg.created:
+            _say_created(reg.location)
         reg.commit_listeners.append(self._made)
         return reg
 
@@ -73,6 +78,11 @@ class _Context:
         pause = os.environ.get(PAUSE_AFTER_COMMIT_ENV)
         if pause:
             _pause_after_commit(Path(pause), commit_id)
+
+
+def _say_created(location: Any) -> None:
+    """One line on stderr when a command creates a new SQLite registry (a mistyped --db)."""
+    click.echo(f"creating a new registry at {location.display}", err=True)
 
 
 #: Test hook: a file path. After each commit (SIGINT held) the CLI writes the commit
@@ -200,7 +210,38 @@ def _debug(ctx: click.Context) -> bool:
     return bool(obj and obj.debug) or "--debug" in sys.argv
 
 
-pass_ctx = click.make_pass_decorator(_Context)
+_pass_context = click.make_pass_decorator(_Context)
+
+#: ``--db``'s help, before the subcommand and after it.
+_DB_HELP = (
+    "Registry: a SQLite path or SQLAlchemy URL [env FICACHE_DB; default: the user cache dir]."
+)
+
+
+def _db_after_subcommand(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
+    """Click callback: ``--db`` given after the subcommand replaces the one before it."""
+    obj = ctx.find_object(_Context)  # made by ``cli`` before any subcommand's options
+    if value is not None and obj is not None:
+        obj.db = value
+
+
+def pass_ctx(command: Any) -> Any:
+    """Pass the command's ``_Context``; and take ``--db`` after the subcommand too.
+
+    Every command that opens a registry takes the context, so each of them
+    accepts ``ficache list --db X`` as well as ``ficache --db X list``. Given
+    in both places, the one after the subcommand wins (it is the later on
+    the command line, as a repeated option's last value does); FICACHE_DB
+    applies only where ``--db`` is given in neither.
+    """
+    return click.option(
+        "--db",
+        "db_after_subcommand",
+        metavar="PATH_OR_URL",
+        expose_value=False,
+        callback=_db_after_subcommand,
+        help=_DB_HELP,
+    )(_pass_context(command))
 
 
 def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
@@ -323,7 +364,7 @@ def _progress(items: Sequence[T], label: str) -> Iterator[Iterable[T]]:
     "--db",
     envvar="FICACHE_DB",
     metavar="PATH_OR_URL",
-    help="Registry: a SQLite path or SQLAlchemy URL [env FICACHE_DB; default: the user cache dir].",
+    help=_DB_HELP,
 )
 @click.option("--debug", is_flag=True, help="Show tracebacks of errors.")
 @click.version_option(__version__, prog_name="ficache")
@@ -803,7 +844,9 @@ def _import_from_vllm(
                     ["kind", "layout", "files", "shared", "scoped", "skipped", "directory"], rows
                 )
             )
-        if result is None:
+        if result is None and not rows:
+            click.echo(f"found nothing to adopt under {sources.display}: {sources.searched_str}")
+        elif result is None:
             click.echo(f"found nothing to adopt under {sources.display}")
         else:
             where = _import_outcome(result, dry_run)
@@ -874,6 +917,7 @@ def _import_v2_stores(
     fmt: str,
 ) -> None:
     """``import`` of FlashInfer v2 stores: read every one, then one commit."""
+    from ficache.adopt import import_hint
     from ficache.v2_store import (
         measurement_label,
         plan_store_import,
@@ -885,7 +929,7 @@ def _import_v2_stores(
         raise click.UsageError("import v2 store directories and files in separate commands")
     if fingerprint_ref is not None:
         raise click.UsageError("a v2 store's manifest names its environments; drop --fingerprint")
-    stores = [read_store(d) for d in dirs]
+    stores = [read_store(d, hint=import_hint) for d in dirs]
     plan = plan_store_import(stores, scope=scope, policy=policy)
     plan.check()
     with _import_registry(obj, dry_run) as reg:
@@ -1575,36 +1619,82 @@ def show_cmd(obj: _Context, commit_id: int, fmt: str) -> None:
 
 # -- merge ---------------------------------------------------------------------------
 
-#: Conflicts a text report lists (JSON lists them all).
-SHOWN_CONFLICTS = 50
+#: What a text merge plan lists without --verbose (--verbose and JSON list everything):
+#: sources, (fingerprint, scope, op) groups (beyond it, one row per op), conflicts of
+#: entries and of records.
+SHOWN_SOURCES = 10
+SHOWN_GROUPS = 20
+SHOWN_CONFLICTS = 10
+#: A conflict's sources are named one by one up to this many; beyond, counted per value,
+#: the SHOWN_VALUES most held values shown.
+SHOWN_HOLDERS = 4
+SHOWN_VALUES = 3
+_ALL = "--verbose or --format json for all"
 
 
-def _echo_merge_plan(plan: Any) -> None:
+def _echo_merge_plan(plan: Any, *, verbose: bool = False) -> None:
+    """The plan as text: a summary bounded by the ``SHOWN_*`` limits, or all of it (``verbose``).
+
+    Each part is cut at its limit with one "... N more" line, so a merge of
+    hundreds of sources prints tens of lines, not one line per source per
+    conflict; ``--format json`` holds every source, group and conflict.
+    """
     click.echo(f"merge plan (on conflict: {plan.policy}, {len(plan.sources)} source(s)):")
+    sources = plan.sources if verbose else plan.sources[:SHOWN_SOURCES]
     click.echo(
         _table(
             ["source", "kind", "entries", "sha256", "name"],
-            (
-                (n, s.kind, s.entries, s.digest[:12], s.name)
-                for n, s in enumerate(plan.sources, start=1)
-            ),
+            ((n, s.kind, s.entries, s.digest[:12], s.name) for n, s in enumerate(sources, start=1)),
         )
     )
-    if plan.groups:
+    _echo_more(len(plan.sources) - len(sources), "source(s)")
+    if verbose or len(plan.groups) <= SHOWN_GROUPS:
+        _echo_merge_groups(plan.groups)
+    else:
+        _echo_merge_ops(plan.groups)
+    if plan.conflicts:
+        click.echo(f"conflicts ({plan.conflicting}):")
+        shown = plan.conflicts if verbose else plan.conflicts[:SHOWN_CONFLICTS]
+        for c in shown:
+            where = (
+                c.fingerprint_id if c.fingerprint_id is not None else f"new {c.fingerprint[:12]}"
+            )
+            held = _conflict_values(c.target, c.sources, verbose=verbose)
+            click.echo(f"  {where} {c.scope} {c.key}: {held} -> {c.resolution}")
+        _echo_more(plan.conflicting - len(shown), "conflict(s)")
+    records = plan.records
+    if records.candidates:
+        click.echo(
+            f"records: {records.added} added, {records.replaced} replaced, {records.removed} "
+            f"removed, {records.identical} identical, {len(records.conflicts)} conflicting"
+        )
+        shown_records = records.conflicts if verbose else records.conflicts[:SHOWN_CONFLICTS]
+        for rc in shown_records:
+            where = (
+                rc.fingerprint_id if rc.fingerprint_id is not None else f"new {rc.fingerprint[:12]}"
+            )
+            held = _conflict_values(rc.target, rc.sources, verbose=verbose)
+            click.echo(
+                f"  record {where} {rc.scope} {rc.namespace} {rc.key}: {held} -> {rc.resolution}"
+            )
+        _echo_more(len(records.conflicts) - len(shown_records), "record conflict(s)")
+    click.echo(f"total: {plan.totals_str}")
+
+
+def _echo_more(left_out: int, what: str) -> None:
+    if left_out > 0:
+        click.echo(f"  ... {left_out} more {what}; {_ALL}")
+
+
+_GROUP_COUNTS = ("added", "replaced", "removed", "identical", "conflicting")
+
+
+def _echo_merge_groups(groups: Sequence[Any]) -> None:
+    """One row per (fingerprint, scope, op) of the plan."""
+    if groups:
         click.echo(
             _table(
-                [
-                    "fingerprint",
-                    "digest",
-                    "gpu",
-                    "scope",
-                    "op",
-                    "added",
-                    "replaced",
-                    "removed",
-                    "identical",
-                    "conflicting",
-                ],
+                ["fingerprint", "digest", "gpu", "scope", "op", *_GROUP_COUNTS],
                 (
                     (
                         g.fingerprint_id if g.fingerprint_id is not None else "new",
@@ -1612,53 +1702,46 @@ def _echo_merge_plan(plan: Any) -> None:
                         g.gpu,
                         g.scope,
                         g.op,
-                        g.added,
-                        g.replaced,
-                        g.removed,
-                        g.identical,
-                        g.conflicting,
+                        *(getattr(g, name) for name in _GROUP_COUNTS),
                     )
-                    for g in plan.groups
+                    for g in groups
                 ),
             )
         )
-    if plan.conflicts:
-        click.echo(f"conflicts ({plan.conflicting}):")
-        for c in plan.conflicts[:SHOWN_CONFLICTS]:
-            where = (
-                c.fingerprint_id if c.fingerprint_id is not None else f"new {c.fingerprint[:12]}"
-            )
-            held = ([f"target {c.target}"] if c.target is not None else []) + [
-                f"source {n} {v}" for n, v in c.sources
-            ]
-            click.echo(f"  {where} {c.scope} {c.key}: {'; '.join(held)} -> {c.resolution}")
-        if plan.conflicting > SHOWN_CONFLICTS:
-            click.echo(
-                f"  ... and {plan.conflicting - SHOWN_CONFLICTS} more (--format json lists all)"
-            )
-    records = plan.records
-    if records.candidates:
-        click.echo(
-            f"records: {records.added} added, {records.replaced} replaced, {records.removed} "
-            f"removed, {records.identical} identical, {len(records.conflicts)} conflicting"
-        )
-        for rc in records.conflicts[:SHOWN_CONFLICTS]:
-            where = (
-                rc.fingerprint_id if rc.fingerprint_id is not None else f"new {rc.fingerprint[:12]}"
-            )
-            held = ([f"target {rc.target}"] if rc.target is not None else []) + [
-                f"source {n} {v}" for n, v in rc.sources
-            ]
-            click.echo(
-                f"  record {where} {rc.scope} {rc.namespace} {rc.key}: {'; '.join(held)} "
-                f"-> {rc.resolution}"
-            )
-        if len(records.conflicts) > SHOWN_CONFLICTS:
-            click.echo(
-                f"  ... and {len(records.conflicts) - SHOWN_CONFLICTS} more record conflicts "
-                "(--format json lists all)"
-            )
-    click.echo(f"total: {plan.totals_str}")
+
+
+def _echo_merge_ops(groups: Sequence[Any]) -> None:
+    """The groups' counts summed per op (the summary of a plan with many groups)."""
+    per_op: dict[str, list[int]] = {}
+    for g in groups:
+        counts = per_op.setdefault(g.op, [0] * (1 + len(_GROUP_COUNTS)))
+        counts[0] += 1
+        for i, name in enumerate(_GROUP_COUNTS, start=1):
+            counts[i] += getattr(g, name)
+    click.echo(_table(["op", "groups", *_GROUP_COUNTS], ((op, *c) for op, c in per_op.items())))
+    fingerprints = len({g.fingerprint for g in groups})
+    click.echo(
+        f"  ({len(groups)} fingerprint/scope/op groups in {fingerprints} fingerprint(s); {_ALL})"
+    )
+
+
+def _conflict_values(target: Any, sources: Sequence[tuple[int, Any]], *, verbose: bool) -> str:
+    """The values a conflict holds: each source's, or (many sources) each value's count."""
+    held = [f"target {target}"] if target is not None else []
+    if verbose or len(sources) <= SHOWN_HOLDERS:
+        return "; ".join([*held, *(f"source {n} {v}" for n, v in sources)])
+    counts: dict[str, list[int]] = {}  # value -> source numbers, in source order
+    for n, v in sources:
+        counts.setdefault(str(v), []).append(n)
+    ranked = sorted(counts.items(), key=lambda item: (-len(item[1]), item[1][0]))
+    values = ", ".join(
+        f"{v} (source {ns[0]}{f' and {len(ns) - 1} more' if len(ns) > 1 else ''})"
+        for v, ns in ranked[:SHOWN_VALUES]
+    )
+    if len(ranked) > SHOWN_VALUES:
+        values += f", {len(ranked) - SHOWN_VALUES} more value(s)"
+    held.append(f"{len(sources)} sources hold {len(counts)} value(s): {values}")
+    return "; ".join(held)
 
 
 @cli.command("merge")
@@ -1674,10 +1757,17 @@ def _echo_merge_plan(plan: Any) -> None:
     "or change nothing and exit 1 (fail).",
 )
 @click.option("--dry-run", is_flag=True, help="Show the plan and change nothing.")
+@click.option(
+    "-v",
+    "--verbose",
+    is_flag=True,
+    help="List every source, group and conflict (with each source's value) in the text plan "
+    "[default: a summary; --format json lists all].",
+)
 @FORMAT
 @pass_ctx
 def merge_cmd(
-    obj: _Context, sources: tuple[str, ...], policy: str, dry_run: bool, fmt: str
+    obj: _Context, sources: tuple[str, ...], policy: str, dry_run: bool, verbose: bool, fmt: str
 ) -> None:
     """Merge registries, FlashInfer cache files and bundles into the registry as one commit.
 
@@ -1700,7 +1790,7 @@ def merge_cmd(
     if fmt == "json":
         _dump_json({**plan.as_json(), "dry_run": dry_run, "commit": commit_id})
     else:
-        _echo_merge_plan(plan)
+        _echo_merge_plan(plan, verbose=verbose)
         if dry_run and not plan.refused:
             click.echo("dry run: nothing changed")
         elif result is not None and commit_id is None:
@@ -2015,7 +2105,10 @@ def _schema_engine(obj: _Context, *, create: bool) -> tuple[Any, Any]:
     from ficache import schema
 
     location = schema.resolve(obj.db)
+    new = create and schema.is_new_sqlite_file(location)
     engine, _readonly = schema.make_engine(location, create=create)
+    if new:
+        _say_created(location)
     return location, engine
 
 

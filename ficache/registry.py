@@ -530,6 +530,8 @@ class Registry:
         #: Called with each commit id right after that commit is made, with SIGINT
         #: held (``ficache._interrupts``): a Ctrl-C then cannot hide a made commit.
         self.commit_listeners: list[Callable[[int], None]] = []
+        #: True when ``open`` created this registry's SQLite file (``schema.is_new_sqlite_file``).
+        self.created = False
 
     # -- opening ----------------------------------------------------------
 
@@ -538,8 +540,10 @@ class Registry:
         """Open the registry at ``db``, creating or upgrading it as ``schema.ensure_schema`` allows.
 
         ``write=False`` opens it to read only: its schema is never changed.
+        ``created`` says whether this call created a new SQLite file.
         """
         location = schema.resolve(db)
+        new = create and schema.is_new_sqlite_file(location)
         engine, readonly = schema.make_engine(location, create=create)
         try:
             refusal = schema.ensure_schema(
@@ -548,7 +552,9 @@ class Registry:
         except BaseException:
             engine.dispose()
             raise
-        return cls(location, engine, readonly, refusal)
+        registry = cls(location, engine, readonly, refusal)
+        registry.created = new
+        return registry
 
     def close(self) -> None:
         self.engine.dispose()

@@ -1,7 +1,11 @@
 """Engines, connection settings and schema migrations run in code.
 
 Where a registry lives: ``--db`` / ``FICACHE_DB`` (a path or any SQLAlchemy
-URL), else ``registry.db`` in the user cache dir (platformdirs).
+URL), else ``registry.db`` in the user cache dir (platformdirs). ``resolve``
+is the one place a name becomes a ``Location``: ``postgres://`` and
+``postgresql://`` mean ``postgresql+psycopg://``; a database SQLAlchemy does
+not know, or a driver that is missing, is one ``RegistryError`` naming the
+accepted forms (``make_engine``).
 
 Invariants:
 - SQLite connections use WAL, a busy timeout and foreign keys. A write
@@ -72,7 +76,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError
+from sqlalchemy.exc import ArgumentError, DatabaseError, NoSuchModuleError, OperationalError
 from sqlalchemy.pool import NullPool
 
 from ficache.deadline import watch_engine
@@ -117,7 +121,24 @@ class Location:
         return make_url(self.url).render_as_string(hide_password=True)
 
 
+#: The registry URLs ficache is built for, as error messages name them.
+ACCEPTED_FORMS = (
+    "a SQLite file path, sqlite:///PATH, or postgresql+psycopg://USER@HOST/DATABASE "
+    "(postgres:// and postgresql:// mean the same)"
+)
+#: The PostgreSQL driver ficache ships with (the ``ficache[postgres]`` extra, psycopg 3).
+POSTGRES_DRIVERNAME = "postgresql+psycopg"
+
+
 def resolve(db: str | os.PathLike[str] | None = None) -> Location:
+    """Where ``db`` (else ``FICACHE_DB``, else the default) names a registry.
+
+    ``postgres://`` and ``postgresql://`` become ``postgresql+psycopg://``
+    (libpq's scheme, which SQLAlchemy does not know, and SQLAlchemy's without
+    a driver, which picks psycopg2 before SQLAlchemy 2.1, a driver ficache
+    does not ship); ``postgres+DRIVER://`` becomes
+    ``postgresql+DRIVER://``. Every other URL is kept as given.
+    """
     raw = os.fspath(db) if db is not None else os.environ.get(ENV_VAR) or None
     if raw is None:
         path = default_registry_path()
@@ -127,8 +148,15 @@ def resolve(db: str | os.PathLike[str] | None = None) -> Location:
             url = make_url(raw)
         except ArgumentError:
             raise RegistryError(
-                f"cannot parse registry URL {raw!r}; give a path or a SQLAlchemy URL"
+                f"cannot parse registry URL {raw!r}; give {ACCEPTED_FORMS}"
             ) from None
+        backend, _, driver = url.drivername.partition("+")
+        if backend in ("postgres", "postgresql"):
+            named = f"postgresql+{driver}" if driver else POSTGRES_DRIVERNAME
+            if named != url.drivername:
+                url = url.set(drivername=named)
+                return Location(url.render_as_string(hide_password=False), None)
+            return Location(raw, None)
         if url.get_backend_name() == "sqlite":
             database = url.database
             if database and database != ":memory:" and not database.startswith("file:"):
@@ -138,6 +166,15 @@ def resolve(db: str | os.PathLike[str] | None = None) -> Location:
         return Location(raw, None)
     path = _local_path(raw)
     return Location(f"sqlite:///{path}", path)
+
+
+def is_new_sqlite_file(location: Location) -> bool:
+    """True when ``location`` is a SQLite file that does not exist yet: a write creates it.
+
+    Callers say so before the first write creates it (the CLI on stderr):
+    a mistyped ``--db`` would otherwise give a new, empty registry silently.
+    """
+    return location.path is not None and not location.path.exists()
 
 
 def _local_path(text: str) -> Path:
@@ -305,15 +342,25 @@ def make_engine(location: Location, *, create: bool = True) -> tuple[Engine, boo
     try:
         engine = create_engine(location.url, pool_pre_ping=True, connect_args=connect_args)
     except ImportError as exc:
-        hint = (
-            "install the PostgreSQL driver: pip install 'ficache[postgres]' "
-            "(and use a postgresql+psycopg:// URL)"
-            if url.get_backend_name() == "postgresql"
-            else "install its driver"
-        )
+        if url.get_backend_name() != "postgresql":
+            hint = f"install its driver, or give {ACCEPTED_FORMS}"
+        elif url.drivername == POSTGRES_DRIVERNAME:
+            hint = "install the PostgreSQL driver: pip install 'ficache[postgres]'"
+        else:
+            hint = (
+                "install the PostgreSQL driver: pip install 'ficache[postgres]' "
+                f"(and use a {POSTGRES_DRIVERNAME}:// URL)"
+            )
         raise RegistryError(f"cannot use registry URL {location.display}: {exc}; {hint}") from None
+    except NoSuchModuleError:
+        raise RegistryError(
+            f"cannot use registry URL {location.display}: SQLAlchemy knows no database "
+            f"{url.drivername!r}; give {ACCEPTED_FORMS}"
+        ) from None
     except ArgumentError as exc:
-        raise RegistryError(f"cannot use registry URL {location.display}: {exc}") from None
+        raise RegistryError(
+            f"cannot use registry URL {location.display}: {exc}; give {ACCEPTED_FORMS}"
+        ) from None
     if engine.dialect.name == "sqlite":
         _install_sqlite_events(engine, readonly=False)
     elif engine.dialect.name == "postgresql":

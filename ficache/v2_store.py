@@ -77,7 +77,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -345,11 +345,15 @@ def is_store_root(path: Path) -> bool:
     return path.is_dir() and (path / SCHEMA).is_dir()
 
 
-def read_store(path: str | os.PathLike[str]) -> StoreContents:
+def read_store(
+    path: str | os.PathLike[str], *, hint: Callable[[Path], str] | None = None
+) -> StoreContents:
     """Read a store root (every environment) or one environment directory.
 
-    Raises ``V2StoreError`` when ``path`` is neither. Malformed entries and
-    environments are skipped and counted, never raised.
+    Raises ``V2StoreError`` when ``path`` is neither, saying what it looked
+    for and ending with ``hint(path)`` (what to give instead; the CLI's
+    ``ficache.adopt.import_hint``). Malformed entries and environments are
+    skipped and counted, never raised.
     """
     source = Path(path)
     if is_store_root(source):
@@ -362,7 +366,8 @@ def read_store(path: str | os.PathLike[str]) -> StoreContents:
     else:
         raise V2StoreError(
             f"{source}: not a FlashInfer v2 store (no {SCHEMA}/ directory) nor one of its "
-            f"environment directories (no {MANIFEST}); give the store root"
+            f"environment directories (no {MANIFEST}); "
+            + (hint(source) if hint is not None else "give the store root")
         )
     environments: list[StoreEnvironment] = []
     skipped: list[Skipped] = []

@@ -18,6 +18,9 @@ FlashInfer cache files and the real FlashInfer ``AutoTuner``.
 - ``cli``: ``cli(*args, db=registry_db, input=None)`` runs ``ficache`` through
   click's ``CliRunner`` with ``--db``; pass ``db=None`` to omit it. Returns
   click's ``Result`` (``exit_code``, ``stdout``, ``stderr``).
+- ``created_note``: ``created_note(db)`` is what the CLI writes on stderr when
+  its write creates the SQLite registry ``db`` ("creating a new registry at
+  PATH"), or ``""`` for a server's URL (a database is never created).
 - ``cache_file``: ``cache_file(name, entries, metadata=CURRENT, generation=None)``
   writes a FlashInfer-shaped cache file under ``tmp_path`` and returns its
   path. ``metadata`` is ``CURRENT`` (this environment's
@@ -163,6 +166,17 @@ def cli(registry_db: str) -> Callable[..., Result]:
         )
 
     return invoke
+
+
+@pytest.fixture
+def created_note() -> Callable[[str | Path], str]:
+    from ficache import schema
+
+    def note(db: str | Path) -> str:
+        location = schema.resolve(str(db))
+        return f"creating a new registry at {location.display}\n" if location.path else ""
+
+    return note
 
 
 def current_metadata() -> dict[str, str]:

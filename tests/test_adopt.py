@@ -501,7 +501,7 @@ def test_a_rank_loads_the_adopted_records_it_held(tmp_path: Path, registry_db: s
 
 
 def test_cli_reports_adopted_and_ignored_records(
-    cli: Any, tmp_path: Path, registry_db: str
+    cli: Any, tmp_path: Path, registry_db: str, created_note: Any
 ) -> None:
     tree = records_tree(tmp_path)
 
@@ -514,13 +514,14 @@ def test_cli_reports_adopted_and_ignored_records(
         "file(s): 2 added, 0 replaced, 0 unchanged; records 7 added, 0 replaced, 0 unchanged "
         "(commit 1)"
     )
-    assert result.stderr.splitlines()[1:] == [
+    stderr = result.stderr.removeprefix(created_note(registry_db))
+    assert stderr.splitlines()[1:] == [
         "warning: 1 record(s) held different values in two vLLM caches; the later cache's "
         "value was kept",
         "warning: 1 v2 protocol record(s) were not imported (FlashInfer keeps them apart from "
         "the _records that ficache stores, and they stay in the store it serves them from)",
     ]
-    assert result.stderr.startswith("warning: skipped 1 unreadable file(s)")
+    assert stderr.startswith("warning: skipped 1 unreadable file(s)")
     assert {
         k: report[k]
         for k in (
@@ -646,10 +647,12 @@ def small_tree(tmp_path: Path) -> tuple[Path, Path, Path]:
     return root, directory, env_dir
 
 
-def test_cli_adopts_a_tree_and_reports_it(cli: Any, tmp_path: Path, registry_db: str) -> None:
+def test_cli_adopts_a_tree_and_reports_it(
+    cli: Any, tmp_path: Path, registry_db: str, created_note: Any
+) -> None:
     root, directory, env_dir = small_tree(tmp_path)
     result = cli("import", "--from-vllm", str(root))
-    assert (result.exit_code, result.stderr) == (0, "")
+    assert (result.exit_code, result.stderr) == (0, created_note(registry_db))
     assert result.stdout.splitlines() == [
         "kind      layout           files  shared  scoped  skipped  directory",
         f"per rank  tp2-pp1-dp1-ep1  2      1       3       0        {directory}",
@@ -769,7 +772,7 @@ def test_cli_default_roots_are_vllms_and_flashinfers(
 
 
 def test_cli_reports_skipped_files_and_imports_the_rest(
-    cli: Any, tmp_path: Path, registry_db: str
+    cli: Any, tmp_path: Path, registry_db: str, created_note: Any
 ) -> None:
     root, directory, _env = small_tree(tmp_path)
     broken = directory.parent / HASH_DP2 / "autotune_configs.json"
@@ -780,7 +783,7 @@ def test_cli_reports_skipped_files_and_imports_the_rest(
     assert result.stdout.splitlines()[1] == (
         f"single file  shared           1      0       0       1        {broken.parent}"
     )
-    assert result.stderr == (
+    assert result.stderr == created_note(registry_db) + (
         "warning: skipped 1 unreadable file(s), entr(ies) or environment(s); first: "
         f"{broken}: invalid JSON (Expecting value: line 1 column 15 (char 14)); "
         "the file is truncated or not a FlashInfer cache\n"
@@ -788,16 +791,88 @@ def test_cli_reports_skipped_files_and_imports_the_rest(
     assert len(stored(registry_db)) == 5
 
 
-def test_cli_with_nothing_to_adopt_writes_nothing(cli: Any, tmp_path: Path) -> None:
+#: Where ``--from-vllm`` looks under each ROOT, as "found nothing to adopt" names it.
+SEARCHED = (
+    "looked for autotune_configs.json (vLLM 0.27-0.31) and autotune_configs_dp<D>_rank<R>.json "
+    "(vLLM 0.32+) in ROOT, ROOT/* and ROOT/flashinfer_autotune_cache/<version>/<arch>[/*], and "
+    "for a FlashInfer v2 store (v2/) in those"
+)
+
+
+def test_cli_with_nothing_to_adopt_names_where_it_looked_and_writes_nothing(
+    cli: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     empty = tmp_path / "empty"
-    empty.mkdir()
+    (empty / "other").mkdir(parents=True)
+    (empty / "other" / "cache.json").write_text("{}")  # not a name vLLM writes: not looked at
     result = cli("import", "--from-vllm", str(empty))
     assert (result.exit_code, result.stdout, result.stderr) == (
         0,
-        f"found nothing to adopt under {empty}\n",
+        f"found nothing to adopt under {empty}: {SEARCHED}; ROOT: {empty}\n",
         "",
     )
+
+    for name in (
+        "VLLM_CACHE_ROOT",
+        "VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR",
+        "FLASHINFER_WORKSPACE_BASE",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("FLASHINFER_AUTOTUNE_CACHE_DIR", str(tmp_path / "fi"))
+    (tmp_path / "fi").mkdir()
+    vllm = tmp_path / "user-cache" / "vllm"
+    defaults = cli("import", "--from-vllm")
+    assert defaults.stdout == (
+        f"found nothing to adopt under {vllm}, {tmp_path / 'fi'}: {SEARCHED}; ROOT: {vllm} "
+        f"(missing); and for a v2 store in {tmp_path / 'fi'}\n"
+    )
     assert not (tmp_path / "registry.db").exists()
+
+
+def test_a_directory_given_to_import_says_which_import_fits_it(
+    cli: Any, tmp_path: Path, dump_db: Any, registry_path: Path
+) -> None:
+    assert (
+        cli("import", write_file(tmp_path / "seed.json", {gemm(8): value(gemm(8), 1)})).exit_code
+        == 0
+    )
+    before = dump_db(registry_path)
+    vllm = tmp_path / "vllm"
+    write_file(
+        autotune_root(vllm) / HASH_SINGLE / "autotune_configs.json", {gemm(8): value(gemm(8), 1)}
+    )
+    deployment = tmp_path / "deployment"
+    write_file(deployment / "autotune_configs_dp0_rank0.json", {gemm(8): value(gemm(8), 1)})
+    saved = tmp_path / "saved caches"
+    for name in ("a.json", "b.json"):
+        write_file(saved / name, {gemm(8): value(gemm(8), 1)})
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    not_a_store = "not a FlashInfer v2 store (no v2/ directory) nor one of its environment directories (no manifest.json)"
+
+    for directory, hint in [
+        (
+            vllm,
+            f"it holds vLLM's autotune caches: adopt them with `ficache import --from-vllm {vllm}`",
+        ),
+        (
+            deployment,
+            f"it holds vLLM's autotune caches: adopt them with `ficache import --from-vllm {deployment}`",
+        ),
+        (
+            saved,
+            f"to import the 2 cache file(s) in it, name them: `ficache import '{saved}'/*.json`",
+        ),
+        (
+            empty,
+            "it holds no cache file (*.json) and no vLLM autotune cache; give cache files "
+            "(`ficache import DIR/*.json`) or vLLM's cache root (`ficache import --from-vllm DIR`)",
+        ),
+    ]:
+        result = cli("import", directory)
+        assert (result.exit_code, result.stdout) == (1, "")
+        assert result.stderr == f"error: {directory}: {not_a_store}; {hint}\n"
+    assert dump_db(registry_path) == before
 
 
 def test_cli_refuses_a_root_that_is_not_a_directory(

@@ -76,7 +76,7 @@ def reframed(data: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
 
 
 @pytest.fixture
-def source(cli, cache_file, registry_path: Path) -> Path:
+def source(cli, cache_file, registry_path: Path, created_note) -> Path:
     """A registry with fingerprint 1 (H200: two shared, one tp2/rank1 entry) and
     fingerprint 2 (B200: one shared entry)."""
     h200 = cache_file(
@@ -84,9 +84,12 @@ def source(cli, cache_file, registry_path: Path) -> Path:
     )
     b200 = cache_file("b200.json", {K16: ["Runner", 7]}, metadata=B200)
     rank1 = cache_file("rank1.json", {K32: ["Runner", 5]}, metadata=META)
-    for args in (("import", h200, b200), ("import", "--scope", "tp2/rank1", rank1)):
+    notes = [created_note(registry_path), ""]
+    for args, note in zip(
+        (("import", h200, b200), ("import", "--scope", "tp2/rank1", rank1)), notes, strict=True
+    ):
         result = cli(*args)
-        assert (result.exit_code, result.stderr) == (0, "")
+        assert (result.exit_code, result.stderr) == (0, note)
     return registry_path
 
 

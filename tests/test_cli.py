@@ -45,14 +45,14 @@ def when(ts: float) -> str:
 
 
 @pytest.fixture
-def populated(cli, cache_file, registry_path: Path, registry_db: str) -> Path | str:
+def populated(cli, cache_file, registry_path: Path, registry_db: str, created_note) -> Path | str:
     """A registry with one import (commit 1) of two H200 entries: the SQLite
     file's path, or in a test's PostgreSQL case the database's URL."""
     path = cache_file(
         "h200.json", {K16: ["Runner", [1, [2, 3]], POLICY], K32: ["Runner", 4]}, metadata=META
     )
     result = cli("import", path)
-    assert (result.exit_code, result.stderr) == (0, "")
+    assert (result.exit_code, result.stderr) == (0, created_note(registry_db))
     return registry_path if registry_db == str(registry_path) else registry_db
 
 
@@ -152,13 +152,15 @@ def test_usage_errors_exit_2(cli, registry_path: Path, args: tuple[str, ...]) ->
 
 
 @both_backends
-def test_import_prints_counts_and_makes_one_commit(cli, cache_file, registry_db: str) -> None:
+def test_import_prints_counts_and_makes_one_commit(
+    cli, cache_file, registry_db: str, created_note
+) -> None:
     a = cache_file("a.json", {K16: ["Runner", 1], K32: ["Runner", 2]}, metadata=META)
     b = cache_file("b.json", {K16: ["Runner", 1]}, metadata=B200)
 
     result = cli("import", a, b)
 
-    assert (result.exit_code, result.stderr) == (0, "")
+    assert (result.exit_code, result.stderr) == (0, created_note(registry_db))
     assert (
         result.stdout
         == "imported 3 entries from 2 file(s): 3 added, 0 replaced, 0 unchanged (commit 1)\n"
@@ -209,7 +211,9 @@ def test_import_replaces_and_reports_json(cli, populated: str, cache_file) -> No
     }
 
 
-def test_import_keeps_records_and_empty_namespaces_hold_none(cli, cache_file) -> None:
+def test_import_keeps_records_and_empty_namespaces_hold_none(
+    cli, cache_file, registry_path: Path, created_note
+) -> None:
     path = cache_file(
         "r.json",
         {"_records": {"vllm": {}, "sglang": {"k": [1, {"b": 2, "a": 1.5}]}}, K16: ["Runner", 1]},
@@ -218,7 +222,7 @@ def test_import_keeps_records_and_empty_namespaces_hold_none(cli, cache_file) ->
 
     result = cli("import", path)
 
-    assert (result.exit_code, result.stderr) == (0, "")
+    assert (result.exit_code, result.stderr) == (0, created_note(registry_path))
     assert result.stdout == (
         "imported 1 entries and 1 records from 1 file(s): 1 added, 0 replaced, 0 unchanged; "
         "records 1 added, 0 replaced, 0 unchanged (commit 1)\n"
@@ -282,7 +286,7 @@ def stored_tactics(db: str | Path) -> dict[str, object]:
 
 @both_backends
 def test_import_counts_duplicates_and_conflicts_and_keeps_the_first_file_as_merge_does(
-    cli, cache_file, registry_db: str, tmp_path: Path
+    cli, cache_file, created_note, registry_db: str, tmp_path: Path
 ) -> None:
     a = cache_file("a.json", A_ENTRIES, metadata=META)
     b = cache_file("b.json", B_ENTRIES, metadata=META)
@@ -294,7 +298,7 @@ def test_import_counts_duplicates_and_conflicts_and_keeps_the_first_file_as_merg
         "imported 6 entries from 2 file(s): 3 added, 0 replaced, 0 unchanged, "
         "2 duplicates, 1 conflicts (commit 1)\n"
     )
-    assert result.stderr == (
+    assert result.stderr == created_note(registry_db) + (
         f"warning: 1 entry held different values in two files, resolved by --on-conflict "
         f"keep; first: {K32} ({a}, {b}) -> source 1\n"
     )
@@ -1221,6 +1225,82 @@ def test_registry_from_env_url_and_default(cli, cache_file, tmp_path: Path, monk
     assert cli("stats", db=None).stdout.splitlines()[0] == f"registry         {default}"
 
 
+#: The commands that take no --db after their name: they open no registry (the group
+#: ``db`` only names its subcommands; ``ficache`` itself takes --db before them all).
+NO_DB_AFTER = {"db", "db history", "fingerprint"}
+
+
+def test_db_is_taken_after_the_subcommand_and_wins_there(
+    cli, populated: Path, cache_file, tmp_path: Path, monkeypatch
+) -> None:
+    takes_db = {
+        " ".join(path)
+        for path, command in ALL_COMMANDS
+        if any("--db" in p.opts for p in command.params)
+    }
+    assert takes_db == {" ".join(path) for path, _ in ALL_COMMANDS} - NO_DB_AFTER
+    for args in (
+        ("list",),
+        ("stats",),
+        ("log",),
+        ("fingerprints",),
+        ("show", "1"),
+        ("export", "--fingerprint", "1"),
+    ):
+        before = cli(*args)
+        assert before.exit_code == 0
+        after = cli(*args, "--db", populated, db=None)
+        assert (after.exit_code, after.stdout, after.stderr) == (0, before.stdout, "")
+    assert cli("db", "current", "--db", populated, db=None).stdout.startswith("0007_compat")
+
+    other = tmp_path / "other.db"
+    data = cache_file("b.json", {K64: ["Runner", 5]}, metadata=META)
+    assert cli("import", data, "--db", other, db=None).exit_code == 0
+    assert [e.key for e in Registry.open(str(other)).entries()] == [K64]
+
+    # Given both before and after the subcommand, the one after it wins.
+    keys = cli("list", "--format", "json", "--db", other, db=populated)
+    assert [e["key"] for e in json.loads(keys.stdout)] == [K64]
+    # FICACHE_DB applies only where --db is given nowhere.
+    monkeypatch.setenv("FICACHE_DB", str(tmp_path / "missing.db"))
+    assert [
+        e["key"] for e in json.loads(cli("list", "--format", "json", "--db", other, db=None).stdout)
+    ] == [K64]
+    assert not (tmp_path / "missing.db").exists()
+
+
+def test_a_write_that_creates_a_registry_says_so_once_on_stderr(
+    cli, cache_file, tmp_path: Path
+) -> None:
+    data = cache_file("a.json", {K16: ["Runner", 1]}, metadata=META)
+    typo = tmp_path / "fleeet" / "registry.db"
+    import_line = "imported 1 entries from 1 file(s): 1 added, 0 replaced, 0 unchanged (commit 1)\n"
+
+    first = cli("import", data, db=typo)
+    again = cli("import", data, db=typo)
+
+    assert (first.exit_code, first.stdout) == (0, import_line)
+    assert first.stderr == f"creating a new registry at {typo}\n"
+    assert (again.exit_code, again.stderr) == (0, "")
+
+    default = tmp_path / "user-cache" / "ficache" / "registry.db"
+    assert cli("import", data, db=None).stderr == f"creating a new registry at {default}\n"
+    merged = cli("merge", data, db=tmp_path / "merged.db")
+    assert merged.stderr == f"creating a new registry at {tmp_path / 'merged.db'}\n"
+    upgraded = cli("db", "upgrade", db=tmp_path / "upgraded.db")
+    assert upgraded.stderr == f"creating a new registry at {tmp_path / 'upgraded.db'}\n"
+    # A dry run and the reads create nothing, so they say nothing of it.
+    missing = tmp_path / "missing.db"
+    for args in (("merge", data, "--dry-run"), ("list",), ("db", "current")):
+        assert "creating" not in cli(*args, db=missing).stderr
+    assert not missing.exists()
+
+    with Registry.open(str(tmp_path / "lib.db")) as reg:
+        assert reg.created
+    with Registry.open(str(tmp_path / "lib.db")) as reg:
+        assert not reg.created
+
+
 def test_read_commands_do_not_create_a_registry(cli, registry_path: Path) -> None:
     for args in (("list",), ("stats",), ("log",), ("fingerprints",), ("db", "current")):
         result = cli(*args)
@@ -1510,7 +1590,7 @@ def test_ctrl_c_just_after_the_commit_reports_the_commit(cache_file, tmp_path: P
     assert imported == (
         0,
         "imported 1 entries from 1 file(s): 1 added, 0 replaced, 0 unchanged (commit 1)\n",
-        note.format(1),
+        f"creating a new registry at {db}\n" + note.format(1),
     )
     assert (merged[0], merged[2]) == (0, note.format(2))
     assert merged[1].splitlines()[-1].startswith("merged as commit 2")

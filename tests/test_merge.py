@@ -71,10 +71,10 @@ def flashinfer_file(cache_file, name: str, values: dict[str, int], mtime: float,
 
 
 @pytest.fixture
-def target(cli, cache_file) -> None:
+def target(cli, cache_file, registry_db: str, created_note) -> None:
     """The target registry: commit 1 imported K16=1 and K32=2 (tuned now)."""
     result = cli("import", cache_file("t.json", {K16: ["Runner", 1], K32: ["Runner", 2]}, META))
-    assert (result.exit_code, result.stderr) == (0, "")
+    assert (result.exit_code, result.stderr) == (0, created_note(registry_db))
 
 
 @pytest.fixture
@@ -646,7 +646,94 @@ def test_a_refused_plan_raises_before_writing(sources: list[Path], target, regis
 # -- progress -------------------------------------------------------------------------------
 
 
-def test_piped_output_has_no_progress(cli, cache_file) -> None:
+# -- large merges: a summary by default, everything with --verbose or JSON -------------------
+
+ALL = "--verbose or --format json for all"
+
+
+def sources_of_3(paths: list[Path]) -> list[str]:
+    """The plan's source table for ``paths`` of 3 entries each (any source numbers)."""
+    return [
+        "source  kind        entries  sha256        name",
+        *(f"{n:<6}  flashinfer  3        {sha256(p)[:12]}  {p}" for n, p in enumerate(paths, 1)),
+    ]
+
+
+def test_a_200_source_plan_is_summarised_and_verbose_lists_all(
+    cli, cache_file, target, registry_path: Path, dump_db
+) -> None:
+    """K16: five values over 200 sources against the target's 1; K32 as the target;
+    K64: two values, new to the target."""
+    now = time.time()
+    paths = [
+        flashinfer_file(cache_file, f"s{i:03}.json", {K16: 5 + i % 5, K32: 2, K64: i % 2}, now)
+        for i in range(1, 201)
+    ]
+    before = dump_db(registry_path)
+
+    summary = cli("merge", "--dry-run", *paths)
+
+    assert (summary.exit_code, summary.stderr) == (0, "")
+    assert summary.stdout.splitlines() == [
+        "merge plan (on conflict: keep, 200 source(s)):",
+        *sources_of_3(paths[:10]),
+        f"  ... 190 more source(s); {ALL}",
+        GROUPS_HEADER,
+        f"1            {DIGEST[:12]}  NVIDIA H200  shared  mm  1      0         0        1          2",
+        "conflicts (2):",
+        f"  1 shared {K16}: target 1; 200 sources hold 5 value(s): 6 (source 1 and 39 more), "
+        "7 (source 2 and 39 more), 8 (source 3 and 39 more), 2 more value(s) -> target",
+        f"  1 shared {K64}: 200 sources hold 2 value(s): 1 (source 1 and 99 more), "
+        "0 (source 2 and 99 more) -> source 1",
+        "total: 1 added, 0 replaced, 0 removed, 1 identical, 2 conflicting",
+        "dry run: nothing changed",
+    ]
+
+    verbose = cli("merge", "--dry-run", "--verbose", *paths)
+    lines = verbose.stdout.splitlines()
+    assert (verbose.exit_code, len(lines)) == (0, 1 + 201 + 2 + 1 + 2 + 2)
+    assert lines[1:202] == sources_of_3(paths)
+    assert lines[-4] == (
+        f"  1 shared {K16}: target 1; "
+        + "; ".join(f"source {i} {5 + i % 5}" for i in range(1, 201))
+        + " -> target"
+    )
+    assert cli("merge", "--dry-run", "-v", *paths).stdout == verbose.stdout
+
+    as_json = json.loads(cli("merge", "--dry-run", "--format", "json", *paths).stdout)
+    assert [len(c["sources"]) for c in as_json["conflicts"]] == [200, 200]
+    assert len(as_json["sources"]) == 200
+    assert dump_db(registry_path) == before
+
+
+def test_many_groups_are_summed_per_op(cli, cache_file, target) -> None:
+    """25 GPUs, two ops each: 50 (fingerprint, scope, op) groups, shown as one row per op."""
+    now = time.time()
+    paths = [
+        flashinfer_file(
+            cache_file, f"g{i:02}.json", {K16: 3, ATTN: 4}, now, meta={**META, "gpu": f"GPU {i}"}
+        )
+        for i in range(25)
+    ]
+
+    summary = cli("merge", "--dry-run", *paths)
+
+    assert summary.exit_code == 0
+    assert summary.stdout.splitlines()[12:] == [
+        f"  ... 15 more source(s); {ALL}",
+        "op    groups  added  replaced  removed  identical  conflicting",
+        "attn  25      25     0         0        0          0",
+        "mm    25      25     0         0        0          0",
+        f"  (50 fingerprint/scope/op groups in 25 fingerprint(s); {ALL})",
+        "total: 50 added, 0 replaced, 0 removed, 0 identical, 0 conflicting",
+        "dry run: nothing changed",
+    ]
+    verbose = cli("merge", "--dry-run", "--verbose", *paths).stdout.splitlines()
+    assert len(verbose) == 1 + 26 + 51 + 2
+    assert sorted(line.split()[5] for line in verbose[28:78]) == ["attn"] * 25 + ["mm"] * 25
+
+
+def test_piped_output_has_no_progress(cli, cache_file, registry_path: Path, created_note) -> None:
     paths = [
         flashinfer_file(cache_file, f"p{i}.json", {K16: 1, K32: 2}, time.time()) for i in range(6)
     ]
@@ -654,7 +741,7 @@ def test_piped_output_has_no_progress(cli, cache_file) -> None:
     merged = cli("merge", *paths)
     imported = cli("import", *paths)
 
-    assert merged.stderr == ""
+    assert merged.stderr == created_note(registry_path)
     assert "reading" not in merged.stdout
     assert merged.stdout.startswith("merge plan (on conflict: keep, 6 source(s)):\n")
     assert (imported.stdout, imported.stderr) == (

@@ -72,7 +72,7 @@ def records_file(cache_file, name: str, records: dict[str, Any], entries: bool =
 
 @both_backends
 def test_save_import_export_load_returns_identical_records(
-    cli, registry_db: str, autotuner: Any, tmp_path: Path
+    cli, registry_db: str, autotuner: Any, tmp_path: Path, created_note: Any
 ) -> None:
     autotuner.publish_namespaced_records(NS, {DA_KEY: DA_VALUE})
     autotuner.publish_namespaced_records("other", OTHER)
@@ -85,7 +85,7 @@ def test_save_import_export_load_returns_identical_records(
     assert autotuner.get_namespaced_records(NS) == {}
     loaded = autotuner.load_configs(str(tmp_path / "out.json"))
 
-    assert (imported.exit_code, imported.stderr) == (0, "")
+    assert (imported.exit_code, imported.stderr) == (0, created_note(registry_db))
     assert imported.stdout == (
         "imported 0 entries and 3 records from 1 file(s): 0 added, 0 replaced, 0 unchanged; "
         "records 3 added, 0 replaced, 0 unchanged (commit 1)\n"

@@ -91,7 +91,9 @@ def entries_of(path: Path) -> dict[str, Any]:
     return {k: v for k, v in data.items() if not k.startswith("_")}
 
 
-def test_save_import_export_load_is_exact(autotuner, cli, tmp_path: Path) -> None:
+def test_save_import_export_load_is_exact(
+    autotuner, cli, tmp_path: Path, registry_path: Path, created_note
+) -> None:
     expected = fill_like_tuning(autotuner)
     saved = tmp_path / "saved.json"
     autotuner.save_configs(str(saved))
@@ -105,7 +107,7 @@ def test_save_import_export_load_is_exact(autotuner, cli, tmp_path: Path) -> Non
     out = tmp_path / "exported.json"
     exported = cli("export", "--fingerprint", "current", "-o", out)
 
-    assert (imported.exit_code, imported.stderr) == (0, "")
+    assert (imported.exit_code, imported.stderr) == (0, created_note(registry_path))
     assert (
         imported.stdout
         == "imported 5 entries from 1 file(s): 5 added, 0 replaced, 0 unchanged (commit 1)\n"

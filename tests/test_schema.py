@@ -847,3 +847,73 @@ def test_the_previous_release_refuses_the_newer_frozen_registry_and_leaves_it(
     assert result.stderr.count("\n") == 1
     assert path.read_bytes() == before
     assert sorted(os.listdir(tmp_path)) == ["old", "registry.db"]
+
+
+# -- registry URLs: the forms operators write -------------------------------------------------
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("scheme", ["postgres", "postgresql"])
+def test_postgres_and_postgresql_urls_reach_the_server_from_the_cli_and_warm_start(
+    cli, cache_file, postgres_url: str, autotuner, scheme: str
+) -> None:
+    import ficache
+    from ficache.standin import standin_tune
+
+    short = postgres_url.replace("postgresql+psycopg://", f"{scheme}://")
+    assert short != postgres_url
+
+    imported = cli("import", entry_file(cache_file), db=short)
+    assert (imported.exit_code, imported.stderr) == (0, "")
+    listed = cli("list", "--format", "json", db=short)
+    assert (listed.exit_code, len(json.loads(listed.stdout))) == (0, 1)
+
+    with ficache.warm_start(db=short) as ws:
+        standin_tune()
+    assert (ws.report.reason, ws.report.committed) == (None, 18)
+    assert ws.report.registry == schema.resolve(postgres_url).display
+    with Registry.open(postgres_url, create=False, write=False) as reg:
+        assert [c.kind for c in reg.log()] == ["startup", "import"]
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("postgress://db.example/registry", "SQLAlchemy knows no database 'postgress'; give"),
+        ("mysql://db.example/registry", "No module named 'MySQLdb'; install its driver, or give"),
+    ],
+)
+def test_an_unknown_database_or_missing_driver_names_the_accepted_forms(
+    cli, cache_file, url: str, why: str
+) -> None:
+    for args in (("list",), ("import", entry_file(cache_file))):
+        result = cli(*args, db=url)
+        assert (result.exit_code, result.stdout) == (1, "")
+        assert result.stderr == (
+            f"error: cannot use registry URL {url}: {why} {schema.ACCEPTED_FORMS}\n"
+        )
+
+
+def test_a_missing_psycopg_says_which_extra_to_install(tmp_path: Path) -> None:
+    """psycopg made unimportable in a real CLI process (``sys.modules`` entry None)."""
+    program = (
+        "import sys; sys.modules['psycopg'] = None; from ficache.cli import main; "
+        "main(['--db', 'postgres://fleet@127.0.0.1:1/registry', 'list'])"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr.startswith(
+        "error: cannot use registry URL postgresql+psycopg://fleet@127.0.0.1:1/registry: "
+    )
+    assert result.stderr.endswith(
+        "; install the PostgreSQL driver: pip install 'ficache[postgres]'\n"
+    )
+    assert result.stderr.count("\n") == 1

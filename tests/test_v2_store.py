@@ -130,7 +130,7 @@ def digest(metadata: dict[str, str]) -> str:
 
 
 def test_import_reads_every_environment_with_its_fingerprint_and_policy(
-    cli, tmp_path: Path
+    cli, tmp_path: Path, registry_path: Path, created_note
 ) -> None:
     root = tmp_path / "autotune"
     here = publish_like_tuning(root, policy=GRAPHS)
@@ -153,7 +153,7 @@ def test_import_reads_every_environment_with_its_fingerprint_and_policy(
         + "".join(f"{h}  {d[:12]}  {m:<25}  {n:<7}  0\n" for h, d, m, n in rows)
         + "imported 7 entries from 2 environment(s): 7 added, 0 replaced, 0 unchanged (commit 1)\n"
     )
-    assert result.stderr == (
+    assert result.stderr == created_note(registry_path) + (
         "warning: 1 protocol record(s) were not imported (FlashInfer keeps them apart from the "
         "_records that ficache stores, and they stay in the store it serves them from)\n"
     )
@@ -211,14 +211,16 @@ def test_flashinfer_keeps_protocol_records_apart_from_namespaced_records(
     assert autotuner.get_protocol_records("trtllm_moe_da") == {}
 
 
-def test_one_environment_directory_imports_alone(cli, tmp_path: Path) -> None:
+def test_one_environment_directory_imports_alone(
+    cli, tmp_path: Path, registry_path: Path, created_note
+) -> None:
     root = tmp_path / "autotune"
     publish_like_tuning(root, metadata=H200_METADATA)
     store = publish_like_tuning(root, policy=GRAPHS, tuned=TUNED[:1])
 
     result = cli("import", store.env_dir, "--format", "json")
 
-    assert (result.exit_code, result.stderr) == (0, "")
+    assert (result.exit_code, result.stderr) == (0, created_note(registry_path))
     report = json.loads(result.stdout)
     assert [e["env_hash"] for e in report["environments"]] == [store.env_hash]
     assert (report["entries"], report["added"], report["commit"]) == (1, 1, 1)
@@ -502,7 +504,9 @@ REASONS = {
 
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))
-def test_a_malformed_entry_is_skipped_and_counted(cli, tmp_path: Path, case: str) -> None:
+def test_a_malformed_entry_is_skipped_and_counted(
+    cli, tmp_path: Path, case: str, registry_path: Path, created_note
+) -> None:
     root = tmp_path / "autotune"
     store = publish_like_tuning(root, tuned=TUNED[1:])
     name, content = MALFORMED[case]()
@@ -516,7 +520,7 @@ def test_a_malformed_entry_is_skipped_and_counted(cli, tmp_path: Path, case: str
     assert result.stdout.endswith(
         "imported 4 entries from 1 environment(s): 4 added, 0 replaced, 0 unchanged (commit 1)\n"
     )
-    assert result.stderr == (
+    assert result.stderr == created_note(registry_path) + (
         "warning: skipped 1 malformed entry (FlashInfer treats them as misses); "
         f"first: {path}: {REASONS[case]}\n"
     )
@@ -571,7 +575,9 @@ BAD_MANIFESTS: dict[str, tuple[Callable[[dict], Any], str]] = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_MANIFESTS))
-def test_a_malformed_manifest_skips_its_environment(cli, tmp_path: Path, case: str) -> None:
+def test_a_malformed_manifest_skips_its_environment(
+    cli, tmp_path: Path, case: str, registry_path: Path, created_note
+) -> None:
     root = tmp_path / "autotune"
     publish_like_tuning(root, tuned=TUNED[:1])
     bad = publish_like_tuning(root, metadata=H200_METADATA)
@@ -593,7 +599,7 @@ def test_a_malformed_manifest_skips_its_environment(cli, tmp_path: Path, case: s
     assert result.stdout.endswith(
         "imported 1 entries from 1 environment(s): 1 added, 0 replaced, 0 unchanged (commit 1)\n"
     )
-    assert result.stderr == (
+    assert result.stderr == created_note(registry_path) + (
         f"warning: skipped 1 environment(s) with a malformed manifest; first: {bad.env_dir}: {reason}\n"
     )
 
@@ -620,7 +626,9 @@ def test_a_directory_that_is_not_a_store_is_refused(
         assert (result.exit_code, result.stdout) == (1, "")
         assert result.stderr == (
             f"error: {directory}: not a FlashInfer v2 store (no v2/ directory) nor one of its "
-            "environment directories (no manifest.json); give the store root\n"
+            "environment directories (no manifest.json); it holds no cache file (*.json) and no "
+            "vLLM autotune cache; give cache files (`ficache import DIR/*.json`) or vLLM's cache "
+            "root (`ficache import --from-vllm DIR`)\n"
         )
     assert dump_db(populated) == before
 
