@@ -50,7 +50,7 @@ Cost. The ranks are forked from a forkserver that imported torch, FlashInfer
 and ficache once (a fresh interpreter costs ~8 s here); a case takes 1-3 s,
 a slow case about 2.5 times the timeout (25 s). CI runs world 2 (every phase,
 rank 0 and rank 1), the slow cases and world 3 with rank 2 killed at every
-phase (about 2 minutes here); ``FICACHE_KILLED_RANKS_FULL=1`` adds world 4
+phase (about 2.5 minutes here); ``FICACHE_KILLED_RANKS_FULL=1`` adds world 4
 with every rank killed at every phase (marked ``slow``). PostgreSQL
 (``postgres`` marker): a representative subset with rank 0's registry on
 PostgreSQL.
