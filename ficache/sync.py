@@ -111,7 +111,7 @@ Decisions:
   leaves its collective pending on that rank and breaks the channel: the rank
   issues no further protocol collective and commits nothing (the late peer's
   matching collective may still complete against the pending one; its next
-  wait then runs out in turn, so it commits nothing either). A tuning
+  wait then fails or runs out, so it commits nothing either). A tuning
   collective that timed out has waited for the peers once already, so the
   exchange after it waits only ``release_grace`` more: a stalled peer costs
   the timeout once, not twice (``tests/test_killed_ranks.py``, slow cases).
