@@ -105,6 +105,16 @@ Decisions:
   ``new_group`` must be called by every rank of the default group, so when
   ``group`` is smaller than the world, tuning all-reduces run on ``group``
   itself and cannot be released early.
+- Bounded waits: ``timeout`` bounds every wait for a stalled peer (see
+  ``WarmStart``), whatever ``group``'s own timeout, because a server's group
+  (vLLM's) is made by the server, with its own timeout. A wait that ran out
+  leaves its collective pending on that rank and breaks the channel: the rank
+  issues no further protocol collective and commits nothing (the late peer's
+  matching collective may still complete against the pending one; its next
+  wait then fails or runs out, so it commits nothing either). A tuning
+  collective that timed out has waited for the peers once already, so the
+  exchange after it waits only ``release_grace`` more: a stalled peer costs
+  the timeout once, not twice (``tests/test_killed_ranks.py``, slow cases).
 
 Cost: a warm start with nothing to tune is four collectives on ``group`` plus
 one ``load_configs`` per rank. Rank 0 reads rendered slices from the slice
@@ -120,6 +130,7 @@ import datetime
 import json
 import logging
 import os
+import pickle
 import re
 import time
 from collections.abc import Callable
@@ -162,6 +173,10 @@ T = TypeVar("T")
 #: gloo's default timeout, used when ``timeout`` is None.
 DEFAULT_TIMEOUT_S = 1800.0
 
+#: The shortest wait on a collective: ``Work.wait`` reads a zero timeout (under 1 ms)
+#: as "no timeout" and would wait forever.
+_MIN_WAIT_S = 0.001
+
 # caller group id -> (caller group, its dedicated tuning group)
 _TUNING_GROUPS: dict[int, tuple[Any, Any]] = {}
 
@@ -197,6 +212,8 @@ _COLLECTIVE_CAUSE = re.compile(
 
 def _collective_error(exc: BaseException) -> str:
     """A failed collective in a few words: gloo's cause without its file, line and banner."""
+    if isinstance(exc, TimeoutError):  # ``_Channel._wait``'s own one line
+        return _one_line(exc)
     cause = _COLLECTIVE_CAUSE.search(str(exc))
     return f"{type(exc).__name__}: {cause.group(0).strip()}" if cause else _one_line(exc)
 
@@ -244,11 +261,28 @@ class WarmStartReport:
 
 
 class _Channel:
-    def __init__(self, group: Any, rank: int, world: int) -> None:
+    """The protocol's collectives on ``group``; ``timeout`` bounds the waits that wait
+    for another rank's work (the broadcasts and the confirm): each call's waits share
+    one deadline, so a stalled peer costs a rank the timeout once per call."""
+
+    def __init__(self, group: Any, rank: int, world: int, timeout: float) -> None:
         self.group = group
         self.rank = rank
         self.world = world
+        self.timeout = timeout
         self.error: str | None = None
+
+    def _wait(self, work: Any, deadline: float) -> None:
+        """Wait for ``work`` until ``deadline`` (``time.monotonic``); raise once it passed."""
+        left = max(deadline - time.monotonic(), _MIN_WAIT_S)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=left))
+        except Exception:
+            if work.is_completed():
+                raise  # the collective itself failed (a peer gone): its own error
+            raise TimeoutError(
+                f"timed out: no answer within the warm start's timeout ({self.timeout:g} s)"
+            ) from None
 
     def _call(self, what: str, fn: Callable[[], T]) -> T | None:
         if self.error is not None:
@@ -261,14 +295,23 @@ class _Channel:
             return None
 
     def broadcast(self, obj: Any) -> Any | None:
-        """Rank 0's ``obj`` on every rank."""
+        """Rank 0's ``obj`` on every rank (pickled, as ``broadcast_object_list`` does,
+        but as two tensor broadcasts whose waits ``timeout`` bounds)."""
         if self.world == 1:
             return obj
 
         def run() -> Any:
-            box = [obj if self.rank == 0 else None]
-            dist.broadcast_object_list(box, group=self.group, group_src=0)
-            return box[0]
+            deadline = time.monotonic() + self.timeout
+            if self.rank == 0:
+                data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+                size = torch.tensor([data.numel()], dtype=torch.int64)
+            else:
+                size = torch.zeros(1, dtype=torch.int64)
+            self._wait(dist.broadcast(size, group=self.group, group_src=0, async_op=True), deadline)
+            if self.rank != 0:
+                data = torch.empty(int(size.item()), dtype=torch.uint8)
+            self._wait(dist.broadcast(data, group=self.group, group_src=0, async_op=True), deadline)
+            return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
 
         return self._call("broadcast", run)
 
@@ -289,9 +332,10 @@ class _Channel:
             return [values]
 
         def run() -> list[list[int]]:
+            deadline = time.monotonic() + self.timeout
             mine = torch.tensor(values, dtype=torch.int64)
             out = [torch.zeros_like(mine) for _ in range(self.world)]
-            dist.all_gather(out, mine, group=self.group)
+            self._wait(dist.all_gather(out, mine, group=self.group, async_op=True), deadline)
             return [[int(v) for v in t.tolist()] for t in out]
 
         return self._call("all-gather", run)
@@ -321,12 +365,12 @@ class _Channel:
             work = dist.all_gather(out, mine, group=self.group, async_op=True)
             assert work is not None
             try:
-                work.wait(timeout=datetime.timedelta(seconds=grace))
+                work.wait(timeout=datetime.timedelta(seconds=max(grace, _MIN_WAIT_S)))
             except Exception:
                 if work.is_completed():
                     raise
                 on_stall()
-                work.wait(timeout=datetime.timedelta(seconds=timeout))
+                work.wait(timeout=datetime.timedelta(seconds=max(timeout, _MIN_WAIT_S)))
             return [[int(v) for v in t.tolist()] for t in out]
 
         return self._call("status exchange", run)
@@ -457,11 +501,17 @@ class WarmStart:
     (default ``f"world{N}"``). ``tuner=None`` is FlashInfer's ``AutoTuner``.
     ``fingerprint`` overrides the collected one. ``synchronize=False`` tunes
     without a process group (entries are then stored per rank only).
-    ``timeout`` bounds the status exchange (step 8) and the tuning group's
-    collectives (default 1800 s); the other collectives on ``group`` wait as
-    long as ``group``'s own timeout allows (the ``timeout`` it was created
-    with, 30 minutes by default), so give ``group`` the same bound to bound
-    the whole start; ``release_grace`` is how long a rank that
+    ``timeout`` (default 1800 s) bounds every wait for a stalled peer,
+    whatever ``group``'s own timeout (the one it was created with, 30 minutes
+    by default): the slice broadcast and the confirm (steps 3 and 5), the
+    status exchange (step 8), the outcome broadcast (step 9) and the tuning
+    group's collectives. A peer that stalls costs the others the timeout once
+    (plus ``release_grace`` twice at most, in the exchange), never twice.
+    Only the all-gather of failure details and the gather of tuned entries,
+    which run right after a collective every rank completed, wait as long as
+    ``group``'s timeout allows. Give ``timeout`` room for rank 0's commit
+    (``registry_timeout``): a peer that stops waiting for the outcome reports
+    "commit outcome unknown". ``release_grace`` is how long a rank that
     left its block waits before releasing the tuning group;
     ``busy_timeout`` bounds each wait for the registry's write lock (the
     registry retries a busy write a few times). ``registry_timeout`` bounds
@@ -562,7 +612,7 @@ class WarmStart:
         report = self.report
         report.rank, report.world_size, report.layout = rank, world, layout
         report.synchronized = world == 1 and self.synchronize
-        self._channel = channel = _Channel(self.group, rank, world)
+        self._channel = channel = _Channel(self.group, rank, world, self.timeout)
 
         # 1. fingerprint and a clean tuner
         local_error: str | None = None

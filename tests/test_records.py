@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from flashinfer_072 import flashinfer_072_python
 
 import ficache
 from ficache._ranks import run_ranks
@@ -33,7 +34,6 @@ from ficache.verify import verify
 
 both_backends = pytest.mark.usefixtures("backend")
 
-REPO = Path(__file__).resolve().parent.parent
 NS = "trtllm_moe_da"
 #: Records shaped like FlashInfer's fused-MoE runtime's: compact sorted JSON keys,
 #: objects whose members are not in sorted order, floats, nesting, unicode.
@@ -110,7 +110,6 @@ def test_save_import_export_load_returns_identical_records(
     )
 
 
-_VLLM_PYTHON = REPO / ".tox" / "vllm" / "bin" / "python"
 _SAVE_072 = """
 import sys
 from flashinfer.autotuner import AutoTuner
@@ -126,15 +125,15 @@ print(json.dumps([t.load_configs(sys.argv[1]), t.get_namespaced_records("trtllm_
 """
 
 
-@pytest.mark.skipif(not _VLLM_PYTHON.exists(), reason="no tox vllm env (FlashInfer 0.7.2.post1)")
 def test_flashinfer_0_7_2_saves_what_ficache_stores_and_loads_what_it_exports(
     cli, tmp_path: Path
 ) -> None:
+    python_072 = flashinfer_072_python()
     saved = tmp_path / "saved-072.json"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    subprocess.run([_VLLM_PYTHON, "-c", _SAVE_072, saved, DA_KEY], check=True, env=env, timeout=300)
+    subprocess.run([python_072, "-c", _SAVE_072, saved, DA_KEY], check=True, env=env, timeout=300)
     version = subprocess.run(
-        [_VLLM_PYTHON, "-c", "import flashinfer; print(flashinfer.__version__)"],
+        [python_072, "-c", "import flashinfer; print(flashinfer.__version__)"],
         check=True,
         env=env,
         capture_output=True,
@@ -145,7 +144,7 @@ def test_flashinfer_0_7_2_saves_what_ficache_stores_and_loads_what_it_exports(
     assert cli("import", saved).exit_code == 0
     assert cli("export", "--fingerprint", "1", "-o", tmp_path / "out.json").exit_code == 0
     loaded = subprocess.run(
-        [_VLLM_PYTHON, "-c", _LOAD_072, tmp_path / "out.json"],
+        [python_072, "-c", _LOAD_072, tmp_path / "out.json"],
         check=True,
         env=env,
         capture_output=True,

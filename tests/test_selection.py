@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from flashinfer_072 import flashinfer_072_python
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -39,8 +40,6 @@ from ficache.merge import open_source, plan_merge
 from ficache.registry import Registry
 from ficache.tuner import FlashInferTuner
 
-REPO = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = REPO / ".tox" / "vllm" / "bin" / "python"
 RUNNER = "CutlassRunner"
 POLICY = ["cuda_graph_profile_replays", None, "l2_cache_policy", "hot"]
 SEL = {"time_ms": 0.01, "runner_up_ms": 0.012, "margin": 0.2, "candidates": 5}
@@ -397,8 +396,8 @@ def test_the_tuner_reads_selections_as_save_configs_writes_them(autotuner: Any) 
     assert sorted(tuned) == keys
 
 
-@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="the tox env `vllm` is not built")
 def test_flashinfer_0_7_2_loads_an_export_with_selections(cli, cache_file, tmp_path: Path) -> None:
+    python_072 = flashinfer_072_python()
     path = cache_file("a.json", {key(16): [RUNNER, 3, POLICY, SEL], key(32): [RUNNER, 1]}, META)
     assert cli("import", path).exit_code == 0
     exported = tmp_path / "exported.json"
@@ -415,7 +414,7 @@ def test_flashinfer_0_7_2_loads_an_export_with_selections(cli, cache_file, tmp_p
         "print(json.dumps(sorted([k, list(v)] for k, v in t._file_config_policies.items())))\n"
     )
     out = subprocess.run(
-        [str(VLLM_PYTHON), "-c", script, str(exported), str(tmp_path / "here.json")],
+        [python_072, "-c", script, str(exported), str(tmp_path / "here.json")],
         capture_output=True,
         text=True,
         timeout=300,
