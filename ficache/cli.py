@@ -1777,15 +1777,16 @@ def merge_cmd(
     key with different values; --on-conflict decides. Merging the same
     sources again changes nothing. Revert a merge with `ficache revert`.
     """
-    from ficache.merge import plan_merge, read_sources
+    from ficache.merge import merge_sources, plan_merge, read_sources
 
     with _progress(sources, "reading sources") as items:
         opened = read_sources(items)
     with obj.registry(create=not dry_run, write=not dry_run) as reg:
-        if not dry_run:
+        if dry_run:
+            plan, result = plan_merge(reg, opened, policy), None
+        else:
             reg.require_writable()
-        plan = plan_merge(reg, opened, policy)
-        result = None if plan.refused or dry_run else plan.execute(reg)
+            plan, result = merge_sources(reg, opened, policy)
     commit_id = result.commit_id if result is not None else None
     if fmt == "json":
         _dump_json({**plan.as_json(), "dry_run": dry_run, "commit": commit_id})

@@ -63,6 +63,14 @@ class ConflictError(FicacheError):
     """An operation would overwrite work done after the state it expects."""
 
 
+class StalePlanError(ConflictError):
+    """Another writer changed rows a plan expected, between the plan and its write.
+
+    Nothing was written. Planning again against the registry as it is now
+    is safe where no person confirmed the first plan (``merge`` does so).
+    """
+
+
 class TunerError(FicacheError):
     """The autotuner refused or failed an operation (FlashInfer rejected a cache, say)."""
 

@@ -77,6 +77,7 @@ from ficache.errors import (
     MergeConflictError,
     NotARegistryError,
     SchemaError,
+    StalePlanError,
 )
 from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import MAX_FILE_BYTES, parse_cache_bytes, parse_key
@@ -602,6 +603,47 @@ def plan_merge(
     except DatabaseError as exc:
         raise schema.translate_operational_error(exc, registry.location) from None
     return dataclasses.replace(plan, records=records)
+
+
+#: Plans one merge makes at most while other writers keep committing to the rows it
+#: writes between its plan and its write (each plan reads the registry anew).
+MERGE_ATTEMPTS = 4
+
+
+def merge_sources(
+    registry: Registry,
+    sources: Sequence[MergeSource],
+    policy: str = "keep",
+    *,
+    attempts: int = MERGE_ATTEMPTS,
+    first_plan: MergePlan | None = None,
+) -> tuple[MergePlan, WriteResult | None]:
+    """Plan and execute a merge; plan again when another writer committed in between.
+
+    A plan's write carries the commit id of every row it writes or removes
+    (``MergePlan.expected``); when another writer changed one of them after
+    the plan was read, the write raises ``StalePlanError`` and writes
+    nothing. Nobody confirmed the plan (``merge`` asks no question), so it
+    is planned again from the registry as it is now, which is what the merge
+    would have done had it started a moment later: two merges of the same
+    sources at once both succeed and end as the two run one after the
+    other. At most ``attempts`` plans; the last loss is raised.
+    ``first_plan`` is a plan the caller already made on ``registry``.
+
+    Returns the plan that was executed and its result, or ``(plan, None)``
+    for a refused plan (``fail`` with conflicts; ``plan.check()`` raises).
+    """
+    plan = first_plan if first_plan is not None else plan_merge(registry, sources, policy)
+    for attempt in range(1, attempts + 1):
+        if plan.refused:
+            return plan, None
+        try:
+            return plan, plan.execute(registry)
+        except StalePlanError:
+            if attempt == attempts:
+                raise
+        plan = plan_merge(registry, sources, policy)
+    raise AssertionError("unreachable")  # the loop returns or raises
 
 
 def _record_value(r: NewRecord) -> str:

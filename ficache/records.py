@@ -49,7 +49,7 @@ from typing import Any
 from sqlalchemy import Connection, bindparam, delete, func, insert, select, update
 from sqlalchemy.exc import DatabaseError
 
-from ficache.errors import ConflictError, RecordError
+from ficache.errors import RecordError, StalePlanError
 from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import (
     MAX_RECORD_DEPTH,
@@ -235,7 +235,7 @@ def stage(
             now_row = current.get((fid, scope, ns, key)) if fid is not None else None
             stale += (now_row[2] if now_row is not None else None) != commit
         if stale:
-            raise ConflictError(
+            raise StalePlanError(
                 f"{stale} of {len(write.expected)} records changed since the plan was made; "
                 "nothing written, run the command again"
             )

@@ -77,6 +77,7 @@ from ficache.errors import (
     RegistryBusyError,
     RegistryReadOnlyError,
     SchemaTooNewError,
+    StalePlanError,
 )
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
 from ficache.flashinfer_format import CacheFile, KeyFields, parse_key, render_cache
@@ -1127,7 +1128,7 @@ class Registry:
                     now_row = existing.get((fid, scope, key))
                     stale += (now_row[4] if now_row is not None else None) != commit
                 if stale:
-                    raise ConflictError(
+                    raise StalePlanError(
                         f"{stale} of {len(expected)} entries changed since the plan was made; "
                         "nothing written, run the command again"
                     )

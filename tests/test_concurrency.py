@@ -184,9 +184,9 @@ def test_parallel_importers_all_succeed_and_lose_nothing(
 SAME_KEYS = 610
 
 
-def write_same_keys(path: Path, writer: int) -> None:
-    """SAME_KEYS entries every writer's file holds; half of them with this writer's value."""
-    entries = {key(0, m): ["Runner", [m, writer if m % 2 else 0]] for m in range(SAME_KEYS)}
+def write_same_keys(path: Path, writer: int, count: int = SAME_KEYS) -> None:
+    """``count`` entries every writer's file holds; half of them with this writer's value."""
+    entries = {key(0, m): ["Runner", [m, writer if m % 2 else 0]] for m in range(count)}
     path.write_text(json.dumps({"_metadata": META, **entries}))
 
 
@@ -230,6 +230,51 @@ def test_two_importers_of_the_same_keys_both_succeed_and_end_as_a_sequential_run
     for name in order:
         with Registry.open(sequential) as reg:
             reg.import_cache([(name, read_cache_file(name))])
+    assert stored_values(registry_db) == stored_values(sequential)
+    assert_history_explains_every_entry(registry_db)
+
+
+#: Keys of each concurrent merge: enough that reading and planning them takes longer than
+#: the two processes' start-up differs, so both plan before either writes (with 610 the
+#: first had committed before the second planned, and the race was never run).
+MERGED_KEYS = 20_000
+
+
+@both_backends
+def test_two_merges_of_the_same_keys_both_succeed_and_end_as_a_sequential_run(
+    tmp_path: Path, registry_db: str
+) -> None:
+    """A merge's plan expects the rows it read; the merge that commits second finds them
+    changed, writes nothing, plans again on what the first committed, and succeeds (issue
+    23: on PostgreSQL the loser used to fail with "... changed since the plan was made")."""
+    Registry.open(registry_db).close()
+    files = [tmp_path / "a.json", tmp_path / "b.json"]
+    for writer, path in enumerate(files, start=1):
+        write_same_keys(path, writer, MERGED_KEYS)
+    start = time.time() + START_DELAY_S
+    merge = ["merge", "--on-conflict", "theirs"]
+    outputs = run_all(
+        [
+            [sys.executable, "-c", _IMPORT_AT, repr(start), "--db", registry_db, *merge, str(f)]
+            for f in files
+        ]
+    )
+
+    assert [(code, err) for code, _out, err in outputs] == [(0, "")] * 2
+    with Registry.open(registry_db) as reg:
+        order = [c.message.rsplit(": ", 1)[1] for c in reversed(reg.log(None))]
+    assert sorted(order) == sorted(str(f) for f in files)
+    sequential = str(tmp_path / "sequential.db")
+    Registry.open(sequential).close()
+    for name in order:
+        done = subprocess.run(
+            [sys.executable, "-m", "ficache", "--db", sequential, *merge, name],
+            capture_output=True,
+            text=True,
+            timeout=DEADLINE_S,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
     assert stored_values(registry_db) == stored_values(sequential)
     assert_history_explains_every_entry(registry_db)
 

@@ -8,6 +8,7 @@ The target registry is the ``cli`` fixture's (``registry_db``); tests marked
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -21,9 +22,9 @@ import pytest
 from samples import SHORT_H200_METADATA
 from terminal import run_in_a_terminal
 
-from ficache.errors import ConflictError, MergeConflictError
+from ficache.errors import ConflictError, MergeConflictError, StalePlanError
 from ficache.fingerprint import Fingerprint
-from ficache.merge import POLICIES, open_source, plan_merge, registry_digest
+from ficache.merge import POLICIES, merge_sources, open_source, plan_merge, registry_digest
 from ficache.registry import NewEntry, Registry
 
 REPO = Path(__file__).resolve().parent.parent
@@ -613,6 +614,53 @@ def test_a_plan_is_refused_when_the_registry_changed_since(
     )
     assert dump_db(registry_db) == before
     assert stored(cli)[(1, "shared", K16)] == 42
+
+
+@pytest.mark.usefixtures("backend")
+def test_a_merge_that_lost_the_race_plans_again_and_ends_as_if_run_after(
+    cli, cache_file, sources: list[Path], registry_db: str, tmp_path: Path
+) -> None:
+    """``merge_sources`` (what ``ficache merge`` runs): a first plan gone stale under another
+    writer's commit writes nothing, and the merge is planned again on the registry as it is
+    now, ending exactly where the same merge run after that commit ends."""
+    late = cache_file("late.json", {K16: ["Runner", 42]}, META)
+    opened = [open_source(str(p)) for p in sources]
+    with Registry.open(registry_db) as reg:
+        stale = plan_merge(reg, opened, "theirs")
+        assert cli("import", late).exit_code == 0  # another writer, between plan and write
+        with pytest.raises(StalePlanError):
+            stale.execute(reg)
+
+        plan, result = merge_sources(reg, opened, "theirs", first_plan=stale)
+
+    assert plan != stale and result is not None and result.commit_id == 3
+    after = stored(cli)
+    sequential = str(tmp_path / "sequential.db")
+    for argv in (
+        ["import", str(tmp_path / "t.json")],  # the target's commit 1
+        ["import", str(late)],
+        ["merge", *map(str, sources), "--on-conflict", "theirs"],
+    ):
+        assert cli(*argv, db=sequential).exit_code == 0
+    assert after == stored(functools.partial(cli, db=sequential))
+    assert (
+        after[(1, "shared", K64)] == 5 and len(commits(functools.partial(cli, db=sequential))) == 3
+    )
+
+
+def test_a_merge_that_keeps_losing_gives_up_after_its_attempts(
+    cli, cache_file, sources: list[Path], registry_db: str, dump_db
+) -> None:
+    opened = [open_source(str(p)) for p in sources]
+    with Registry.open(registry_db) as reg:
+        stale = plan_merge(reg, opened, "theirs")
+        assert cli("import", cache_file("late.json", {K16: ["Runner", 42]}, META)).exit_code == 0
+        before = dump_db(registry_db)
+
+        with pytest.raises(StalePlanError, match="changed since the plan was made"):
+            merge_sources(reg, opened, "theirs", attempts=1, first_plan=stale)
+
+    assert dump_db(registry_db) == before
 
 
 def test_a_plan_is_refused_when_the_entries_it_was_made_against_are_gone(
