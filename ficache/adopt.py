@@ -856,8 +856,6 @@ def adopt_into_empty_registry(
     plan = plan_adoption(sources, known=known)
     if plan.is_empty:
         return StartupAdoption(plan, WriteResult(None))
-    from ficache.sync import _bound_busy_timeout
-
     with registry_deadline(registry_timeout, what), Registry.open(_db_text(db)) as reg:
-        _bound_busy_timeout(reg, busy_timeout)
+        schema.bound_busy_timeout(reg.engine, busy_timeout)
         return StartupAdoption(plan, plan.execute(reg, provenance=provenance))

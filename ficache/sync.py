@@ -130,7 +130,6 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from sqlalchemy import event
 
 from ficache import schema
 from ficache.deadline import DEFAULT_REGISTRY_TIMEOUT_S, registry_deadline
@@ -408,28 +407,6 @@ def _drop_frame_references(exc: BaseException | None, target: Any) -> None:
         exc = exc.__cause__ or exc.__context__
 
 
-def _bound_busy_timeout(reg: Registry, seconds: float | None) -> None:
-    """Make the registry's later writes wait at most ``seconds`` for its write lock.
-
-    SQLite: ``busy_timeout`` of every later connection. PostgreSQL: the
-    ``lock_timeout`` of every write transaction (``ficache.schema.write_transaction``).
-    """
-    if seconds is None:
-        return
-    milliseconds = max(int(seconds * 1000), 0)
-    if reg.engine.dialect.name == "postgresql":
-        reg.engine.update_execution_options(ficache_lock_timeout_ms=milliseconds)
-        return
-    if reg.engine.dialect.name != "sqlite":
-        return
-
-    @event.listens_for(reg.engine, "connect")
-    def _busy(dbapi_connection: Any, _record: Any) -> None:
-        cursor = dbapi_connection.cursor()
-        cursor.execute(f"PRAGMA busy_timeout = {milliseconds}")
-        cursor.close()
-
-
 def _describe_difference(fields: list[dict[str, str] | None]) -> str:
     """Which fingerprint fields differ between ranks, for a one-line reason."""
     diffs = []
@@ -538,7 +515,7 @@ class WarmStart:
     def _registry(self) -> Registry:
         reg = Registry.open(self.db)
         try:
-            _bound_busy_timeout(reg, self.busy_timeout)
+            schema.bound_busy_timeout(reg.engine, self.busy_timeout)
         except Exception:
             reg.close()
             raise
@@ -1068,11 +1045,8 @@ class WarmStart:
                     f"commit failed: {exc}; if the server had received the commit before it "
                     "stopped answering, it lands when the server resumes, whole"
                 )
-            except RegistryBusyError:
-                self._no_commit = (
-                    f"commit failed: registry {report.registry} stayed locked by another writer "
-                    f"(waited {self.busy_timeout:g} s per attempt); nothing was written"
-                )
+            except RegistryBusyError as exc:  # it says how long the commit waited
+                self._no_commit = f"commit failed: {exc}; nothing was written"
             except FicacheError as exc:
                 self._no_commit = f"commit failed: {exc}"
             except Exception as exc:  # noqa: BLE001 - a failed commit leaves the registry as it was
