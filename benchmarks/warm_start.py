@@ -24,6 +24,7 @@ prints.
 
     python benchmarks/warm_start.py                      # 1k, 10k, 100k entries, 4 ranks
     python benchmarks/warm_start.py --sizes 1000 --reps 3
+    python benchmarks/warm_start.py --sizes 100000 --records 1000   # with namespaced records
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 POLICY = ["cuda_graph_profile_replays", None, "l2_cache_policy", "hot"]
+RECORDS_NS = "trtllm_moe_da"
 OPS = ("flashinfer::mm_bf16", "flashinfer::trtllm_fp8_block_scale_moe", "flashinfer::cudnn_gemm")
 
 
@@ -55,24 +57,48 @@ def synthetic_rows(n: int) -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def _prepare(workdir: Path, n: int) -> tuple[str, str]:
-    """Rank 0: a registry with ``n`` shared entries and the equivalent FlashInfer file."""
+def synthetic_records(n: int) -> dict[str, dict[str, str]]:
+    """``n`` namespaced records shaped like FlashInfer's fused-MoE runtime's, as canonical JSON."""
+    from ficache.flashinfer_format import canonical_json
+
+    return {
+        RECORDS_NS: {
+            canonical_json({"custom_op": "moe", "num_tokens": i}): canonical_json(
+                {"schema": 1, "bodies": [{"tile_n": 8 << (i % 4), "tactic": [i % 9, [1, 2]]}]}
+            )
+            for i in range(n)
+        }
+    }
+
+
+def _prepare(workdir: Path, n: int, n_records: int = 0) -> tuple[str, str]:
+    """Rank 0: a registry with ``n`` shared entries (and ``n_records`` shared records) and
+    the equivalent FlashInfer file."""
     from flashinfer.autotuner import AutoTuner
 
     from ficache.fingerprint import collect
     from ficache.flashinfer_format import render_cache
+    from ficache.records import NewRecord
     from ficache.registry import NewEntry, Registry
 
     fp = collect()
     rows = synthetic_rows(n)
+    records = synthetic_records(n_records) if n_records else {}
     db = workdir / f"registry-{n}.db"
     with Registry.open(str(db)) as reg:
         reg.write(
-            (NewEntry(fp, k, r, t, p) for k, r, t, p in rows), kind="import", message="benchmark"
+            (NewEntry(fp, k, r, t, p) for k, r, t, p in rows),
+            kind="import",
+            message="benchmark",
+            records=[
+                NewRecord(fp, ns, key, value)
+                for ns, by_key in records.items()
+                for key, value in by_key.items()
+            ],
         )
     # The peer's file, exactly as FlashInfer writes it (save_configs, indent=2).
     rendered = workdir / f"rendered-{n}.json"
-    rendered.write_text(render_cache(fp.flashinfer_metadata(), rows))
+    rendered.write_text(render_cache(fp.flashinfer_metadata(), rows, records))
     tuner = AutoTuner.get()
     tuner.clear_cache()
     assert tuner.load_configs(str(rendered))
@@ -122,11 +148,14 @@ def ficache_start(group: Any, db: str, slice_cache: bool = True) -> dict[str, An
 
     with warm_start(group, db=db, timeout=600, slice_cache=slice_cache) as ws:
         pass  # the tuning block: nothing to tune
-    assert ws.report.loaded > 0 and ws.report.tuned == 0, ws.report
+    report = ws.report
+    assert report.loaded > 0 and report.tuned == 0 and report.records_tuned == 0, report
     return ws.report.as_json()
 
 
-def bench_rank(rank: int, world: int, sizes: list[int], reps: int, root: str) -> dict[str, Any]:
+def bench_rank(
+    rank: int, world: int, sizes: list[int], reps: int, root: str, n_records: int = 0
+) -> dict[str, Any]:
     import logging
 
     import torch
@@ -157,7 +186,7 @@ def bench_rank(rank: int, world: int, sizes: list[int], reps: int, root: str) ->
         return slowest(time.perf_counter() - start), out
 
     for n in sizes:
-        paths = [_prepare(workdir, n) if rank == 0 else None]
+        paths = [_prepare(workdir, n, n_records) if rank == 0 else None]
         dist.broadcast_object_list(paths, group_src=0)
         db, path = paths[0]  # type: ignore[misc]
         file_s: list[float] = []
@@ -212,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         "--reps", type=int, default=11, help="starts per protocol and size (median)"
     )
     parser.add_argument("--world", type=int, default=4, help="gloo ranks (processes)")
+    parser.add_argument(
+        "--records", type=int, default=0, help="namespaced records stored with the entries"
+    )
     parser.add_argument("--json", action="store_true", help="print the raw figures as JSON too")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
@@ -221,7 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ficache-bench-") as root:
         started = time.perf_counter()
         results = run_ranks(
-            bench_rank, args.world, sizes, args.reps, root, timeout=3600, group_timeout=900
+            bench_rank,
+            args.world,
+            sizes,
+            args.reps,
+            root,
+            args.records,
+            timeout=3600,
+            group_timeout=900,
         )[0]
         wall = time.perf_counter() - started
     print(

@@ -107,7 +107,10 @@ Invariants:
 - One adoption is one commit (kind ``import``), entries and records
   together, whose provenance names every file, layout and v2 environment it
   read and what it skipped; adopting the same tree again adds nothing and
-  makes no commit.
+  makes no commit. The v2 environments are recorded by
+  ``v2_store.environments_provenance``, the shape an import of the store
+  records, so ``export --v2-store`` writes them back under their own
+  measurement policy (the same ``env_hash``).
 - Several caches may hold one (fingerprint, scope, key), or one
   (fingerprint, scope, namespace, record key): the later one wins, in this
   order: single files, then per-rank files, then v2 stores (vLLM's own order
@@ -141,8 +144,10 @@ from ficache.v2_store import (
     ENTRIES,
     SCHEMA,
     Skipped,
+    StoredEnvironment,
     StoreEnvironment,
     entry_file_name,
+    environments_provenance,
     is_store_root,
     measurement_label,
     read_store,
@@ -312,32 +317,9 @@ class AdoptedLayout:
         }
 
 
-@dataclass(frozen=True)
-class AdoptedStore:
-    """One v2 store environment that was read."""
-
-    path: Path
-    env_hash: str
-    fingerprint: str  # digest
-    measurement: tuple[tuple[str, str], ...]
-    entries: int
-    skipped: int  # malformed entry files
-    records: int  # protocol records (not tactics; not adopted)
-
-    @property
-    def files(self) -> int:
-        return self.entries + self.skipped + self.records
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "path": str(self.path),
-            "env_hash": self.env_hash,
-            "fingerprint": self.fingerprint,
-            "measurement": dict(self.measurement),
-            "entries": self.entries,
-            "skipped_entries": self.skipped,
-            "records": self.records,
-        }
+#: One v2 store environment an adoption read (``v2_store.StoredEnvironment``: its
+#: ``as_json`` is what the commit records, so ``export --v2-store`` finds its policy).
+AdoptedStore = StoredEnvironment
 
 
 @dataclass(frozen=True)
@@ -385,7 +367,7 @@ class AdoptionPlan:
             "source": PROVENANCE_SOURCE,
             "roots": [str(p) for p in (*self.sources.roots, *self.sources.v2_roots)],
             "layouts": [g.as_json() for g in self.layouts],
-            "v2_environments": [s.as_json() for s in self.stores],
+            **environments_provenance(self.stores),
             "entries": len(self.entries),
             "shared": self.shared,
             "scoped": self.scoped,
@@ -796,17 +778,7 @@ def _adopt_store(root: Path, entries: _Entries, found: _Collector) -> list[Adopt
                 )
             )
         entries.measurements[env.fingerprint] = env.measurement
-        adopted.append(
-            AdoptedStore(
-                env.path,
-                env.env_hash,
-                env.fingerprint.digest,
-                env.measurement,
-                len(env.entries),
-                env.skipped,
-                env.records,
-            )
-        )
+        adopted.append(StoredEnvironment.of(env))
     return adopted
 
 
@@ -943,8 +915,6 @@ def adopt_into_empty_registry(
     plan = plan_adoption(sources, known=known)
     if plan.is_empty:
         return StartupAdoption(plan, WriteResult(None))
-    from ficache.sync import _bound_busy_timeout
-
     with registry_deadline(registry_timeout, what), Registry.open(_db_text(db)) as reg:
-        _bound_busy_timeout(reg, busy_timeout)
+        schema.bound_busy_timeout(reg.engine, busy_timeout)
         return StartupAdoption(plan, plan.execute(reg, provenance=provenance))

@@ -467,7 +467,9 @@ def list_records(
                 )
             )
     except DatabaseError as exc:
-        raise schema.translate_operational_error(exc, registry.location) from None
+        raise schema.translate_operational_error(
+            exc, registry.location, engine=registry.engine
+        ) from None
 
 
 def slice_records(

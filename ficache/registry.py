@@ -575,7 +575,9 @@ class Registry:
         try:
             return fn(*args, **kwargs)
         except (OperationalError, DatabaseError) as exc:
-            raise schema.translate_operational_error(exc, self.location) from None
+            raise schema.translate_operational_error(
+                exc, self.location, engine=self.engine
+            ) from None
 
     def fingerprints(self, *, ids: Sequence[int] | None = None) -> list[FingerprintInfo]:
         """Stored fingerprints (all, or those with ``ids``) with their entry counts.
@@ -686,7 +688,9 @@ class Registry:
                         fid, sc, key, op_, runner, shapes, extras, tactic, pol, cid, updated, sel
                     )
         except (OperationalError, DatabaseError) as exc:
-            raise schema.translate_operational_error(exc, self.location) from None
+            raise schema.translate_operational_error(
+                exc, self.location, engine=self.engine
+            ) from None
 
     def slice_rows(
         self, fingerprint_ids: Sequence[int], scopes: Sequence[str]
@@ -886,9 +890,14 @@ class Registry:
             raise ValueError(f"this plan was made for {target}, not {self.location.display}")
 
     def _write(self, body: Callable[[Connection], T]) -> T:
-        """Run ``body(conn)`` in one write transaction, retrying a busy lock."""
+        """Run ``body(conn)`` in one write transaction, retrying a busy lock.
+
+        A lock still busy after the last attempt is a ``RegistryBusyError``
+        that says how long the write waited, over how many attempts.
+        """
         self.require_writable()
         delay = 0.05
+        started = time.monotonic()
         for attempt in range(WRITE_ATTEMPTS):
             try:
                 with HeldInterrupts() as held:
@@ -898,7 +907,13 @@ class Registry:
                     self._made(getattr(result, "commit_id", None))
                 return result
             except (OperationalError, IntegrityError, DatabaseError) as exc:
-                error = schema.translate_operational_error(exc, self.location)
+                error = schema.translate_operational_error(
+                    exc,
+                    self.location,
+                    engine=self.engine,
+                    waited_s=time.monotonic() - started,
+                    attempts=attempt + 1,
+                )
                 retryable = isinstance(error, RegistryBusyError) or isinstance(exc, IntegrityError)
                 if not retryable or attempt == WRITE_ATTEMPTS - 1:
                     raise error from None

@@ -11,6 +11,12 @@ Invariants:
 - SQLite connections use WAL, a busy timeout and foreign keys. A write
   transaction begins with ``BEGIN IMMEDIATE`` so two writers queue on the
   lock instead of failing on a read-to-write upgrade.
+- How long a write waits for the write lock is the engine's own setting
+  (``BUSY_TIMEOUT_MS`` unless ``bound_busy_timeout`` lowered it; read with
+  ``busy_timeout_ms``): SQLite's busy timeout of every new connection, the
+  ``lock_timeout`` of every PostgreSQL write transaction. A
+  ``RegistryBusyError`` states that bound, and the time waited where the
+  caller measured it.
 - A path that exists and is not a SQLite file is refused before SQLite
   touches it. A read-only file is opened read-only: immutable when its WAL
   holds nothing, else through its WAL, so no commit is missed; one whose
@@ -93,6 +99,8 @@ from ficache.errors import (
 
 ENV_VAR = "FICACHE_DB"
 BUSY_TIMEOUT_MS = 30_000
+#: Engine execution option: the milliseconds a write waits for the write lock.
+LOCK_TIMEOUT_OPTION = "ficache_lock_timeout_ms"
 CONNECT_TIMEOUT_S = 10
 SQLITE_MAGIC = b"SQLite format 3\x00"
 # Arbitrary constant naming ficache's migration lock on PostgreSQL.
@@ -281,7 +289,7 @@ def _install_sqlite_events(engine: Engine, *, readonly: bool) -> None:
         # Let SQLAlchemy's "begin" event, not pysqlite, open transactions.
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
-        cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        cursor.execute(f"PRAGMA busy_timeout = {busy_timeout_ms(engine)}")
         cursor.execute("PRAGMA foreign_keys = ON")
         if not readonly:
             # WAL is set by ensure_schema once the file is known to be a
@@ -295,6 +303,25 @@ def _install_sqlite_events(engine: Engine, *, readonly: bool) -> None:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
         else:
             conn.exec_driver_sql("BEGIN")
+
+
+def bound_busy_timeout(engine: Engine, seconds: float | None) -> None:
+    """Make ``engine``'s later writes wait at most ``seconds`` for the write lock.
+
+    ``None`` leaves the bound as it is. SQLite: the busy timeout of every
+    connection opened from now on. PostgreSQL: the ``lock_timeout`` of every
+    write transaction (``write_transaction``).
+    """
+    if seconds is None:
+        return
+    engine.update_execution_options(**{LOCK_TIMEOUT_OPTION: max(int(seconds * 1000), 0)})
+
+
+def busy_timeout_ms(engine: Engine | None) -> int:
+    """The milliseconds ``engine``'s writes wait for the write lock (``None``: the default)."""
+    if engine is None:
+        return BUSY_TIMEOUT_MS
+    return int(engine.get_execution_options().get(LOCK_TIMEOUT_OPTION, BUSY_TIMEOUT_MS))
 
 
 def make_engine(location: Location, *, create: bool = True) -> tuple[Engine, bool]:
@@ -421,16 +448,16 @@ def _is_foreign_database(connection: Connection) -> bool:
 def write_transaction(engine: Engine) -> Iterator[Connection]:
     """One write transaction holding the registry's write lock.
 
-    On PostgreSQL the wait for the lock is bounded by the engine's execution
-    option ``ficache_lock_timeout_ms`` (default ``BUSY_TIMEOUT_MS``), set for
-    this transaction only (``SET LOCAL``: safe behind a connection pooler).
+    On PostgreSQL the wait for the lock is bounded by ``busy_timeout_ms``
+    (the engine's ``bound_busy_timeout``), set for this transaction only
+    (``SET LOCAL``: safe behind a connection pooler).
     """
     with engine.connect() as conn:
         conn = conn.execution_options(ficache_write=True)
         with conn.begin():
             if conn.dialect.name == "postgresql":
                 options = conn.get_execution_options()
-                timeout_ms = int(options.get("ficache_lock_timeout_ms", BUSY_TIMEOUT_MS))
+                timeout_ms = int(options.get(LOCK_TIMEOUT_OPTION, BUSY_TIMEOUT_MS))
                 conn.execute(text(f"SET LOCAL lock_timeout = {max(timeout_ms, 1)}"))
                 conn.execute(
                     text("SELECT pg_advisory_xact_lock(:id)"), {"id": PG_MIGRATION_LOCK_ID}
@@ -454,7 +481,47 @@ _CONNECTION_LOST = (
 )
 
 
-def translate_operational_error(exc: DatabaseError, location: Location) -> RegistryError:
+def _seconds(milliseconds: int) -> str:
+    return f"{milliseconds / 1000:g} s"
+
+
+def busy_error(
+    location: Location,
+    bound_ms: int,
+    *,
+    waited_s: float | None = None,
+    attempts: int = 1,
+) -> RegistryBusyError:
+    """The one line for a write lock another writer kept past ``bound_ms`` (per attempt)."""
+    bound = _seconds(bound_ms)
+    if waited_s is None:
+        how_long = f"longer than the {bound} a write waits for the lock"
+    elif attempts > 1:
+        how_long = (
+            f"for {waited_s:.1f} s ({attempts} attempts, each waiting up to {bound} for the lock)"
+        )
+    else:
+        how_long = f"for {waited_s:.1f} s (a write waits up to {bound} for the lock)"
+    return RegistryBusyError(
+        f"registry {location.display} stayed locked by another writer {how_long}; "
+        "retry when it finishes"
+    )
+
+
+def translate_operational_error(
+    exc: DatabaseError,
+    location: Location,
+    *,
+    engine: Engine | None = None,
+    waited_s: float | None = None,
+    attempts: int = 1,
+) -> RegistryError:
+    """One ``RegistryError`` line for a driver's error.
+
+    ``engine`` (the one that failed) gives the lock wait a busy error states
+    (else the default, ``BUSY_TIMEOUT_MS``); ``waited_s`` and ``attempts``,
+    where the caller measured them, how long it actually waited.
+    """
     message = str(exc.orig) if getattr(exc, "orig", None) is not None else str(exc)
     lowered = message.lower()
     first_line = " ".join(message.strip().splitlines()[0].split()) if message.strip() else ""
@@ -477,10 +544,7 @@ def translate_operational_error(exc: DatabaseError, location: Location) -> Regis
         or "deadlock detected" in lowered
         or "could not serialize" in lowered
     ):
-        return RegistryBusyError(
-            f"registry {location.display} stayed locked by another writer for "
-            f"{BUSY_TIMEOUT_MS // 1000} s; retry when it finishes"
-        )
+        return busy_error(location, busy_timeout_ms(engine), waited_s=waited_s, attempts=attempts)
     if "not a database" in lowered or "malformed" in lowered:
         return NotARegistryError(
             f"registry {location.display} is corrupt ({message}); restore it or pass another --db"
@@ -666,7 +730,7 @@ def ensure_schema(
                 _stamp_compat(conn)
         _enable_wal(engine)
     except DatabaseError as exc:
-        raise translate_operational_error(exc, location) from None
+        raise translate_operational_error(exc, location, engine=engine) from None
     return None
 
 
@@ -701,7 +765,7 @@ def upgrade(engine: Engine, location: Location, revision: str = "head") -> None:
             command.upgrade(alembic_config(conn), revision)
             _stamp_compat(conn)
     except (OperationalError, DatabaseError) as exc:
-        raise translate_operational_error(exc, location) from None
+        raise translate_operational_error(exc, location, engine=engine) from None
 
 
 @dataclass(frozen=True)
@@ -761,7 +825,7 @@ def plan_downgrade(engine: Engine, location: Location, revision: str) -> Downgra
                 steps.append(DowngradeStep(at, down, lost))
                 at = down
     except DatabaseError as exc:
-        raise translate_operational_error(exc, location) from None
+        raise translate_operational_error(exc, location, engine=engine) from None
     return DowngradePlan(location, current, revision, tuple(steps))
 
 
@@ -785,7 +849,7 @@ def downgrade(
             command.downgrade(alembic_config(conn), revision)
             _stamp_compat(conn)
     except (OperationalError, DatabaseError) as exc:
-        raise translate_operational_error(exc, location) from None
+        raise translate_operational_error(exc, location, engine=engine) from None
 
 
 def history() -> list[tuple[str, str | None, str]]:

@@ -119,7 +119,7 @@ def registry_state(reg: Registry) -> State:
         with reg.engine.connect() as conn:
             return tuple(conn.execute(sql_text(_STATE_SQL)).one())
     except DatabaseError as exc:
-        raise schema.translate_operational_error(exc, reg.location) from None
+        raise schema.translate_operational_error(exc, reg.location, engine=reg.engine) from None
 
 
 @functools.lru_cache(maxsize=1)

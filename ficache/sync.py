@@ -79,9 +79,11 @@ Decisions:
 - Namespaced records (FlashInfer's ``_records``, ``ficache.records``) travel
   like entries: the slices carry them (``ficache.slices``), so every rank's
   ``get_namespaced_records`` returns them after the load, and the records a
-  rank holds at exit that differ from what it loaded (published during the
-  block) are gathered with its new entries and committed by rank 0 in the
-  same startup commit. A record (namespace, key) with the same value on
+  rank holds at exit that differ from those it held right after the load
+  (published during the block; kept as data at the load, never read back
+  from the slice texts, whose layout is ``render_cache``'s business) are
+  gathered with its new entries and committed by rank 0 in the same
+  startup commit. A record (namespace, key) with the same value on
   every rank of a synchronized start is stored shared; every other one
   (values that differ, or a key only some ranks published) is stored once
   per rank that published it, scoped to that rank of ``layout``, and that
@@ -141,7 +143,6 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from sqlalchemy import event
 
 from ficache import schema
 from ficache.deadline import DEFAULT_REGISTRY_TIMEOUT_S, registry_deadline
@@ -154,7 +155,6 @@ from ficache.errors import (
 )
 from ficache.fingerprint import ALL_FIELDS, Fingerprint, collect
 from ficache.flashinfer_format import (
-    RECORDS_KEY,
     canonical_json,
     check_namespace,
     parse_key,
@@ -179,23 +179,6 @@ _MIN_WAIT_S = 0.001
 
 # caller group id -> (caller group, its dedicated tuning group)
 _TUNING_GROUPS: dict[int, tuple[Any, Any]] = {}
-
-
-def _records_of_text(text: str) -> dict[str, dict[str, str]]:
-    """The ``_records`` of a slice text ``render_cache`` wrote, as canonical JSON values.
-
-    ``render_cache`` writes ``_records`` on one line of its own, right after
-    ``_metadata``: only that line is parsed, not the entries.
-    """
-    prefix = f'"{RECORDS_KEY}": '
-    for line in text.split("\n", 3)[1:3]:
-        if line.startswith(prefix):
-            parsed = json.loads(line[len(prefix) :].rstrip(","))
-            return {
-                ns: {key: record_value_json(value) for key, value in by_key.items()}
-                for ns, by_key in parsed.items()
-            }
-    return {}
 
 
 def _one_line(exc: BaseException) -> str:
@@ -452,28 +435,6 @@ def _drop_frame_references(exc: BaseException | None, target: Any) -> None:
         exc = exc.__cause__ or exc.__context__
 
 
-def _bound_busy_timeout(reg: Registry, seconds: float | None) -> None:
-    """Make the registry's later writes wait at most ``seconds`` for its write lock.
-
-    SQLite: ``busy_timeout`` of every later connection. PostgreSQL: the
-    ``lock_timeout`` of every write transaction (``ficache.schema.write_transaction``).
-    """
-    if seconds is None:
-        return
-    milliseconds = max(int(seconds * 1000), 0)
-    if reg.engine.dialect.name == "postgresql":
-        reg.engine.update_execution_options(ficache_lock_timeout_ms=milliseconds)
-        return
-    if reg.engine.dialect.name != "sqlite":
-        return
-
-    @event.listens_for(reg.engine, "connect")
-    def _busy(dbapi_connection: Any, _record: Any) -> None:
-        cursor = dbapi_connection.cursor()
-        cursor.execute(f"PRAGMA busy_timeout = {milliseconds}")
-        cursor.close()
-
-
 def _describe_difference(fields: list[dict[str, str] | None]) -> str:
     """Which fingerprint fields differ between ranks, for a one-line reason."""
     diffs = []
@@ -560,6 +521,8 @@ class WarmStart:
         self._outcome_unknown: str | None = None  # why rank 0's commit outcome never arrived
         self._readonly = False
         self._loaded_texts: list[str] = []
+        #: The records the tuner held right after the load, as canonical JSON.
+        self._loaded_records: dict[str, dict[str, str]] = {}
         self._tune_group: Any = None
         self._tune_group_dedicated = False
         self._released = False
@@ -588,7 +551,7 @@ class WarmStart:
     def _registry(self) -> Registry:
         reg = Registry.open(self.db)
         try:
-            _bound_busy_timeout(reg, self.busy_timeout)
+            schema.bound_busy_timeout(reg.engine, self.busy_timeout)
         except Exception:
             reg.close()
             raise
@@ -706,7 +669,7 @@ class WarmStart:
             if loaded:
                 with suppress(Exception):
                     self.tuner.clear()
-            loaded, self._loaded_texts = 0, []
+            loaded, self._loaded_texts, self._loaded_records = 0, [], {}
             report.loaded_by_rank = [0] * world
         else:
             report.loaded_by_rank = [int(v[1]) for v in vectors]
@@ -736,11 +699,15 @@ class WarmStart:
         overlay = overlays[self.report.rank] if self.report.rank < len(overlays) else None
         if overlay is not None:
             texts.append(overlay)
-        self._loaded_texts = []
+        self._loaded_texts, self._loaded_records = [], {}
         loaded = 0
         for text in texts:
             loaded += self.tuner.load(text)
             self._loaded_texts.append(text)
+        try:
+            self._loaded_records, _skipped = self._held_records()
+        except Exception:  # noqa: BLE001 - then every record held at exit counts as new
+            self._loaded_records = {}
         return loaded
 
     def _export_payload(self, world: int, layout: str) -> dict[str, Any]:
@@ -1118,11 +1085,8 @@ class WarmStart:
                     f"commit failed: {exc}; if the server had received the commit before it "
                     "stopped answering, it lands when the server resumes, whole"
                 )
-            except RegistryBusyError:
-                self._no_commit = (
-                    f"commit failed: registry {report.registry} stayed locked by another writer "
-                    f"(waited {self.busy_timeout:g} s per attempt); nothing was written"
-                )
+            except RegistryBusyError as exc:  # it says how long the commit waited
+                self._no_commit = f"commit failed: {exc}; nothing was written"
             except FicacheError as exc:
                 self._no_commit = f"commit failed: {exc}"
             except Exception as exc:  # noqa: BLE001 - a failed commit leaves the registry as it was
@@ -1159,14 +1123,24 @@ class WarmStart:
         return out
 
     def _new_records(self) -> tuple[dict[str, dict[str, str]], int]:
-        """Records the tuner holds that differ from what this rank loaded, as canonical
-        JSON, and how many it holds that JSON cannot carry exactly (skipped)."""
+        """Records the tuner holds that differ from what it held after the load, as
+        canonical JSON, and how many it holds that JSON cannot carry exactly (skipped)."""
+        held, skipped = self._held_records()
+        loaded = self._loaded_records
+        new: dict[str, dict[str, str]] = {}
+        for ns, by_key in held.items():
+            for key, text in by_key.items():
+                if loaded.get(ns, {}).get(key) != text:
+                    new.setdefault(ns, {})[key] = text
+        return new, skipped
+
+    def _held_records(self) -> tuple[dict[str, dict[str, str]], int]:
+        """The records the tuner holds, as canonical JSON, and how many JSON cannot carry."""
         read = getattr(self.tuner, "records", None)
         held = read() if read is not None else {}
         if not held:
             return {}, 0
-        loaded = _records_of_text(self._loaded_texts[-1]) if self._loaded_texts else {}
-        new: dict[str, dict[str, str]] = {}
+        out: dict[str, dict[str, str]] = {}
         skipped = 0
         for ns, by_key in held.items():
             if not isinstance(by_key, dict):
@@ -1181,9 +1155,8 @@ class WarmStart:
                 except (ValueError, RecursionError):
                     skipped += 1
                     continue
-                if loaded.get(ns, {}).get(key) != text:
-                    new.setdefault(ns, {})[key] = text
-        return new, skipped
+                out.setdefault(ns, {})[key] = text
+        return out, skipped
 
     def _finish(self, outcome: dict[str, Any], exc: BaseException | None) -> None:
         report = self.report

@@ -36,13 +36,17 @@ Measurement policy (where ficache keeps it):
   same value a ``save_configs`` file carries as its third element, so v1 and
   v2 exports agree.
 - The manifest's ``measure_*`` fields are part of FlashInfer's environment
-  identity but not of a ficache ``Fingerprint``. An import records them per
-  environment in the import commit's provenance (``source:
-  "flashinfer-v2-store"``, ``environments: [{env_hash, fingerprint (digest),
-  measurement, ...}]``). An export uses, in order: the policy given
-  (``measurement=``), else the newest policy an import recorded for the
+  identity but not of a ficache ``Fingerprint``. Every commit that stores a
+  store's entries (``import_stores``, and vLLM adoption in ``ficache.adopt``)
+  records them in one shape, written by one helper (``environments_provenance``):
+  provenance key ``v2_environments``, a list of ``{path, env_hash,
+  fingerprint (digest), measurement, entries, skipped_entries, records}``
+  (``StoredEnvironment``). ``recorded_measurements`` reads that key from any
+  commit, and the ``environments`` key that imports wrote before it (``source:
+  "flashinfer-v2-store"``). An export uses, in order: the policy given
+  (``measurement=``), else the newest policy a commit recorded for the
   exported fingerprints, else the default (no ``measure_*`` fields). So an
-  imported environment exports to the same ``env_hash``.
+  imported or adopted environment exports to the same ``env_hash``.
 - The registry keeps one value per (fingerprint, scope, key): environments
   that differ only in their measurement policy would overwrite each other,
   so an import holding two of them is refused before anything is written.
@@ -105,6 +109,11 @@ MEASURE_PREFIX = "measure_"
 PROTOCOL_KEY = "__protocol__"
 #: ``source`` of the provenance an import commit records.
 PROVENANCE_SOURCE = "flashinfer-v2-store"
+#: The provenance key under which a commit lists the v2 environments it stored
+#: (``environments_provenance``; what ``recorded_measurements`` reads).
+ENVIRONMENTS_KEY = "v2_environments"
+#: Where imports recorded them before ``ENVIRONMENTS_KEY`` (read, never written).
+LEGACY_ENVIRONMENTS_KEY = "environments"
 #: Largest entry or manifest file read (a real one is a few hundred bytes).
 MAX_FILE_BYTES = 1024 * 1024
 #: Skipped items kept (with reasons) per environment and in provenance.
@@ -337,6 +346,60 @@ class StoreContents:
         return sum(e.records for e in self.environments)
 
 
+@dataclass(frozen=True)
+class StoredEnvironment:
+    """What a commit records of one environment whose entries it stored.
+
+    Its ``as_json`` is the one shape every such commit's provenance holds
+    (``environments_provenance``), and ``measurement`` is what a later
+    ``export --v2-store`` reads back (``recorded_measurements``).
+    """
+
+    path: Path
+    env_hash: str
+    fingerprint: str  # digest
+    measurement: tuple[tuple[str, str], ...]  # the manifest's measure_* fields, sorted
+    entries: int
+    skipped: int  # malformed entry files
+    records: int  # protocol records (not tactics; not stored)
+
+    @classmethod
+    def of(cls, env: StoreEnvironment) -> StoredEnvironment:
+        return cls(
+            env.path,
+            env.env_hash,
+            env.fingerprint.digest,
+            env.measurement,
+            len(env.entries),
+            env.skipped,
+            env.records,
+        )
+
+    @property
+    def files(self) -> int:
+        return self.entries + self.skipped + self.records
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "env_hash": self.env_hash,
+            "fingerprint": self.fingerprint,
+            "measurement": dict(self.measurement),
+            "entries": self.entries,
+            "skipped_entries": self.skipped,
+            "records": self.records,
+        }
+
+
+def environments_provenance(stored: Sequence[StoredEnvironment]) -> dict[str, Any]:
+    """The provenance item of a commit that stores the entries of ``stored``.
+
+    The only writer of the shape ``recorded_measurements`` reads: every path
+    that stores v2 entries merges this into its commit's provenance.
+    """
+    return {ENVIRONMENTS_KEY: [s.as_json() for s in stored]}
+
+
 def is_environment_dir(path: Path) -> bool:
     return path.is_dir() and (path / MANIFEST).exists()
 
@@ -545,25 +608,18 @@ def plan_store_import(
 def stores_provenance(stores: Sequence[StoreContents]) -> dict[str, Any]:
     """An import commit's provenance: each environment's hash, fingerprint digest and
     measurement policy (what a later export reads back)."""
-    environments: list[dict[str, Any]] = []
+    environments: list[StoredEnvironment] = []
     skipped_environments: list[dict[str, str]] = []
     for store in stores:
         for env in store.environments:
-            environments.append(
-                {
-                    "path": str(env.path),
-                    "env_hash": env.env_hash,
-                    "fingerprint": env.fingerprint.digest,
-                    "measurement": env.measurement_fields,
-                    "entries": len(env.entries),
-                    "skipped_entries": env.skipped,
-                    "records": env.records,
-                }
-            )
+            environments.append(StoredEnvironment.of(env))
         skipped_environments.extend(
             {"path": s.path, "reason": s.reason} for s in store.skipped_environments
         )
-    provenance: dict[str, Any] = {"source": PROVENANCE_SOURCE, "environments": environments}
+    provenance: dict[str, Any] = {
+        "source": PROVENANCE_SOURCE,
+        **environments_provenance(environments),
+    }
     if skipped_environments:
         provenance["skipped_environments"] = skipped_environments[:MAX_REASONS]
     return provenance
@@ -586,12 +642,22 @@ def import_stores(
 
 
 def recorded_measurements(registry: Registry) -> dict[str, dict[str, str]]:
-    """``fingerprint digest -> measurement fields`` of the newest v2 import of each."""
+    """``fingerprint digest -> measurement fields`` of the newest commit that recorded each.
+
+    Reads ``ENVIRONMENTS_KEY`` of every commit (``environments_provenance``),
+    and ``LEGACY_ENVIRONMENTS_KEY`` of imports written before it.
+    """
     found: dict[str, dict[str, str]] = {}
     for commit in registry.log(None):  # newest first
-        if commit.kind != "import" or commit.provenance.get("source") != PROVENANCE_SOURCE:
+        provenance = commit.provenance
+        environments = provenance.get(ENVIRONMENTS_KEY)
+        if environments is None and provenance.get("source") == PROVENANCE_SOURCE:
+            environments = provenance.get(LEGACY_ENVIRONMENTS_KEY)
+        if not isinstance(environments, list):
             continue
-        for env in commit.provenance.get("environments", ()):
+        for env in environments:
+            if not isinstance(env, dict):
+                continue
             digest, measurement = env.get("fingerprint"), env.get("measurement")
             if isinstance(digest, str) and isinstance(measurement, dict):
                 found.setdefault(digest, {str(k): str(v) for k, v in measurement.items()})

@@ -627,6 +627,38 @@ def test_startup_with_an_unusable_registry_raises_and_leaves_it(
     assert dump_db(registry) == before
 
 
+def test_startup_adoption_into_a_locked_registry_says_the_wait_it_bounded(
+    tmp_path: Path, registry_path: Path, dump_db: Callable[[str | Path], list[str]]
+) -> None:
+    """The startup's bound on the lock wait (``busy_timeout``) is the one its error states."""
+    import re
+    import sqlite3
+
+    from ficache.errors import RegistryBusyError
+
+    tree = vllm_tree(tmp_path)
+    other = Fingerprint.from_flashinfer_metadata({**H200_METADATA, "gpu": "NVIDIA B200"})
+    with Registry.open(str(registry_path)) as reg:  # holds entries, none for FP
+        reg.write([NewEntry(other, gemm(8), "CutlassFp4GemmRunner", "1")], kind="import")
+    before = dump_db(registry_path)
+    holder = sqlite3.connect(registry_path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # another writer holds the write lock throughout
+    try:
+        with pytest.raises(RegistryBusyError) as raised:
+            adopt_into_empty_registry(registry_path, FP, Sources((tree["vllm"],)), busy_timeout=0.2)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    message = str(raised.value)
+    assert re.fullmatch(
+        rf"registry {re.escape(str(registry_path))} stayed locked by another writer for "
+        r"\d+\.\d s \(4 attempts, each waiting up to 0\.2 s for the lock\); "
+        r"retry when it finishes",
+        message,
+    ), message
+    assert dump_db(registry_path) == before
+
+
 # --------------------------------------------------------------------------
 # The CLI
 

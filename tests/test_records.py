@@ -881,3 +881,62 @@ def test_two_gloo_ranks_share_equal_records_and_scope_the_rest(tmp_path: Path) -
         [commit] = reg.log()
     assert (commit.kind, commit.records_added, commit.provenance["records"]) == ("startup", 3, 3)
     assert verify(db).ok
+
+
+def relaid_render_cache(
+    metadata: Any, entries: Any, records: Any = None, *, rendered: list[str] | None = None
+) -> str:
+    """``render_cache`` with another layout (indented, entries first, ``_records`` last):
+    a cache file FlashInfer loads the same, whose records sit nowhere near the top."""
+    from ficache.flashinfer_format import RECORDS_KEY, render_cache
+
+    parsed = json.loads(render_cache(metadata, entries, records))
+    held = parsed.pop(RECORDS_KEY, None)
+    if held is not None:
+        parsed[RECORDS_KEY] = held
+    text = json.dumps(parsed, indent=2)
+    if rendered is not None:
+        rendered.append(text)
+    return text
+
+
+def two_ranks_relaid(rank: int, world: int, db: str) -> dict[str, Any]:
+    """``two_ranks`` with every slice rendered in ``relaid_render_cache``'s layout."""
+    import functools
+
+    import ficache.slices
+
+    rendered: list[str] = []
+    ficache.slices.render_cache = functools.partial(relaid_render_cache, rendered=rendered)
+    out = two_ranks(rank, world, db)
+    with_records = [json.loads(t) for t in rendered if '"_records"' in t]
+    out["relaid"] = len(with_records), all(list(p)[-1] == "_records" for p in with_records)
+    return out
+
+
+def test_records_loaded_from_any_layout_are_not_new(tmp_path: Path) -> None:
+    """The slices' ``_records`` last and indented (not where a line-based reading of
+    ``render_cache``'s output would look): every rank loads the records, and the start
+    that loaded them and published nothing tunes no record and commits nothing."""
+    db = str(tmp_path / "registry.db")
+
+    results = run_ranks(two_ranks_relaid, 2, db, timeout=HARD_TIMEOUT, group_timeout=60.0)
+
+    for rank, out in enumerate(results):
+        count, records_last = out["relaid"]
+        assert rank > 0 or (count >= 2 and records_last), out["relaid"]  # rank 0 renders
+        assert out["first"]["records_committed"] == 3, out
+        second = out["second"]
+        assert out["seen_second"][NS] == {"same": {"v": 1}, "mine": {"rank": rank}}
+        assert (second["status"], second["records_loaded"], second["records_tuned"]) == (
+            "warm",
+            2,
+            0,
+        ), second
+        assert (second["commit_id"], second["committed"], second["records_committed"]) == (
+            None,
+            0,
+            0,
+        ), second
+    with Registry.open(db) as reg:
+        assert len(reg.log()) == 1

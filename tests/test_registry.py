@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import sqlite3
+import time
 from typing import Any
 
 import pytest
 from sqlalchemy import event, text
+from sqlalchemy.exc import OperationalError
 
 from ficache import schema
 from ficache.errors import (
@@ -20,6 +23,7 @@ from ficache.errors import (
     FingerprintError,
     MergeConflictError,
     NotFoundError,
+    RegistryBusyError,
 )
 from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import parse_cache_bytes, parse_key
@@ -201,6 +205,55 @@ def test_a_write_that_finds_the_lock_busy_retries_and_commits_once(
     assert [(c.id, c.message) for c in reg.log()] == [(2, "after a busy wait"), (1, None)]
     assert count(reg, "commits") == 2 and count(reg, "entry_changes") == 2
     assert current(reg) == {(1, "shared", key(16)): "1", (1, "shared", key(32)): "2"}
+
+
+def test_a_lock_held_past_the_bound_is_one_line_saying_the_wait(
+    reg: Registry, registry_db: str, dump_db
+) -> None:
+    """Another writer holds the write lock throughout; the registry's bound is 0.2 s.
+    The error states that bound and the time the write waited, over every attempt."""
+    reg.write([entry(H200, 16, 1)], kind="import")
+    before = dump_db(registry_db)
+    schema.bound_busy_timeout(reg.engine, 0.2)
+    assert schema.busy_timeout_ms(reg.engine) == 200
+    other = AnotherWriter(registry_db)
+    started = time.monotonic()
+    try:
+        with pytest.raises(RegistryBusyError) as raised:
+            reg.write([entry(H200, 32, 2)], kind="import")
+        elapsed = time.monotonic() - started
+    finally:
+        other.close()
+
+    message = str(raised.value)
+    found = re.fullmatch(
+        rf"registry {re.escape(reg.location.display)} stayed locked by another writer for "
+        r"(\d+\.\d) s \(4 attempts, each waiting up to 0\.2 s for the lock\); "
+        r"retry when it finishes",
+        message,
+    )
+    assert found is not None, message
+    # It waited out the bound on each attempt, and says no more than it waited.
+    assert 4 * 0.2 <= float(found.group(1)) <= elapsed + 0.05
+    assert dump_db(registry_db) == before
+
+
+def test_a_busy_error_without_a_measured_wait_states_the_bound(reg: Registry) -> None:
+    """A read that found the lock busy did not time its wait: the bound alone."""
+    locked = OperationalError("SELECT 1", {}, sqlite3.OperationalError("database is locked"))
+    schema.bound_busy_timeout(reg.engine, 5)
+    error = schema.translate_operational_error(locked, reg.location, engine=reg.engine)
+    default = schema.translate_operational_error(locked, reg.location)
+
+    assert isinstance(error, RegistryBusyError) and isinstance(default, RegistryBusyError)
+    assert str(error) == (
+        f"registry {reg.location.display} stayed locked by another writer longer than the "
+        "5 s a write waits for the lock; retry when it finishes"
+    )
+    assert str(default) == (
+        f"registry {reg.location.display} stayed locked by another writer longer than the "
+        "30 s a write waits for the lock; retry when it finishes"
+    )
 
 
 def test_replacing_keeps_the_old_value_in_history(reg: Registry) -> None:

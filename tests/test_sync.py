@@ -279,6 +279,8 @@ def test_locked_registry_serves_but_commits_nothing(world: tuple[int, Any]) -> N
             rep["reason"].startswith("nothing committed: commit failed")
             and "locked" in rep["reason"]
         )
+        # The wait the start bounded (busy_timeout=0.2), not SQLite's default.
+        assert "each waiting up to 0.2 s for the lock" in rep["reason"], rep["reason"]
     assert len({r["first"]["report"]["reason"] for r in per_rank}) == 1
     assert per_rank[0]["registry"] == {"commits": 1, "scopes": {"shared": 12}}
 

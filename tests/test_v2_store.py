@@ -173,7 +173,7 @@ def test_import_reads_every_environment_with_its_fingerprint_and_policy(
         assert entry["tactic"] == _tactic_to_json(tactic)
         assert entry["policy"] == (list(profiling) if profiling is not None else None)
     [commit] = json.loads(cli("log", "--format", "json").stdout)
-    environments = {e["env_hash"]: e for e in commit["provenance"]["environments"]}
+    environments = {e["env_hash"]: e for e in commit["provenance"]["v2_environments"]}
     assert commit["provenance"]["source"] == "flashinfer-v2-store"
     assert environments[here.env_hash]["measurement"] == {"measure_execution_mode": "cuda_graph"}
     assert environments[here.env_hash]["records"] == 1
@@ -305,6 +305,40 @@ def test_an_export_is_served_by_flashinfers_own_store(cli, autotuner, tmp_path: 
     assert hydrated == {k.key_fields for k in cache_keys()}
 
 
+def test_an_adopted_store_exports_to_its_own_environment(cli, autotuner, tmp_path: Path) -> None:
+    """A vLLM v2 store tuned under a non-default measurement policy, adopted
+    (``import --from-vllm``), exports to the environment it came from: the same
+    ``env_hash`` and files, and FlashInfer's own loader serves every entry."""
+    vllm_autotune_root = tmp_path / "vllm-autotune"  # VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR
+    original = publish_like_tuning(vllm_autotune_root, policy=GRAPHS)
+    adopted = cli("import", "--from-vllm", vllm_autotune_root)
+    assert (adopted.exit_code, adopted.stderr) == (0, "")
+    [commit] = json.loads(cli("log", "--format", "json").stdout)
+    [environment] = commit["provenance"]["v2_environments"]
+    assert (environment["env_hash"], environment["measurement"]) == (
+        original.env_hash,
+        {"measure_execution_mode": "cuda_graph"},
+    )
+    out = tmp_path / "served"
+
+    result = cli("export", "--v2-store", out, "--fingerprint", "current")
+
+    assert (result.exit_code, result.stderr) == (0, "")
+    assert "(measurement policy execution_mode=cuda_graph): 5 written" in result.stdout
+    assert [p.name for p in (out / "v2").iterdir()] == [original.env_hash]
+    assert files_of(out) == files_of(vllm_autotune_root)
+    served = store_of(out, GRAPHS)
+    for key in cache_keys():
+        assert served.lookup(key.file_key) == original.lookup(key.file_key) is not None
+    with autotune_v2(
+        mode="replay", cache_root=out, measurement_policy=GRAPHS, cache_scope="context"
+    ):
+        store = autotuner._active_managed_store
+        hydrated = {k[2] for k in autotuner._managed_decoded if k[:2] == (str(out), store.env_hash)}
+    assert (store.env_dir, store.env_hash) == (served.env_dir, original.env_hash)
+    assert hydrated == {k.key_fields for k in cache_keys()}
+
+
 def test_an_export_by_id_lands_in_the_imported_environment(cli, tmp_path: Path) -> None:
     eager = MeasurementPolicy(execution_mode="eager", cold_l2=True)
     original = publish_like_tuning(tmp_path / "tuned", policy=eager, metadata=H200_METADATA)
@@ -429,6 +463,52 @@ def test_a_bad_measurement_policy_is_one_line(cli, tmp_path: Path, spec: str, me
 
     assert (result.exit_code, result.stdout, result.stderr) == (1, "", f"error: {message}\n")
     assert not (tmp_path / "out").exists()
+
+
+def test_policies_recorded_by_older_versions_are_read(registry_path: Path) -> None:
+    """Registries written before the one shape: an import's ``environments`` and an
+    adoption's ``v2_environments`` (``source: vllm-cache``) both give their policy back;
+    ``environments`` of another source is not a v2 import's."""
+    from ficache.registry import NewEntry, Registry
+    from ficache.v2_store import recorded_measurements
+
+    imported = Fingerprint.from_flashinfer_metadata(H200_METADATA)
+    adopted = Fingerprint.from_flashinfer_metadata({**H200_METADATA, "gpu": "NVIDIA B200"})
+    eager = {"measure_execution_mode": "eager"}
+
+    commits = [  # oldest first
+        (
+            imported,
+            {
+                "source": "flashinfer-v2-store",
+                "environments": [{"fingerprint": imported.digest, "measurement": eager}],
+            },
+        ),
+        (
+            adopted,
+            {
+                "source": "vllm-cache",
+                "v2_environments": [{"fingerprint": adopted.digest, "measurement": eager}],
+            },
+        ),
+        (
+            adopted,
+            {
+                "source": "elsewhere",
+                "environments": [{"fingerprint": adopted.digest, "measurement": {}}],
+            },
+        ),
+    ]
+    with Registry.open(str(registry_path)) as reg:
+        for tactic, (fp, provenance) in enumerate(commits):
+            result = reg.write(
+                [NewEntry(fp, cache_keys()[0].file_key, "CutlassFp4GemmRunner", str(tactic), None)],
+                kind="import",
+                provenance=provenance,
+            )
+            assert result.commit_id == tactic + 1
+
+        assert recorded_measurements(reg) == {imported.digest: eager, adopted.digest: eager}
 
 
 def test_entries_imported_under_two_policies_need_a_choice(cli, tmp_path: Path) -> None:
