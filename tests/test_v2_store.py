@@ -305,14 +305,16 @@ def test_an_export_is_served_by_flashinfers_own_store(cli, autotuner, tmp_path: 
     assert hydrated == {k.key_fields for k in cache_keys()}
 
 
-def test_an_adopted_store_exports_to_its_own_environment(cli, autotuner, tmp_path: Path) -> None:
+def test_an_adopted_store_exports_to_its_own_environment(
+    cli, autotuner, created_note, registry_db: str, tmp_path: Path
+) -> None:
     """A vLLM v2 store tuned under a non-default measurement policy, adopted
     (``import --from-vllm``), exports to the environment it came from: the same
     ``env_hash`` and files, and FlashInfer's own loader serves every entry."""
     vllm_autotune_root = tmp_path / "vllm-autotune"  # VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR
     original = publish_like_tuning(vllm_autotune_root, policy=GRAPHS)
     adopted = cli("import", "--from-vllm", vllm_autotune_root)
-    assert (adopted.exit_code, adopted.stderr) == (0, "")
+    assert (adopted.exit_code, adopted.stderr) == (0, created_note(registry_db))
     [commit] = json.loads(cli("log", "--format", "json").stdout)
     [environment] = commit["provenance"]["v2_environments"]
     assert (environment["env_hash"], environment["measurement"]) == (
