@@ -8,7 +8,8 @@ Invariants:
 - Destructive commands (``prune``, ``revert``, ``db downgrade``) build a plan,
   print it, stop on ``--dry-run``, ask unless ``--yes``, then execute.
 - Read-only commands never create a registry. A write that creates a new
-  SQLite registry says "creating a new registry at PATH" once on stderr.
+  SQLite registry says "note: creating a new registry at PATH" once on stderr; a command
+  that fails before any commit removes the registry (and directories) it created.
 - ``--db`` is taken before the subcommand and, on every command that opens
   a registry (``pass_ctx``), after it too; there it wins.
 - A commit made is reported as made: once a command's registry made a commit
@@ -62,16 +63,44 @@ class _Context:
         #: Commits this command made (``Registry.commit_listeners``): once one is
         #: made, a Ctrl-C no longer turns the command into a failure.
         self.commits: list[int] = []
+        #: SQLite files this command created, with the directories created for them
+        #: (outermost first): a command that fails before any commit removes them.
+        self.created: list[tuple[Path, list[Path]]] = []
 
     def registry(self, *, create: bool = True, write: bool = True) -> Any:
         """The registry, opened to write (its schema may be upgraded) or, ``write=False``, to read."""
+        from ficache import schema
         from ficache.registry import Registry
 
+        path = schema.resolve(self.db).path if create else None
+        new_dirs = _missing_parents(path) if path is not None else []
         reg = Registry.open(self.db, create=create, write=write)
         if reg.created:
-            _say_created(reg.location)
+            self.note_created(reg.location, new_dirs)
         reg.commit_listeners.append(self._made)
         return reg
+
+    def note_created(self, location: Any, new_dirs: list[Path]) -> None:
+        """Say (once, on stderr) that this command created the SQLite registry at ``location``."""
+        _say_created(location)
+        self.created.append((location.path, new_dirs))
+
+    def discard_created(self) -> None:
+        """Remove the registries this failed command created, when it committed nothing.
+
+        A mistyped ``--db`` and a command that then failed leaves no empty
+        registry (nor directories) behind: the state is as before the command.
+        """
+        if self.commits:
+            return
+        for path, new_dirs in self.created:
+            for name in (path, *(path.with_name(path.name + s) for s in SQLITE_SIDE_FILES)):
+                with contextlib.suppress(FileNotFoundError):
+                    name.unlink()
+            for directory in reversed(new_dirs):
+                with contextlib.suppress(OSError):  # not empty: something else is in it
+                    directory.rmdir()
+        self.created.clear()
 
     def _made(self, commit_id: int) -> None:
         self.commits.append(commit_id)
@@ -80,9 +109,23 @@ class _Context:
             _pause_after_commit(Path(pause), commit_id)
 
 
+#: The files SQLite keeps beside a database (``PATH-wal`` ...).
+SQLITE_SIDE_FILES = ("-wal", "-shm", "-journal")
+
+
+def _missing_parents(path: Path) -> list[Path]:
+    """The directories above ``path`` that do not exist yet, outermost first."""
+    missing: list[Path] = []
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
+    return missing[::-1]
+
+
 def _say_created(location: Any) -> None:
     """One line on stderr when a command creates a new SQLite registry (a mistyped --db)."""
-    click.echo(f"creating a new registry at {location.display}", err=True)
+    click.echo(f"note: creating a new registry at {location.display}", err=True)
 
 
 #: Test hook: a file path. After each commit (SIGINT held) the CLI writes the commit
@@ -124,6 +167,14 @@ class _Group(click.Group):
         with _interrupts_after_commits_ignored(ctx, interrupted_after):
             try:
                 result = self._invoke(ctx)
+            except BaseException as exc:
+                failed = not isinstance(exc, (SystemExit, click.exceptions.Exit)) or (
+                    getattr(exc, "code", getattr(exc, "exit_code", 1)) not in (0, None)
+                )
+                obj = ctx.find_object(_Context)
+                if failed and obj is not None:
+                    obj.discard_created()
+                raise
             finally:
                 if interrupted_after:
                     click.echo(
@@ -2107,9 +2158,10 @@ def _schema_engine(obj: _Context, *, create: bool) -> tuple[Any, Any]:
 
     location = schema.resolve(obj.db)
     new = create and schema.is_new_sqlite_file(location)
+    new_dirs = _missing_parents(location.path) if new and location.path is not None else []
     engine, _readonly = schema.make_engine(location, create=create)
-    if new:
-        _say_created(location)
+    if new and location.path is not None:
+        obj.note_created(location, new_dirs)
     return location, engine
 
 

@@ -19,7 +19,7 @@ FlashInfer cache files and the real FlashInfer ``AutoTuner``.
   click's ``CliRunner`` with ``--db``; pass ``db=None`` to omit it. Returns
   click's ``Result`` (``exit_code``, ``stdout``, ``stderr``).
 - ``created_note``: ``created_note(db)`` is what the CLI writes on stderr when
-  its write creates the SQLite registry ``db`` ("creating a new registry at
+  its write creates the SQLite registry ``db`` ("note: creating a new registry at
   PATH"), or ``""`` for a server's URL (a database is never created).
 - ``cache_file``: ``cache_file(name, entries, metadata=CURRENT, generation=None)``
   writes a FlashInfer-shaped cache file under ``tmp_path`` and returns its
@@ -174,7 +174,7 @@ def created_note() -> Callable[[str | Path], str]:
 
     def note(db: str | Path) -> str:
         location = schema.resolve(str(db))
-        return f"creating a new registry at {location.display}\n" if location.path else ""
+        return f"note: creating a new registry at {location.display}\n" if location.path else ""
 
     return note
 

@@ -1280,25 +1280,50 @@ def test_a_write_that_creates_a_registry_says_so_once_on_stderr(
     again = cli("import", data, db=typo)
 
     assert (first.exit_code, first.stdout) == (0, import_line)
-    assert first.stderr == f"creating a new registry at {typo}\n"
+    assert first.stderr == f"note: creating a new registry at {typo}\n"
     assert (again.exit_code, again.stderr) == (0, "")
 
     default = tmp_path / "user-cache" / "ficache" / "registry.db"
-    assert cli("import", data, db=None).stderr == f"creating a new registry at {default}\n"
+    assert cli("import", data, db=None).stderr == f"note: creating a new registry at {default}\n"
     merged = cli("merge", data, db=tmp_path / "merged.db")
-    assert merged.stderr == f"creating a new registry at {tmp_path / 'merged.db'}\n"
+    assert merged.stderr == f"note: creating a new registry at {tmp_path / 'merged.db'}\n"
     upgraded = cli("db", "upgrade", db=tmp_path / "upgraded.db")
-    assert upgraded.stderr == f"creating a new registry at {tmp_path / 'upgraded.db'}\n"
+    assert upgraded.stderr == f"note: creating a new registry at {tmp_path / 'upgraded.db'}\n"
     # A dry run and the reads create nothing, so they say nothing of it.
     missing = tmp_path / "missing.db"
     for args in (("merge", data, "--dry-run"), ("list",), ("db", "current")):
         assert "creating" not in cli(*args, db=missing).stderr
+    assert not missing.exists()
     assert not missing.exists()
 
     with Registry.open(str(tmp_path / "lib.db")) as reg:
         assert reg.created
     with Registry.open(str(tmp_path / "lib.db")) as reg:
         assert not reg.created
+
+
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (("db", "upgrade", "base"), "unknown revision 'base'; see ficache db history"),
+        (("import", "--fingerprint", "7", "{bad}"), "7"),
+    ],
+)
+def test_a_write_that_fails_leaves_no_new_registry_behind(
+    cli, tmp_path: Path, args: tuple[str, ...], error: str
+) -> None:
+    """A mistyped --db and a command that then fails: the note, one error line, exit 1, and
+    neither the registry nor the directories made for it are left (the state as before)."""
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({K16: ["Runner", 1]}))
+    typo = tmp_path / "fleeet" / "deep" / "registry.db"
+
+    result = cli(*(a.format(bad=bad) for a in args), db=typo)
+
+    note, failure = result.stderr.removesuffix("\n").split("\n")
+    assert (result.exit_code, note) == (1, f"note: creating a new registry at {typo}")
+    assert failure.startswith("error: ") and error in failure
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json"]
 
 
 def test_read_commands_do_not_create_a_registry(cli, registry_path: Path) -> None:
@@ -1590,7 +1615,7 @@ def test_ctrl_c_just_after_the_commit_reports_the_commit(cache_file, tmp_path: P
     assert imported == (
         0,
         "imported 1 entries from 1 file(s): 1 added, 0 replaced, 0 unchanged (commit 1)\n",
-        f"creating a new registry at {db}\n" + note.format(1),
+        f"note: creating a new registry at {db}\n" + note.format(1),
     )
     assert (merged[0], merged[2]) == (0, note.format(2))
     assert merged[1].splitlines()[-1].startswith("merged as commit 2")
