@@ -61,6 +61,7 @@ from ficache.models import FINGERPRINTS as F
 from ficache.models import RECORD_CHANGES as RH
 from ficache.models import RECORDS as R
 from ficache.models import SHARED_SCOPE
+from ficache.values import validate_scope
 
 __all__ = [
     "MAX_RECORD_DEPTH",
@@ -122,8 +123,6 @@ class RecordWrite:
 
     def validate(self) -> None:
         """Check scopes, namespaces and values; ``RecordError`` for the first bad one."""
-        from ficache.registry import validate_scope
-
         seen: set[RecordIdentity] = set()
         for r in self.records:
             try:
@@ -781,8 +780,6 @@ def check(
     record change rows per action; replaying the record changes in id order
     ends with exactly the stored records, each written by the commit it names.
     """
-    from ficache.registry import validate_scope
-
     for table, name in ((R, "record"), (RH, "record change")):
         for column, parent, what in (
             ("fingerprint_id", F, "fingerprint"),
