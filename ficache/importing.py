@@ -30,6 +30,9 @@ Invariants:
   compares them with the stored values under the write lock: an import is
   never applied to a state it was not planned from, so concurrent imports
   all succeed and end as some sequential order of them would.
+- Bundles enter here too: ``plan_bundle_import`` makes one input per verified
+  bundle (``ficache.bundle`` reads and verifies; it plans no import), and
+  ``import_bundles`` executes it with ``bundles_provenance``.
 - ``preview`` is the counts ``execute`` returns on the same registry state,
   computed as a one-source ``theirs`` merge plan (``ficache.merge``), which
   never writes.

@@ -37,6 +37,13 @@ Invariants:
   ``Registry.commit_listeners`` was told its id, SIGINT is held
   (``ficache._interrupts``), so a Ctrl-C never lands between the
   database's COMMIT and the caller learning of it.
+
+Structure: the value types a write takes and returns (``NewEntry``,
+``WriteResult``, ``CommitInfo``, scopes) live in ``ficache.values`` and are
+re-exported here. The modules this one's facade methods call
+(``import_cache``: ``ficache.importing``; ``revert``: ``ficache.revert``) take
+the registry typed as ``ficache.registry_access.RegistryAccess`` and never
+import this module, so there is no import cycle (``tests/test_structure.py``).
 """
 
 from __future__ import annotations
