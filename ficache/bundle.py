@@ -92,8 +92,7 @@ from ficache.flashinfer_format import (
     selection_json,
 )
 from ficache.publish import publish
-from ficache.records import NewRecord
-from ficache.values import NewEntry, validate_scope
+from ficache.values import NewEntry, NewRecord, validate_scope
 
 #: The newest format this module reads and writes; it writes 1 for content version 1 can carry.
 FORMAT_VERSION = 2

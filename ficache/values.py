@@ -1,5 +1,6 @@
-"""Value types every layer of ficache shares: what a writer hands the registry,
-what a write returns, a commit as read back, and the rank scopes.
+"""Value types every layer of ficache shares: what a writer hands the registry
+(``NewEntry``, ``NewRecord``), what a write returns, a commit as read back,
+and the rank scopes.
 
 It owns plain data and its validation only: nothing here reads or writes a
 database (``ficache.registry`` does; ``ficache.registry_access`` names the part
@@ -7,7 +8,8 @@ of a registry the offline machinery uses). Format modules (``bundle``,
 ``v2_store``), ``records``, ``merge``, ``importing``, ``revert`` and
 ``history`` build and read these values without importing ``ficache.registry``,
 so no module below the registry depends on it. ``ficache.registry`` re-exports
-every name here, where callers have always imported them.
+the entry and commit names here, ``ficache.records`` the record names, where
+callers have always imported them.
 
 Invariants:
 - A scope is ``"shared"`` or ``"<layout>/rank<N>"`` (``validate_scope``).
@@ -157,6 +159,26 @@ class WriteResult:
         return self.records_added + self.records_replaced + self.records_removed
 
 
+#: (fingerprint, scope, namespace, record key): one record's identity.
+RecordIdentity = tuple[Fingerprint, str, str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class NewRecord:
+    """One record a writer wants stored (``value_json``: canonical JSON)."""
+
+    fingerprint: Fingerprint
+    namespace: str
+    key: str
+    value_json: str
+    scope: str = SHARED_SCOPE
+    tuned_at: float | None = None  # when the value was tuned; None: now
+
+    @property
+    def identity(self) -> RecordIdentity:
+        return (self.fingerprint, self.scope, self.namespace, self.key)
+
+
 def fingerprint_from_row(row: Any) -> Fingerprint:
     """The ``Fingerprint`` of one ``fingerprints`` row."""
     return Fingerprint(**{name: getattr(row, name) for name in ALL_FIELDS})
@@ -167,6 +189,8 @@ __all__ = [
     "CommitInfo",
     "Expected",
     "NewEntry",
+    "NewRecord",
+    "RecordIdentity",
     "WriteResult",
     "bulk_new_entry",
     "fingerprint_from_row",

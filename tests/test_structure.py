@@ -22,13 +22,15 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "ficache"
 
 FORMAT_MODULES = ("ficache.flashinfer_format", "ficache.bundle", "ficache.v2_store")
-#: What a format module may not import: the registry, its schema and engine, raw SQLite.
+#: What a format module may not import: the registry, its schema and engine (records
+#: holds the records' SQL), the export side, raw SQLite.
 FORMAT_FORBIDDEN = (
     "ficache.registry",
     "ficache.schema",
     "ficache.sqlite_fast",
     "ficache.exporting",
     "ficache.slices",
+    "ficache.records",
     "sqlalchemy",
     "sqlite3",
 )
