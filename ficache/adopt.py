@@ -126,18 +126,17 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import sqlite3
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ficache import schema
+from ficache import schema, sqlite_fast
 from ficache.deadline import DEFAULT_REGISTRY_TIMEOUT_S, registry_deadline
 from ficache.errors import CacheFileError, FingerprintError, V2StoreError, VllmCacheError
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
 from ficache.flashinfer_format import read_cache_file
-from ficache.models import SHARED_SCOPE, EntryRow, FingerprintRow
+from ficache.models import SHARED_SCOPE
 from ficache.records import NewRecord
 from ficache.registry import NewEntry, Registry, WriteResult, rank_scope
 from ficache.v2_store import (
@@ -845,12 +844,6 @@ def _db_text(db: str | os.PathLike[str] | None) -> str | None:
     return os.fspath(db) if db is not None else None
 
 
-_HOLDS_SQL = (
-    f"SELECT {', '.join(ALL_FIELDS)} FROM {FingerprintRow.__tablename__} f WHERE EXISTS "
-    f"(SELECT 1 FROM {EntryRow.__tablename__} e WHERE e.fingerprint_id = f.id)"
-)
-
-
 def registry_holds_entries_for(db: str | os.PathLike[str] | None, fingerprint: Fingerprint) -> bool:
     """True when a stored fingerprint that serves ``fingerprint`` has entries.
 
@@ -864,11 +857,7 @@ def registry_holds_entries_for(db: str | os.PathLike[str] | None, fingerprint: F
         if not location.path.exists():
             return False
         try:
-            conn = sqlite3.connect(location.path.as_uri() + "?mode=ro", uri=True, timeout=1.0)
-            try:
-                rows = conn.execute(_HOLDS_SQL).fetchall()
-            finally:
-                conn.close()
+            rows = sqlite_fast.fingerprints_with_entries(location.path)
             return any(
                 Fingerprint(**dict(zip(ALL_FIELDS, row, strict=True))).serves(fingerprint)
                 for row in rows

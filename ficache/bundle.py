@@ -55,12 +55,17 @@ Invariants:
   compressing inside them saves nothing on the wire; plain ASCII stays
   readable (``tail -n +2 FILE | jq``), diffs one entry per line, and leaves
   no decompression bomb to defend against.
-- Writing renders, re-reads its own bytes (a bundle ficache cannot read is
-  never published), then publishes with ``ficache.publish.publish``
-  (atomically for a regular file or a new path, temp removed on any
-  failure; a device or FIFO is written to; a new file follows the umask, a
-  replaced one keeps its mode, so a bundle baked into an image is readable).
-  ``bundle_bytes`` renders without writing, for a caller that streams.
+- Writing renders, re-reads its own bytes (``encode_bundle``: a bundle
+  ficache cannot read is never published), then publishes with
+  ``ficache.publish.publish`` (``publish_bundle``: atomically for a regular
+  file or a new path, temp removed on any failure; a device or FIFO is
+  written to; a new file follows the umask, a replaced one keeps its mode,
+  so a bundle baked into an image is readable).
+- This module translates between bytes and content only; it never opens a
+  registry. What a registry exports as a bundle is read by
+  ``ficache.exporting`` (``bundle_bytes``, ``write_bundle``) and handed here
+  as plain data; importing a bundle is ``ficache.importing``'s
+  (``plan_bundle_import``, ``import_bundles``).
 - Bump ``FORMAT_VERSION`` for any change a version-1 reader would refuse or
   misread; readers refuse versions newer than their own.
 """
@@ -75,9 +80,9 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ficache.errors import BundleError, FingerprintError, NotFoundError
+from ficache.errors import BundleError, FingerprintError
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
 from ficache.flashinfer_format import (
     canonical_json,
@@ -87,11 +92,7 @@ from ficache.flashinfer_format import (
     selection_json,
 )
 from ficache.publish import publish
-from ficache.records import NewRecord, record_values
-from ficache.registry import NewEntry, Registry, WriteResult, validate_scope
-
-if TYPE_CHECKING:
-    from ficache.importing import ImportPlan
+from ficache.values import NewEntry, NewRecord, validate_scope
 
 #: The newest format this module reads and writes; it writes 1 for content version 1 can carry.
 FORMAT_VERSION = 2
@@ -137,7 +138,7 @@ class Bundle:
 
 @dataclass(frozen=True)
 class BundleSummary:
-    """What ``write_bundle`` wrote (``bundle_bytes`` rendered)."""
+    """What ``encode_bundle`` rendered (``ficache.exporting.write_bundle`` wrote)."""
 
     path: Path
     digest: str  # sha256 hex of the file
@@ -583,63 +584,26 @@ def read_bundle(path: str | os.PathLike[str]) -> Bundle:
 
 
 # --------------------------------------------------------------------------
-# Registry in and out.
+# Bytes of given content, and the file (``ficache.exporting`` reads the registry).
 
 
-def write_bundle(
-    registry: Registry, path: str | os.PathLike[str], fingerprint_ids: Sequence[int] | None
-) -> BundleSummary:
-    """Write the entries of ``fingerprint_ids`` (None: all) as one bundle at ``path``.
-
-    What ``bundle_bytes`` renders, published with ``ficache.publish.publish``.
-    Raises what ``bundle_bytes`` raises, and ``BundleError`` when ``path``
-    cannot be written.
-    """
-    target = Path(path)
-    data, summary = bundle_bytes(registry, fingerprint_ids, path=target)
-    try:
-        publish(target, data)
-    except OSError as exc:
-        raise BundleError(f"cannot write {target}: {exc.strerror}") from None
-    return summary
-
-
-def bundle_bytes(
-    registry: Registry, fingerprint_ids: Sequence[int] | None, *, path: Path
+def encode_bundle(
+    entries: Iterable[NewEntry],
+    records: Records,
+    record_fingerprints: Iterable[Fingerprint],
+    *,
+    path: Path,
 ) -> tuple[bytes, BundleSummary]:
-    """The bundle of the entries of ``fingerprint_ids`` (None: all), and its summary.
+    """The bundle of ``entries`` and ``records``, re-read as any reader would, and its summary.
 
-    ``path`` is where the bytes will go (named in the summary and in
-    errors). Fingerprints without entries are left out (a bundle carries
-    what it holds). Raises ``NotFoundError`` for an unknown id or when
-    nothing would be bundled, ``BundleError`` when the registry holds an
-    entry a bundle cannot carry.
+    ``record_fingerprints``: the fingerprints ``records`` name (those of
+    ``entries`` are taken from them). ``path`` is where the bytes will go
+    (named in the summary and in errors). Raises ``BundleError`` when the
+    content is one a bundle cannot carry: a bundle ficache cannot read back
+    is never returned.
     """
-    infos = registry.fingerprints(ids=fingerprint_ids)
-    if fingerprint_ids is not None:
-        missing = sorted(set(fingerprint_ids) - {i.id for i in infos})
-        if missing:
-            raise NotFoundError(
-                f"no fingerprint {missing[0]} in the registry; see `ficache fingerprints`"
-            )
-    by_id = {i.id: i.fingerprint for i in infos}
-    rows = registry.entry_values(sorted(by_id))
-    with registry.engine.connect() as conn:
-        stored_records = record_values(conn, sorted(by_id))
-    if not rows and not stored_records:
-        raise NotFoundError(
-            "no entries to bundle in the selected fingerprints; see `ficache fingerprints`"
-        )
-    entries = [
-        NewEntry(by_id[fid], key, runner, tactic, policy, scope, None, tuned_at, selection)
-        for fid, scope, key, runner, tactic, policy, tuned_at, selection in rows
-    ]
-    records: Records = {}
-    for fid, scope, ns, key, value, _tuned_at in stored_records:
-        by_scope = records.setdefault(by_id[fid].digest, {})
-        by_scope.setdefault(scope, {}).setdefault(ns, {})[key] = json.loads(value)
     try:
-        data = render_bundle(entries, records, [by_id[fid] for fid, *_rest in stored_records])
+        data = render_bundle(entries, records, record_fingerprints)
         bundle = parse_bundle_bytes(data, source=str(path))
     except (ValueError, BundleError) as exc:
         raise BundleError(f"the registry holds an entry a bundle cannot carry: {exc}") from None
@@ -655,49 +619,12 @@ def bundle_bytes(
     return data, summary
 
 
-def plan_bundle_import(bundles: Sequence[tuple[str, Bundle]], policy: str = "keep") -> ImportPlan:
-    """The import plan of verified ``(source, bundle)`` pairs (``ficache.importing``).
-
-    Entries keep their scope, ``tuned_at`` and selection, records their scope
-    (they carry no tuning time: the import's is used). A key two bundles hold
-    with different values is resolved by ``policy``, as ``merge`` does.
-    """
-    from ficache.importing import ImportInput, plan_import
-
-    return plan_import(
-        [ImportInput(source, tuple(b.entries), tuple(bundle_records(b))) for source, b in bundles],
-        policy,
-    )
-
-
-def bundles_provenance(bundles: Sequence[tuple[str, Bundle]]) -> dict[str, Any]:
-    """An import commit's provenance: every bundle by digest."""
-    return {
-        "bundles": [
-            {
-                "digest": b.digest,
-                "format_version": b.format_version,
-                "entries": len(b.entries),
-                "records": int(b.provenance["records"]),
-            }
-            for _source, b in bundles
-        ]
-    }
-
-
-def import_bundles(
-    registry: Registry, bundles: Sequence[tuple[str, Bundle]], *, on_conflict: str = "keep"
-) -> WriteResult:
-    """Store the entries of verified ``(source, bundle)`` pairs as one import commit.
-
-    The commit's provenance names every bundle by digest. Importing the same
-    bundles again changes nothing and makes no commit.
-    """
-    return plan_bundle_import(bundles, on_conflict).execute(
-        registry,
-        message=", ".join(source for source, _ in bundles),
-        provenance=bundles_provenance(bundles),
-    )
+def publish_bundle(path: Path, data: bytes) -> None:
+    """Publish ``data`` at ``path`` (``ficache.publish.publish``); ``BundleError`` when it cannot."""
+    try:
+        publish(path, data)
+    except OSError as exc:
+        raise BundleError(f"cannot write {path}: {exc.strerror}") from None
 
 
 def bundle_records(bundle: Bundle) -> list[NewRecord]:
@@ -717,12 +644,10 @@ __all__ = [
     "Bundle",
     "BundleSummary",
     "bundle_records",
-    "bundles_provenance",
-    "import_bundles",
-    "plan_bundle_import",
+    "encode_bundle",
     "is_bundle",
     "parse_bundle_bytes",
+    "publish_bundle",
     "read_bundle",
     "render_bundle",
-    "write_bundle",
 ]

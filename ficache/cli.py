@@ -1078,7 +1078,8 @@ def _import_bundles(
     fmt: str,
 ) -> None:
     """``import`` of bundles: verify every one, then one commit."""
-    from ficache.bundle import bundles_provenance, is_bundle, plan_bundle_import, read_bundle
+    from ficache.bundle import is_bundle, read_bundle
+    from ficache.importing import bundles_provenance, plan_bundle_import
 
     if not all(is_bundle(f) for f in files):
         raise click.UsageError("import bundles and FlashInfer cache files in separate commands")
@@ -1247,13 +1248,14 @@ def _export_v2_store(
     obj: _Context, root: Path, fingerprint_ref: str, scope: str, measurement_spec: str | None
 ) -> None:
     """``export --v2-store``: the library plans and writes, the CLI prints."""
-    from ficache.v2_store import measurement_label, parse_measurement_policy, plan_export
+    from ficache.exporting import plan_v2_export
+    from ficache.v2_store import measurement_label, parse_measurement_policy
 
     measurement = (
         parse_measurement_policy(measurement_spec) if measurement_spec is not None else None
     )
     with obj.registry(create=False, write=False) as reg:
-        export = plan_export(reg, fingerprint_ref, scope=scope, measurement=measurement)
+        export = plan_v2_export(reg, fingerprint_ref, scope=scope, measurement=measurement)
         if fingerprint_ref == "current":
             from ficache.fingerprint import collect
 
@@ -1285,7 +1287,7 @@ def _export_bundle(
     output: Path | None,
 ) -> None:
     """``export --bundle``: the library writes, the CLI checks options and prints."""
-    from ficache.bundle import bundle_bytes, write_bundle
+    from ficache.exporting import bundle_bytes, write_bundle
 
     if all_fingerprints == bool(fingerprint_refs):
         raise click.UsageError("--bundle needs --fingerprint ID (repeatable) or --all")

@@ -33,7 +33,8 @@ from ficache.flashinfer_format import KeyFields, parse_key
 from ficache.models import ENTRY_CHANGES as H
 from ficache.models import NEW_POLICY, OLD_POLICY
 from ficache.records import RecordChange, record_changes
-from ficache.registry import CommitInfo, Registry
+from ficache.registry_access import RegistryAccess
+from ficache.values import CommitInfo
 
 ACTIONS = ("added", "replaced", "removed")
 
@@ -135,7 +136,7 @@ def _value(
     return EntryValue(runner, tactic, policy, selection)
 
 
-def commit_details(registry: Registry, commit_id: int) -> CommitDetails:
+def commit_details(registry: RegistryAccess, commit_id: int) -> CommitDetails:
     """The commit ``commit_id`` and its changes; ``NotFoundError`` when there is none."""
     found = registry.log(None, commit_id=commit_id)
     if not found:

@@ -30,6 +30,9 @@ Invariants:
   compares them with the stored values under the write lock: an import is
   never applied to a state it was not planned from, so concurrent imports
   all succeed and end as some sequential order of them would.
+- Bundles enter here too: ``plan_bundle_import`` makes one input per verified
+  bundle (``ficache.bundle`` reads and verifies; it plans no import), and
+  ``import_bundles`` executes it with ``bundles_provenance``.
 - ``preview`` is the counts ``execute`` returns on the same registry state,
   computed as a one-source ``theirs`` merge plan (``ficache.merge``), which
   never writes.
@@ -43,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ficache._gcpause import paused_gc
+from ficache.bundle import Bundle, bundle_records
 from ficache.errors import FingerprintError, MergeConflictError
 from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import CacheFile
@@ -57,7 +61,8 @@ from ficache.merge import (
 )
 from ficache.models import SHARED_SCOPE
 from ficache.records import NewRecord, RecordConflict, records_of_file
-from ficache.registry import NewEntry, Registry, WriteResult, validate_scope
+from ficache.registry_access import RegistryAccess
+from ficache.values import NewEntry, WriteResult, validate_scope
 
 
 @dataclass(frozen=True)
@@ -121,7 +126,7 @@ class ImportPlan:
 
     def execute(
         self,
-        registry: Registry,
+        registry: RegistryAccess,
         *,
         message: str,
         provenance: dict[str, Any] | None = None,
@@ -149,7 +154,7 @@ class ImportPlan:
                 records=self.record_writes,
             )
 
-    def preview(self, registry: Registry | None) -> WriteResult:
+    def preview(self, registry: RegistryAccess | None) -> WriteResult:
         """The counts ``execute`` would return on ``registry``'s current state; writes nothing.
 
         ``registry`` None: a registry that does not exist yet (everything is added).
@@ -362,4 +367,59 @@ def _reconcile_records(
     return writes, duplicates, conflicts, conflicting
 
 
-__all__ = ["ImportInput", "ImportPlan", "file_inputs", "plan_import"]
+# --------------------------------------------------------------------------
+# Bundles (``ficache.bundle`` reads and verifies them; here they become one import).
+
+
+def plan_bundle_import(bundles: Sequence[tuple[str, Bundle]], policy: str = "keep") -> ImportPlan:
+    """The import plan of verified ``(source, bundle)`` pairs (one input per bundle).
+
+    Entries keep their scope, ``tuned_at`` and selection, records their scope
+    (they carry no tuning time: the import's is used). A key two bundles hold
+    with different values is resolved by ``policy``, as ``merge`` does.
+    """
+    return plan_import(
+        [ImportInput(source, tuple(b.entries), tuple(bundle_records(b))) for source, b in bundles],
+        policy,
+    )
+
+
+def bundles_provenance(bundles: Sequence[tuple[str, Bundle]]) -> dict[str, Any]:
+    """An import commit's provenance: every bundle by digest."""
+    return {
+        "bundles": [
+            {
+                "digest": b.digest,
+                "format_version": b.format_version,
+                "entries": len(b.entries),
+                "records": int(b.provenance["records"]),
+            }
+            for _source, b in bundles
+        ]
+    }
+
+
+def import_bundles(
+    registry: RegistryAccess, bundles: Sequence[tuple[str, Bundle]], *, on_conflict: str = "keep"
+) -> WriteResult:
+    """Store the entries of verified ``(source, bundle)`` pairs as one import commit.
+
+    The commit's provenance names every bundle by digest. Importing the same
+    bundles again changes nothing and makes no commit.
+    """
+    return plan_bundle_import(bundles, on_conflict).execute(
+        registry,
+        message=", ".join(source for source, _ in bundles),
+        provenance=bundles_provenance(bundles),
+    )
+
+
+__all__ = [
+    "ImportInput",
+    "ImportPlan",
+    "bundles_provenance",
+    "file_inputs",
+    "import_bundles",
+    "plan_bundle_import",
+    "plan_import",
+]

@@ -87,15 +87,15 @@ from ficache.models import ENTRIES as E
 from ficache.models import ENTRY_CHANGES as H
 from ficache.models import (
     ENTRY_POLICY,
+    ENTRY_VALUE_COLUMNS,
     OLD_POLICY,
     SHARED_SCOPE,
 )
 from ficache.models import FINGERPRINTS as F
 from ficache.records import NewRecord, RecordMergePlan, plan_record_merge, record_values
-from ficache.registry import (
-    ENTRY_VALUE_COLUMNS,
+from ficache.registry_access import RegistryAccess
+from ficache.values import (
     NewEntry,
-    Registry,
     WriteResult,
     bulk_new_entry,
     fingerprint_from_row,
@@ -504,7 +504,7 @@ class MergePlan:
                 "resolve them with --on-conflict keep|theirs|newest|vote|drop"
             )
 
-    def execute(self, registry: Registry) -> WriteResult:
+    def execute(self, registry: RegistryAccess) -> WriteResult:
         """Apply the plan as one ``merge`` commit (none when it changes nothing).
 
         Raises ``MergeConflictError`` for a refused plan, and ``ConflictError``
@@ -581,7 +581,7 @@ def resolve(
 
 
 def plan_merge(
-    registry: Registry, sources: Sequence[MergeSource], policy: str = "keep"
+    registry: RegistryAccess, sources: Sequence[MergeSource], policy: str = "keep"
 ) -> MergePlan:
     """Plan merging ``sources`` (in this order) into ``registry`` under ``policy``."""
     if policy not in POLICIES:
@@ -611,7 +611,7 @@ MERGE_ATTEMPTS = 4
 
 
 def merge_sources(
-    registry: Registry,
+    registry: RegistryAccess,
     sources: Sequence[MergeSource],
     policy: str = "keep",
     *,
@@ -656,7 +656,7 @@ def resolve_record(
     return resolve(policy, target, candidates, _record_value)
 
 
-def _plan(registry: Registry, sources: Sequence[MergeSource], policy: str) -> MergePlan:
+def _plan(registry: RegistryAccess, sources: Sequence[MergeSource], policy: str) -> MergePlan:
     # Candidates per (fingerprint index, scope), then per key, in source
     # order. Entries come in runs of one fingerprint object and one scope, so
     # a fingerprint is hashed once per run and an entry costs one lookup by

@@ -75,6 +75,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    func,
     select,
     text,
 )
@@ -258,3 +259,18 @@ def policy_text(policy_id: Any) -> Any:
 ENTRY_POLICY = policy_text(ENTRIES.c.policy_id).label("policy")
 OLD_POLICY = policy_text(ENTRY_CHANGES.c.old_policy_id).label("old_policy")
 NEW_POLICY = policy_text(ENTRY_CHANGES.c.new_policy_id).label("new_policy")
+
+#: An entry's identity and value with when it was tuned and how it was chosen,
+#: as bundles and merges copy it: ``(fingerprint_id, scope, key, runner,
+#: tactic, policy, tuned_at, selection)`` (``tuned_at`` falls back to
+#: ``updated_at`` for rows from before 0002; ``selection`` may be NULL).
+ENTRY_VALUE_COLUMNS = (
+    ENTRIES.c.fingerprint_id,
+    ENTRIES.c.scope,
+    ENTRIES.c.key,
+    ENTRIES.c.runner,
+    ENTRIES.c.tactic,
+    ENTRY_POLICY,
+    func.coalesce(ENTRIES.c.tuned_at, ENTRIES.c.updated_at),
+    ENTRIES.c.selection,
+)

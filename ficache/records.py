@@ -60,21 +60,20 @@ from ficache.models import COMMITS as C
 from ficache.models import FINGERPRINTS as F
 from ficache.models import RECORD_CHANGES as RH
 from ficache.models import RECORDS as R
-from ficache.models import SHARED_SCOPE
+from ficache.values import NewRecord, RecordIdentity, validate_scope
 
 __all__ = [
     "MAX_RECORD_DEPTH",
     "NewRecord",
     "RecordChange",
     "RecordConflict",
+    "RecordIdentity",
     "RecordMergePlan",
     "RecordWrite",
     "StoredRecord",
     "canonical_value",
 ]
 
-#: (fingerprint, scope, namespace, record key): one record's identity.
-RecordIdentity = tuple[Fingerprint, str, str, str]
 #: ``{namespace: {record key: canonical JSON}}``: what one rank loads.
 RecordMap = dict[str, dict[str, str]]
 
@@ -89,22 +88,6 @@ def canonical_value(value_json: str) -> str:
     if text != value_json:
         raise RecordError(f"record value {value_json[:80]!r} is not canonical JSON")
     return text
-
-
-@dataclass(frozen=True, slots=True)
-class NewRecord:
-    """One record a writer wants stored (``value_json``: canonical JSON)."""
-
-    fingerprint: Fingerprint
-    namespace: str
-    key: str
-    value_json: str
-    scope: str = SHARED_SCOPE
-    tuned_at: float | None = None  # when the value was tuned; None: now
-
-    @property
-    def identity(self) -> RecordIdentity:
-        return (self.fingerprint, self.scope, self.namespace, self.key)
 
 
 @dataclass(frozen=True)
@@ -122,8 +105,6 @@ class RecordWrite:
 
     def validate(self) -> None:
         """Check scopes, namespaces and values; ``RecordError`` for the first bad one."""
-        from ficache.registry import validate_scope
-
         seen: set[RecordIdentity] = set()
         for r in self.records:
             try:
@@ -781,8 +762,6 @@ def check(
     record change rows per action; replaying the record changes in id order
     ends with exactly the stored records, each written by the commit it names.
     """
-    from ficache.registry import validate_scope
-
     for table, name in ((R, "record"), (RH, "record change")):
         for column, parent, what in (
             ("fingerprint_id", F, "fingerprint"),

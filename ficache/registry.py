@@ -37,6 +37,13 @@ Invariants:
   ``Registry.commit_listeners`` was told its id, SIGINT is held
   (``ficache._interrupts``), so a Ctrl-C never lands between the
   database's COMMIT and the caller learning of it.
+
+Structure: the value types a write takes and returns (``NewEntry``,
+``WriteResult``, ``CommitInfo``, scopes) live in ``ficache.values`` and are
+re-exported here. The modules this one's facade methods call
+(``import_cache``: ``ficache.importing``; ``revert``: ``ficache.revert``) take
+the registry typed as ``ficache.registry_access.RegistryAccess`` and never
+import this module, so there is no import cycle (``tests/test_structure.py``).
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 from sqlalchemy import (
     Connection,
@@ -79,17 +86,28 @@ from ficache.errors import (
     SchemaTooNewError,
     StalePlanError,
 )
-from ficache.fingerprint import ALL_FIELDS, Fingerprint
+from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import CacheFile, KeyFields, parse_key, render_cache
 from ficache.models import COMMITS as C
 from ficache.models import ENTRIES as E
 from ficache.models import ENTRY_CHANGES as H
 from ficache.models import (
     ENTRY_POLICY,
+    ENTRY_VALUE_COLUMNS,
     SHARED_SCOPE,
 )
 from ficache.models import FINGERPRINTS as F
 from ficache.policies import policy_ids
+from ficache.values import (
+    CommitInfo,
+    Expected,
+    NewEntry,
+    WriteResult,
+    bulk_new_entry,
+    fingerprint_from_row,
+    rank_scope,
+    validate_scope,
+)
 
 T = TypeVar("T")
 
@@ -97,87 +115,8 @@ COMMIT_KINDS = ("import", "startup", "merge", "revert", "prune")
 #: The largest row id SQLite stores (a signed 64-bit integer).
 MAX_ROW_ID = 2**63 - 1
 
-#: ``write``'s ``expected``: (fingerprint, scope, key) -> commit id, or its pairs.
-_Expected = (
-    Mapping[tuple[Fingerprint, str, str], int | None]
-    | Sequence[tuple[tuple[Fingerprint, str, str], int | None]]
-)
 WRITE_ATTEMPTS = 4
 _CHUNK = 500  # rows per IN (...) list
-
-
-def rank_scope(layout: str, rank: int) -> str:
-    """The scope of entries valid only on ``rank`` of ``layout`` (``tp4/rank1``)."""
-    if not layout or "/" in layout or len(layout) > 40:
-        raise ValueError(f"layout must be a short name without '/', got {layout!r}")
-    if rank < 0:
-        raise ValueError(f"rank must be >= 0, got {rank}")
-    return f"{layout}/rank{rank}"
-
-
-def validate_scope(scope: str) -> str:
-    if scope == SHARED_SCOPE:
-        return scope
-    layout, sep, rank = scope.partition("/rank")
-    if sep and rank.isdigit() and layout:
-        return rank_scope(layout, int(rank))
-    raise ValueError(f"scope must be 'shared' or '<layout>/rank<N>', got {scope!r}")
-
-
-class NewEntry(NamedTuple):
-    """One entry a writer wants stored.
-
-    A named tuple: made by position or by name with the defaults below, and
-    by bulk readers with a single ``tuple.__new__`` (``bulk_new_entry``).
-
-    - ``tactic_json``/``policy_json``: canonical JSON text (policy None: absent).
-    - ``fields``: the parsed ``key``, when the caller has it.
-    - ``tuned_at``: when the value was tuned; None: now.
-    - ``selection_json``: how FlashInfer chose the value (canonical JSON
-      object; None: not known). Not part of the value: it is written with it
-      and replaced with it.
-    """
-
-    fingerprint: Fingerprint
-    key: str
-    runner: str
-    tactic_json: str
-    policy_json: str | None = None
-    scope: str = SHARED_SCOPE
-    fields: KeyFields | None = None
-    tuned_at: float | None = None
-    selection_json: str | None = None
-
-
-_tuple_new = tuple.__new__
-
-
-def bulk_new_entry(
-    fingerprint: Fingerprint,
-    key: str,
-    runner: str,
-    tactic_json: str,
-    policy_json: str | None,
-    scope: str,
-    fields: KeyFields | None,
-    tuned_at: float | None,
-    selection_json: str | None = None,
-) -> NewEntry:
-    """``NewEntry(...)`` with every field given by position, as a plain call: for bulk readers."""
-    return _tuple_new(
-        NewEntry,
-        (
-            fingerprint,
-            key,
-            runner,
-            tactic_json,
-            policy_json,
-            scope,
-            fields,
-            tuned_at,
-            selection_json,
-        ),
-    )
 
 
 @dataclass(frozen=True)
@@ -231,53 +170,6 @@ class FingerprintInfo:
             "created_at": self.created_at,
             "last_served_at": self.last_served_at,
         }
-
-
-@dataclass(frozen=True)
-class CommitInfo:
-    id: int
-    created_at: float
-    kind: str
-    host: str
-    user: str | None
-    message: str | None
-    world_size: int | None
-    layout: str | None
-    added: int
-    replaced: int
-    removed: int
-    provenance: dict[str, Any]
-    reverts_commit_id: int | None
-    records_added: int = 0
-    records_replaced: int = 0
-    records_removed: int = 0
-
-    def as_json(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
-
-
-@dataclass(frozen=True)
-class WriteResult:
-    commit_id: int | None
-    added: int = 0
-    replaced: int = 0
-    removed: int = 0
-    unchanged: int = 0
-    kept: int = 0  # values not written: the entry held another one (``keep_existing``)
-    shared_written: int = 0  # of ``added + replaced``, the entries of the shared scope
-    records_added: int = 0
-    records_replaced: int = 0
-    records_removed: int = 0
-    records_unchanged: int = 0
-    records_kept: int = 0
-
-    @property
-    def changed(self) -> int:
-        return self.added + self.replaced + self.removed
-
-    @property
-    def records_changed(self) -> int:
-        return self.records_added + self.records_replaced + self.records_removed
 
 
 @dataclass(frozen=True)
@@ -357,27 +249,6 @@ class _NothingToWrite(Exception):
 
     def __init__(self, result: WriteResult) -> None:
         self.result = result
-
-
-def fingerprint_from_row(row: Any) -> Fingerprint:
-    """The ``Fingerprint`` of one ``fingerprints`` row."""
-    return Fingerprint(**{name: getattr(row, name) for name in ALL_FIELDS})
-
-
-#: An entry's identity and value with when it was tuned and how it was chosen,
-#: as bundles and merges copy it: ``(fingerprint_id, scope, key, runner,
-#: tactic, policy, tuned_at, selection)`` (``tuned_at`` falls back to
-#: ``updated_at`` for rows from before 0002; ``selection`` may be NULL).
-ENTRY_VALUE_COLUMNS = (
-    E.c.fingerprint_id,
-    E.c.scope,
-    E.c.key,
-    E.c.runner,
-    E.c.tactic,
-    ENTRY_POLICY,
-    func.coalesce(E.c.tuned_at, E.c.updated_at),
-    E.c.selection,
-)
 
 
 #: A stored entry as ``write`` reads it: (row id, runner, tactic, policy id,
@@ -976,7 +847,7 @@ class Registry:
         layout: str | None = None,
         provenance: dict[str, Any] | None = None,
         removals: Iterable[tuple[Fingerprint, str, str]] = (),
-        expected: _Expected | None = None,
+        expected: Expected | None = None,
         keep_existing: bool = False,
         records: rec.RecordWrite | Iterable[rec.NewRecord] = (),
         reverts_commit_id: int | None = None,
@@ -1031,7 +902,7 @@ class Registry:
         layout: str | None,
         provenance: dict[str, Any] | None,
         removals: Iterable[tuple[Fingerprint, str, str]],
-        expected: _Expected | None,
+        expected: Expected | None,
         keep_existing: bool,
         record_write: rec.RecordWrite = rec.RecordWrite(),  # noqa: B008 - frozen, never mutated
         reverts_commit_id: int | None = None,
@@ -1544,10 +1415,13 @@ class Registry:
         return plan_revert(self, commit_id).execute(self)
 
 
-# Re-exported helpers for callers that build queries of their own.
+# Re-exported helpers for callers that build queries of their own; the value
+# types come from ``ficache.values`` and are importable from here as before.
 __all__ = [
+    "ENTRY_VALUE_COLUMNS",
     "SHARED_SCOPE",
     "CommitInfo",
+    "Expected",
     "FingerprintInfo",
     "NewEntry",
     "PruneGroup",
@@ -1557,6 +1431,7 @@ __all__ = [
     "StoredEntry",
     "WriteResult",
     "bulk_new_entry",
+    "fingerprint_from_row",
     "rank_scope",
     "validate_scope",
 ]

@@ -49,7 +49,8 @@ from ficache.models import OLD_POLICY
 from ficache.models import RECORD_CHANGES as RH
 from ficache.models import RECORDS as R
 from ficache.records import NewRecord, RecordWrite
-from ficache.registry import CommitInfo, NewEntry, Registry, WriteResult, fingerprint_from_row
+from ficache.registry_access import RegistryAccess
+from ficache.values import CommitInfo, NewEntry, WriteResult, fingerprint_from_row
 
 __all__ = ["RevertConflict", "RevertCounts", "RevertPlan", "plan_revert"]
 
@@ -152,7 +153,7 @@ class RevertPlan:
             "refused": self.refusal,
         }
 
-    def execute(self, registry: Registry) -> WriteResult:
+    def execute(self, registry: RegistryAccess) -> WriteResult:
         """Apply the plan as one ``revert`` commit.
 
         Raises ``ConflictError`` for a refused plan, and (writing nothing) when
@@ -178,7 +179,7 @@ class RevertPlan:
             ) from None
 
 
-def plan_revert(registry: Registry, commit_id: int) -> RevertPlan:
+def plan_revert(registry: RegistryAccess, commit_id: int) -> RevertPlan:
     """Plan undoing commit ``commit_id`` of ``registry``; ``NotFoundError`` if there is none."""
     found = registry.log(None, commit_id=commit_id)
     if not found:

@@ -32,7 +32,7 @@ Invariants:
   SHA-256), never an error. It is written atomically and best-effort: a
   read-only cache dir only costs speed.
 - ``cached_slices`` is the warm path for SQLite files: it reads the state
-  over one plain read-only connection, without opening the registry
+  over one plain read-only connection (``ficache.sqlite_fast``), without opening the registry
   (engine, Alembic checks), and only trusts a cache whose schema revision is
   this ficache's head; on any doubt it returns None and the caller takes
   the full path, which reports the registry's problems in its own words.
@@ -46,7 +46,6 @@ import functools
 import hashlib
 import json
 import os
-import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,10 +53,10 @@ from typing import Any
 from sqlalchemy import text as sql_text
 from sqlalchemy.exc import DatabaseError
 
-from ficache import schema
+from ficache import schema, sqlite_fast
 from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import render_cache
-from ficache.models import SHARED_SCOPE, CommitRow, EntryRow, RecordRow
+from ficache.models import SHARED_SCOPE
 from ficache.publish import publish
 from ficache.registry import Registry, rank_scope
 
@@ -98,16 +97,6 @@ def default_cache_dir() -> Path:
     return Path(user_cache_dir("ficache", appauthor=False)) / "slices"
 
 
-_STATE_SQL = (
-    "SELECT (SELECT max(version_num) FROM alembic_version), "
-    f"(SELECT max(id) FROM {CommitRow.__tablename__}), (SELECT max(created_at) FROM {CommitRow.__tablename__}), "
-    f"(SELECT count(*) FROM {EntryRow.__tablename__}), (SELECT max(id) FROM {EntryRow.__tablename__}), "
-    f"(SELECT max(updated_at) FROM {EntryRow.__tablename__}), "
-    f"(SELECT count(*) FROM {RecordRow.__tablename__}), (SELECT max(id) FROM {RecordRow.__tablename__}), "
-    f"(SELECT max(updated_at) FROM {RecordRow.__tablename__})"
-)
-
-
 def registry_state(reg: Registry) -> State:
     """A cheap token that changes whenever the registry's entries may have changed.
 
@@ -117,7 +106,7 @@ def registry_state(reg: Registry) -> State:
     """
     try:
         with reg.engine.connect() as conn:
-            return tuple(conn.execute(sql_text(_STATE_SQL)).one())
+            return tuple(conn.execute(sql_text(sqlite_fast.STATE_SQL)).one())
     except DatabaseError as exc:
         raise schema.translate_operational_error(exc, reg.location, engine=reg.engine) from None
 
@@ -151,11 +140,7 @@ def cached_slices(
         path = _cache_file(directory, location.url, current, layout, world)
         if not path.is_file():
             return None
-        conn = sqlite3.connect(location.path.as_uri() + "?mode=ro", uri=True, timeout=1.0)
-        try:
-            state = tuple(conn.execute(_STATE_SQL).fetchone())
-        finally:
-            conn.close()
+        state = sqlite_fast.state(location.path)
         if state[0] != _head_revision():
             return None
     except Exception:  # noqa: BLE001 - any doubt: take the slow path, which explains itself

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sqlite3
 import stat
 import time
 from collections.abc import Sequence
@@ -38,8 +37,9 @@ from pathlib import Path
 
 from sqlalchemy import Engine, or_, text, update
 
-from ficache import schema
-from ficache.registry import F, Registry
+from ficache import schema, sqlite_fast
+from ficache.models import FINGERPRINTS as F
+from ficache.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -93,11 +93,6 @@ def mark_served(
     return True
 
 
-def _stale_sql(ids: list[int]) -> str:
-    """``WHERE`` of the fingerprints among ``ids`` whose mark needs writing (qmark style)."""
-    return f"id IN ({','.join('?' * len(ids))}) AND (last_served_at IS NULL OR last_served_at < ?)"
-
-
 def _mark_sqlite_file(
     path: Path, ids: list[int], when: float, stale_before: float, timeout: float
 ) -> str | None:
@@ -107,27 +102,9 @@ def _mark_sqlite_file(
     if not os.access(path, os.W_OK) or not os.access(path.parent, os.W_OK):
         return "the registry is read-only"
     # Read first, without a lock (WAL): a fresh mark costs no write and no wait.
-    reader = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, timeout=timeout)
-    try:
-        stale = reader.execute(
-            f"SELECT count(*) FROM fingerprints WHERE {_stale_sql(ids)}", [*ids, stale_before]
-        ).fetchone()[0]
-    finally:
-        reader.close()
-    if not stale:
+    if not sqlite_fast.stale_served_marks(path, ids, stale_before, timeout):
         return None
-    conn = sqlite3.connect(path, timeout=timeout, isolation_level=None)
-    try:
-        conn.execute("PRAGMA synchronous = NORMAL")  # WAL: no fsync for this small write
-        conn.execute(
-            f"UPDATE fingerprints SET last_served_at = ? WHERE {_stale_sql(ids)}",
-            [when, *ids, stale_before],
-        )
-    except sqlite3.Error as exc:
-        return str(exc)
-    finally:
-        conn.close()
-    return None
+    return sqlite_fast.write_served_marks(path, ids, when, stale_before, timeout)
 
 
 def _mark_through_engine(

@@ -41,7 +41,7 @@ Measurement policy (where ficache keeps it):
   records them in one shape, written by one helper (``environments_provenance``):
   provenance key ``v2_environments``, a list of ``{path, env_hash,
   fingerprint (digest), measurement, entries, skipped_entries, records}``
-  (``StoredEnvironment``). ``recorded_measurements`` reads that key from any
+  (``StoredEnvironment``). ``measurements_in`` reads that key from any
   commit, and the ``environments`` key that imports wrote before it (``source:
   "flashinfer-v2-store"``). An export uses, in order: the policy given
   (``measurement=``), else the newest policy a commit recorded for the
@@ -74,6 +74,11 @@ Invariants:
   the keys it exports; it never deletes or rewrites anything else. It
   writes only into a store root, an empty directory or a new one, and
   refuses an environment directory whose manifest differs from its own.
+- The export side translates only: ``store_export`` turns given rows,
+  metadata and measurement fields into files, ``measurements_in`` and
+  ``export_measurement`` read given provenance; it never opens a registry.
+  What a registry exports is read by ``ficache.exporting``
+  (``plan_v2_export``, ``recorded_measurements``).
 """
 
 from __future__ import annotations
@@ -81,12 +86,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ficache.errors import FingerprintError, NotFoundError, V2StoreError
+from ficache.errors import FingerprintError, V2StoreError
 from ficache.fingerprint import FLASHINFER_FIELDS, Fingerprint
 from ficache.flashinfer_format import (
     _TOKEN,
@@ -96,7 +101,8 @@ from ficache.flashinfer_format import (
 )
 from ficache.models import SHARED_SCOPE
 from ficache.publish import publish
-from ficache.registry import NewEntry, Registry, WriteResult, validate_scope
+from ficache.registry_access import RegistryAccess
+from ficache.values import NewEntry, WriteResult, validate_scope
 
 if TYPE_CHECKING:
     from ficache.importing import ImportPlan
@@ -110,7 +116,7 @@ PROTOCOL_KEY = "__protocol__"
 #: ``source`` of the provenance an import commit records.
 PROVENANCE_SOURCE = "flashinfer-v2-store"
 #: The provenance key under which a commit lists the v2 environments it stored
-#: (``environments_provenance``; what ``recorded_measurements`` reads).
+#: (``environments_provenance``; what ``measurements_in`` reads).
 ENVIRONMENTS_KEY = "v2_environments"
 #: Where imports recorded them before ``ENVIRONMENTS_KEY`` (read, never written).
 LEGACY_ENVIRONMENTS_KEY = "environments"
@@ -352,7 +358,7 @@ class StoredEnvironment:
 
     Its ``as_json`` is the one shape every such commit's provenance holds
     (``environments_provenance``), and ``measurement`` is what a later
-    ``export --v2-store`` reads back (``recorded_measurements``).
+    ``export --v2-store`` reads back (``measurements_in``).
     """
 
     path: Path
@@ -394,7 +400,7 @@ class StoredEnvironment:
 def environments_provenance(stored: Sequence[StoredEnvironment]) -> dict[str, Any]:
     """The provenance item of a commit that stores the entries of ``stored``.
 
-    The only writer of the shape ``recorded_measurements`` reads: every path
+    The only writer of the shape ``measurements_in`` reads: every path
     that stores v2 entries merges this into its commit's provenance.
     """
     return {ENVIRONMENTS_KEY: [s.as_json() for s in stored]}
@@ -626,7 +632,7 @@ def stores_provenance(stores: Sequence[StoreContents]) -> dict[str, Any]:
 
 
 def import_stores(
-    registry: Registry,
+    registry: RegistryAccess,
     stores: Sequence[StoreContents],
     *,
     scope: str = SHARED_SCOPE,
@@ -641,15 +647,15 @@ def import_stores(
     )
 
 
-def recorded_measurements(registry: Registry) -> dict[str, dict[str, str]]:
-    """``fingerprint digest -> measurement fields`` of the newest commit that recorded each.
+def measurements_in(provenances: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, str]]:
+    """``fingerprint digest -> measurement fields`` of the first provenance that recorded each.
 
-    Reads ``ENVIRONMENTS_KEY`` of every commit (``environments_provenance``),
-    and ``LEGACY_ENVIRONMENTS_KEY`` of imports written before it.
+    Give commits' provenance newest first (``ficache.exporting.recorded_measurements``
+    does). Reads ``ENVIRONMENTS_KEY`` (``environments_provenance``), and
+    ``LEGACY_ENVIRONMENTS_KEY`` of imports written before it.
     """
     found: dict[str, dict[str, str]] = {}
-    for commit in registry.log(None):  # newest first
-        provenance = commit.provenance
+    for provenance in provenances:
         environments = provenance.get(ENVIRONMENTS_KEY)
         if environments is None and provenance.get("source") == PROVENANCE_SOURCE:
             environments = provenance.get(LEGACY_ENVIRONMENTS_KEY)
@@ -708,54 +714,41 @@ def _entry_text(
     return _flashinfer_json(entry), key_fields is not None
 
 
-def plan_export(
-    registry: Registry,
-    fingerprint: int | str,
-    *,
-    scope: str = SHARED_SCOPE,
-    measurement: Mapping[str, str] | None = None,
-) -> StoreExport:
-    """What ``export --v2-store`` writes for a stored fingerprint or ``"current"``.
+def export_measurement(
+    recorded: Mapping[str, Mapping[str, str]], digests: Iterable[str]
+) -> dict[str, str]:
+    """The measurement policy an export of the fingerprints ``digests`` is written under.
 
-    For ``"current"`` the entries come from every stored fingerprint that
-    serves this environment and the manifest is FlashInfer's own
-    ``_collect_metadata()``, so the store lands where ``autotune_v2`` looks.
+    ``recorded``: what ``measurements_in`` found. The one policy recorded for
+    them, else the default (no ``measure_*`` fields); ``V2StoreError`` when
+    they were recorded under more than one (the caller must choose).
     """
-    scopes = [SHARED_SCOPE] if validate_scope(scope) == SHARED_SCOPE else [SHARED_SCOPE, scope]
-    if fingerprint == "current":
-        from flashinfer.autotuner import _collect_metadata
+    policies = {
+        canonical_manifest_json(recorded[digest]): dict(recorded[digest])
+        for digest in digests
+        if digest in recorded
+    }
+    if len(policies) > 1:
+        labels = sorted(measurement_label(p) for p in policies.values())
+        raise V2StoreError(
+            f"the exported entries were imported under {len(policies)} measurement policies "
+            f"({'; '.join(labels)}); choose one with --measurement-policy"
+        )
+    return next(iter(policies.values()), {})
 
-        from ficache.fingerprint import collect
 
-        infos = registry.serving(collect())
-        if not infos:
-            raise NotFoundError(
-                "no stored fingerprint serves the current environment; "
-                "see `ficache fingerprints` and `ficache fingerprint`"
-            )
-        metadata = {str(k): str(v) for k, v in _collect_metadata().items()}
-    else:
-        infos = [registry.fingerprint(fingerprint)]
-        metadata = infos[0].fingerprint.flashinfer_metadata()
-    if measurement is None:
-        recorded = recorded_measurements(registry)
-        policies = {
-            canonical_manifest_json(recorded[i.fingerprint.digest]): recorded[i.fingerprint.digest]
-            for i in infos
-            if i.entries and i.fingerprint.digest in recorded
-        }
-        if len(policies) > 1:
-            labels = sorted(measurement_label(p) for p in policies.values())
-            raise V2StoreError(
-                f"the exported entries were imported under {len(policies)} measurement policies "
-                f"({'; '.join(labels)}); choose one with --measurement-policy"
-            )
-        measurement = next(iter(policies.values()), {})
+def store_export(
+    metadata: Mapping[str, str],
+    measurement: Mapping[str, str],
+    rows: Iterable[tuple[str, str, str, str | None, str | None]],
+) -> StoreExport:
+    """The files of one environment: ``metadata`` and ``measurement`` make its manifest,
+    ``rows`` (``(key, runner, tactic, policy, selection)``, as ``Registry.slice_rows``
+    gives them) its entry files (v2 entries carry no selection)."""
     manifest = manifest_for(metadata, measurement)
-    rows = registry.slice_rows([i.id for i in infos], scopes)
     files = []
     not_preloadable = 0
-    for key, runner, tactic_json, policy_json, _selection in rows.values():  # v2: no selection
+    for key, runner, tactic_json, policy_json, _selection in rows:
         text, preloadable = _entry_text(key, runner, tactic_json, policy_json)
         not_preloadable += not preloadable
         files.append((entry_file_name(key), text))

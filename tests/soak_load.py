@@ -441,7 +441,9 @@ class Worker:
         record["outcome"] = "ok"
 
     def op_bundle(self, reg: Registry, record: dict[str, Any]) -> None:
-        from ficache.bundle import import_bundles, read_bundle, write_bundle
+        from ficache.bundle import read_bundle
+        from ficache.exporting import write_bundle
+        from ficache.importing import import_bundles
 
         ids = self._ids(reg)
         wanted = [fp.digest for fp in self.fleet.values()]

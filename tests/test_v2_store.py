@@ -471,8 +471,8 @@ def test_policies_recorded_by_older_versions_are_read(registry_path: Path) -> No
     """Registries written before the one shape: an import's ``environments`` and an
     adoption's ``v2_environments`` (``source: vllm-cache``) both give their policy back;
     ``environments`` of another source is not a v2 import's."""
+    from ficache.exporting import recorded_measurements
     from ficache.registry import NewEntry, Registry
-    from ficache.v2_store import recorded_measurements
 
     imported = Fingerprint.from_flashinfer_metadata(H200_METADATA)
     adopted = Fingerprint.from_flashinfer_metadata({**H200_METADATA, "gpu": "NVIDIA B200"})

@@ -1,0 +1,133 @@
+"""Exports: what a registry hands the format modules to write out.
+
+This module owns the registry side of ``export``: which stored fingerprints,
+entries and records an export holds, read from the registry and handed to a
+format module (``ficache.bundle``, ``ficache.v2_store``) as plain data; the
+format module turns that data into bytes and files and never opens a
+registry. (A FlashInfer file is ``Registry.export_for`` / ``export_text``.)
+
+Invariants:
+- It only reads the registry: an export never writes to it.
+- A bundle is the entries and records of the selected fingerprints (all:
+  ``None``); an unknown fingerprint id, or a selection that holds nothing,
+  is ``NotFoundError``; content a bundle cannot carry is ``BundleError``,
+  and nothing is written.
+- A v2 store export of a stored fingerprint uses its own metadata; of
+  ``"current"``, the entries of every stored fingerprint that serves this
+  environment under FlashInfer's own ``_collect_metadata()``. Its
+  measurement policy is the one given, else the one the registry's commits
+  recorded for the exported fingerprints (newest first), else the default.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from ficache.bundle import BundleSummary, Records, encode_bundle, publish_bundle
+from ficache.errors import NotFoundError
+from ficache.models import SHARED_SCOPE
+from ficache.records import record_values
+from ficache.registry import NewEntry, Registry, validate_scope
+from ficache.v2_store import StoreExport, export_measurement, measurements_in, store_export
+
+
+def write_bundle(
+    registry: Registry, path: str | os.PathLike[str], fingerprint_ids: Sequence[int] | None
+) -> BundleSummary:
+    """Write the entries of ``fingerprint_ids`` (None: all) as one bundle at ``path``.
+
+    What ``bundle_bytes`` renders, published with ``ficache.bundle.publish_bundle``.
+    Raises what ``bundle_bytes`` raises, and ``BundleError`` when ``path``
+    cannot be written.
+    """
+    target = Path(path)
+    data, summary = bundle_bytes(registry, fingerprint_ids, path=target)
+    publish_bundle(target, data)
+    return summary
+
+
+def bundle_bytes(
+    registry: Registry, fingerprint_ids: Sequence[int] | None, *, path: Path
+) -> tuple[bytes, BundleSummary]:
+    """The bundle of the entries of ``fingerprint_ids`` (None: all), and its summary.
+
+    ``path`` is where the bytes will go (named in the summary and in
+    errors). Fingerprints without entries are left out (a bundle carries
+    what it holds). Raises ``NotFoundError`` for an unknown id or when
+    nothing would be bundled, ``BundleError`` when the registry holds an
+    entry a bundle cannot carry.
+    """
+    infos = registry.fingerprints(ids=fingerprint_ids)
+    if fingerprint_ids is not None:
+        missing = sorted(set(fingerprint_ids) - {i.id for i in infos})
+        if missing:
+            raise NotFoundError(
+                f"no fingerprint {missing[0]} in the registry; see `ficache fingerprints`"
+            )
+    by_id = {i.id: i.fingerprint for i in infos}
+    rows = registry.entry_values(sorted(by_id))
+    with registry.engine.connect() as conn:
+        stored_records = record_values(conn, sorted(by_id))
+    if not rows and not stored_records:
+        raise NotFoundError(
+            "no entries to bundle in the selected fingerprints; see `ficache fingerprints`"
+        )
+    entries = [
+        NewEntry(by_id[fid], key, runner, tactic, policy, scope, None, tuned_at, selection)
+        for fid, scope, key, runner, tactic, policy, tuned_at, selection in rows
+    ]
+    records: Records = {}
+    for fid, scope, ns, key, value, _tuned_at in stored_records:
+        by_scope = records.setdefault(by_id[fid].digest, {})
+        by_scope.setdefault(scope, {}).setdefault(ns, {})[key] = json.loads(value)
+    record_fingerprints = [by_id[fid] for fid, *_rest in stored_records]
+    return encode_bundle(entries, records, record_fingerprints, path=path)
+
+
+def recorded_measurements(registry: Registry) -> dict[str, dict[str, str]]:
+    """``fingerprint digest -> measurement fields`` of the newest commit that recorded each
+    (``ficache.v2_store.measurements_in`` of every commit's provenance)."""
+    return measurements_in(commit.provenance for commit in registry.log(None))  # newest first
+
+
+def plan_v2_export(
+    registry: Registry,
+    fingerprint: int | str,
+    *,
+    scope: str = SHARED_SCOPE,
+    measurement: Mapping[str, str] | None = None,
+) -> StoreExport:
+    """What ``export --v2-store`` writes for a stored fingerprint or ``"current"``.
+
+    For ``"current"`` the entries come from every stored fingerprint that
+    serves this environment and the manifest is FlashInfer's own
+    ``_collect_metadata()``, so the store lands where ``autotune_v2`` looks.
+    """
+    scopes = [SHARED_SCOPE] if validate_scope(scope) == SHARED_SCOPE else [SHARED_SCOPE, scope]
+    if fingerprint == "current":
+        from flashinfer.autotuner import _collect_metadata
+
+        from ficache.fingerprint import collect
+
+        infos = registry.serving(collect())
+        if not infos:
+            raise NotFoundError(
+                "no stored fingerprint serves the current environment; "
+                "see `ficache fingerprints` and `ficache fingerprint`"
+            )
+        metadata = {str(k): str(v) for k, v in _collect_metadata().items()}
+    else:
+        infos = [registry.fingerprint(fingerprint)]
+        metadata = infos[0].fingerprint.flashinfer_metadata()
+    if measurement is None:
+        measurement = export_measurement(
+            recorded_measurements(registry), [i.fingerprint.digest for i in infos if i.entries]
+        )
+    rows = registry.slice_rows([i.id for i in infos], scopes)
+    return store_export(metadata, measurement, rows.values())
+
+
+__all__ = ["bundle_bytes", "plan_v2_export", "recorded_measurements", "write_bundle"]

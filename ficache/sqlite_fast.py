@@ -1,0 +1,137 @@
+"""Raw ``sqlite3`` fast paths: what a warm start asks a SQLite registry file without opening it.
+
+Opening a registry costs an engine and Alembic's checks; a server start on a
+warm SQLite file needs three small answers before that, and asks them here,
+over plain ``sqlite3`` connections: the registry's state token (the slice
+cache's key, ``ficache.slices``), whether a fingerprint serving this
+environment holds entries (``ficache.adopt``), and the served mark
+(``ficache.usage``). Every other access to a registry goes through SQLAlchemy
+(``ficache.registry``); connection setup for engines is ``ficache.schema``'s.
+
+What it may do:
+- Read, over a read-only connection (``mode=ro``): ``alembic_version``,
+  ``commits``, ``entries``, ``records`` (``state``), ``fingerprints`` and
+  ``entries`` (``fingerprints_with_entries``, ``stale_served_marks``).
+- Write exactly one thing: ``fingerprints.last_served_at`` of some
+  fingerprints (``write_served_marks``), in one autocommit UPDATE. Never an
+  entry, a record or a commit; no history.
+
+Schema revisions it assumes, and how it stays in step with the models:
+- Table names are the models' (``ficache.models``, ``__tablename__``) and
+  fingerprint columns are ``Fingerprint``'s (``ALL_FIELDS``); the columns it
+  names (``id``, ``created_at``, ``updated_at``, ``fingerprint_id``,
+  ``last_served_at``) exist from revision 0003 (``records``) on.
+- It never decides what a revision means: ``state`` returns the revision
+  it read and ``slices.cached_slices`` trusts a state only at this code's
+  head; an older, newer or foreign file raises ``sqlite3.Error`` (or reads a
+  state that is not trusted) and every caller then takes the full path
+  through ``Registry.open``, which explains the problem, or (the served
+  mark) skips. ``STATE_SQL`` is also what the full path asks through the
+  engine (``slices.registry_state``), so both paths compute one token.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from ficache.fingerprint import ALL_FIELDS
+from ficache.models import CommitRow, EntryRow, FingerprintRow, RecordRow
+
+_COMMITS = CommitRow.__tablename__
+_ENTRIES = EntryRow.__tablename__
+_RECORDS = RecordRow.__tablename__
+_FINGERPRINTS = FingerprintRow.__tablename__
+
+#: The registry's state token: (schema revision, last commit id, its time, entry
+#: count, last entry id, last entry update, record count, last record id, last
+#: record update). Portable SQL: the full path runs it through the engine.
+STATE_SQL = (
+    "SELECT (SELECT max(version_num) FROM alembic_version), "
+    f"(SELECT max(id) FROM {_COMMITS}), (SELECT max(created_at) FROM {_COMMITS}), "
+    f"(SELECT count(*) FROM {_ENTRIES}), (SELECT max(id) FROM {_ENTRIES}), "
+    f"(SELECT max(updated_at) FROM {_ENTRIES}), "
+    f"(SELECT count(*) FROM {_RECORDS}), (SELECT max(id) FROM {_RECORDS}), "
+    f"(SELECT max(updated_at) FROM {_RECORDS})"
+)
+
+_HOLDS_SQL = (
+    f"SELECT {', '.join(ALL_FIELDS)} FROM {_FINGERPRINTS} f WHERE EXISTS "
+    f"(SELECT 1 FROM {_ENTRIES} e WHERE e.fingerprint_id = f.id)"
+)
+
+
+def _read_only(path: Path, timeout: float) -> sqlite3.Connection:
+    return sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, timeout=timeout)
+
+
+def state(path: Path) -> tuple[Any, ...]:
+    """``STATE_SQL`` of the SQLite file ``path``; ``sqlite3.Error`` when it cannot be read."""
+    conn = _read_only(path, 1.0)
+    try:
+        return tuple(conn.execute(STATE_SQL).fetchone())
+    finally:
+        conn.close()
+
+
+def fingerprints_with_entries(path: Path) -> list[tuple[Any, ...]]:
+    """The ``ALL_FIELDS`` values of every fingerprint of ``path`` that holds an entry."""
+    conn = _read_only(path, 1.0)
+    try:
+        return conn.execute(_HOLDS_SQL).fetchall()
+    finally:
+        conn.close()
+
+
+def _stale_sql(ids: list[int]) -> str:
+    """``WHERE`` of the fingerprints among ``ids`` whose mark needs writing (qmark style)."""
+    return f"id IN ({','.join('?' * len(ids))}) AND (last_served_at IS NULL OR last_served_at < ?)"
+
+
+def stale_served_marks(path: Path, ids: list[int], stale_before: float, timeout: float) -> int:
+    """How many of ``ids`` hold no served mark, or one older than ``stale_before``.
+
+    Read without a lock (WAL): a fresh mark costs no write and no wait.
+    """
+    reader = _read_only(path, timeout)
+    try:
+        return int(
+            reader.execute(
+                f"SELECT count(*) FROM {_FINGERPRINTS} WHERE {_stale_sql(ids)}",
+                [*ids, stale_before],
+            ).fetchone()[0]
+        )
+    finally:
+        reader.close()
+
+
+def write_served_marks(
+    path: Path, ids: list[int], when: float, stale_before: float, timeout: float
+) -> str | None:
+    """Set ``last_served_at = when`` of the stale marks among ``ids``, in one UPDATE.
+
+    Waits at most ``timeout`` for the lock; returns why it did not write (the
+    ``sqlite3`` error), None when written.
+    """
+    conn = sqlite3.connect(path, timeout=timeout, isolation_level=None)
+    try:
+        conn.execute("PRAGMA synchronous = NORMAL")  # WAL: no fsync for this small write
+        conn.execute(
+            f"UPDATE {_FINGERPRINTS} SET last_served_at = ? WHERE {_stale_sql(ids)}",
+            [when, *ids, stale_before],
+        )
+    except sqlite3.Error as exc:
+        return str(exc)
+    finally:
+        conn.close()
+    return None
+
+
+__all__ = [
+    "STATE_SQL",
+    "fingerprints_with_entries",
+    "stale_served_marks",
+    "state",
+    "write_served_marks",
+]

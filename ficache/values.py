@@ -1,0 +1,199 @@
+"""Value types every layer of ficache shares: what a writer hands the registry
+(``NewEntry``, ``NewRecord``), what a write returns, a commit as read back,
+and the rank scopes.
+
+It owns plain data and its validation only: nothing here reads or writes a
+database (``ficache.registry`` does; ``ficache.registry_access`` names the part
+of a registry the offline machinery uses). Format modules (``bundle``,
+``v2_store``), ``records``, ``merge``, ``importing``, ``revert`` and
+``history`` build and read these values without importing ``ficache.registry``,
+so no module below the registry depends on it. ``ficache.registry`` re-exports
+the entry and commit names here, ``ficache.records`` the record names, where
+callers have always imported them.
+
+Invariants:
+- A scope is ``"shared"`` or ``"<layout>/rank<N>"`` (``validate_scope``).
+- ``NewEntry`` is a named tuple whose field order is its positional form
+  (``bulk_new_entry`` builds one with a single ``tuple.__new__``; the write
+  path reads fields by position in its hot loop).
+- ``WriteResult`` counts are of one commit; ``commit_id`` None means the
+  write changed nothing and made no commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from ficache.fingerprint import ALL_FIELDS, Fingerprint
+from ficache.flashinfer_format import KeyFields
+from ficache.models import SHARED_SCOPE
+
+#: ``write``'s ``expected``: (fingerprint, scope, key) -> commit id, or its pairs.
+Expected = (
+    Mapping[tuple[Fingerprint, str, str], int | None]
+    | Sequence[tuple[tuple[Fingerprint, str, str], int | None]]
+)
+
+
+def rank_scope(layout: str, rank: int) -> str:
+    """The scope of entries valid only on ``rank`` of ``layout`` (``tp4/rank1``)."""
+    if not layout or "/" in layout or len(layout) > 40:
+        raise ValueError(f"layout must be a short name without '/', got {layout!r}")
+    if rank < 0:
+        raise ValueError(f"rank must be >= 0, got {rank}")
+    return f"{layout}/rank{rank}"
+
+
+def validate_scope(scope: str) -> str:
+    """``scope`` itself when it is ``shared`` or ``<layout>/rank<N>``; else ``ValueError``."""
+    if scope == SHARED_SCOPE:
+        return scope
+    layout, sep, rank = scope.partition("/rank")
+    if sep and rank.isdigit() and layout:
+        return rank_scope(layout, int(rank))
+    raise ValueError(f"scope must be 'shared' or '<layout>/rank<N>', got {scope!r}")
+
+
+class NewEntry(NamedTuple):
+    """One entry a writer wants stored.
+
+    A named tuple: made by position or by name with the defaults below, and
+    by bulk readers with a single ``tuple.__new__`` (``bulk_new_entry``).
+
+    - ``tactic_json``/``policy_json``: canonical JSON text (policy None: absent).
+    - ``fields``: the parsed ``key``, when the caller has it.
+    - ``tuned_at``: when the value was tuned; None: now.
+    - ``selection_json``: how FlashInfer chose the value (canonical JSON
+      object; None: not known). Not part of the value: it is written with it
+      and replaced with it.
+    """
+
+    fingerprint: Fingerprint
+    key: str
+    runner: str
+    tactic_json: str
+    policy_json: str | None = None
+    scope: str = SHARED_SCOPE
+    fields: KeyFields | None = None
+    tuned_at: float | None = None
+    selection_json: str | None = None
+
+
+_tuple_new = tuple.__new__
+
+
+def bulk_new_entry(
+    fingerprint: Fingerprint,
+    key: str,
+    runner: str,
+    tactic_json: str,
+    policy_json: str | None,
+    scope: str,
+    fields: KeyFields | None,
+    tuned_at: float | None,
+    selection_json: str | None = None,
+) -> NewEntry:
+    """``NewEntry(...)`` with every field given by position, as a plain call: for bulk readers."""
+    return _tuple_new(
+        NewEntry,
+        (
+            fingerprint,
+            key,
+            runner,
+            tactic_json,
+            policy_json,
+            scope,
+            fields,
+            tuned_at,
+            selection_json,
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class CommitInfo:
+    id: int
+    created_at: float
+    kind: str
+    host: str
+    user: str | None
+    message: str | None
+    world_size: int | None
+    layout: str | None
+    added: int
+    replaced: int
+    removed: int
+    provenance: dict[str, Any]
+    reverts_commit_id: int | None
+    records_added: int = 0
+    records_replaced: int = 0
+    records_removed: int = 0
+
+    def as_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    commit_id: int | None
+    added: int = 0
+    replaced: int = 0
+    removed: int = 0
+    unchanged: int = 0
+    kept: int = 0  # values not written: the entry held another one (``keep_existing``)
+    shared_written: int = 0  # of ``added + replaced``, the entries of the shared scope
+    records_added: int = 0
+    records_replaced: int = 0
+    records_removed: int = 0
+    records_unchanged: int = 0
+    records_kept: int = 0
+
+    @property
+    def changed(self) -> int:
+        return self.added + self.replaced + self.removed
+
+    @property
+    def records_changed(self) -> int:
+        return self.records_added + self.records_replaced + self.records_removed
+
+
+#: (fingerprint, scope, namespace, record key): one record's identity.
+RecordIdentity = tuple[Fingerprint, str, str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class NewRecord:
+    """One record a writer wants stored (``value_json``: canonical JSON)."""
+
+    fingerprint: Fingerprint
+    namespace: str
+    key: str
+    value_json: str
+    scope: str = SHARED_SCOPE
+    tuned_at: float | None = None  # when the value was tuned; None: now
+
+    @property
+    def identity(self) -> RecordIdentity:
+        return (self.fingerprint, self.scope, self.namespace, self.key)
+
+
+def fingerprint_from_row(row: Any) -> Fingerprint:
+    """The ``Fingerprint`` of one ``fingerprints`` row."""
+    return Fingerprint(**{name: getattr(row, name) for name in ALL_FIELDS})
+
+
+__all__ = [
+    "SHARED_SCOPE",
+    "CommitInfo",
+    "Expected",
+    "NewEntry",
+    "NewRecord",
+    "RecordIdentity",
+    "WriteResult",
+    "bulk_new_entry",
+    "fingerprint_from_row",
+    "rank_scope",
+    "validate_scope",
+]
