@@ -63,7 +63,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy import text as sql_text
-from sqlalchemy.exc import DatabaseError, IntegrityError, OperationalError
+from sqlalchemy.exc import DatabaseError, OperationalError
 
 from ficache import records as rec
 from ficache import schema
@@ -892,8 +892,13 @@ class Registry:
     def _write(self, body: Callable[[Connection], T]) -> T:
         """Run ``body(conn)`` in one write transaction, retrying a busy lock.
 
-        A lock still busy after the last attempt is a ``RegistryBusyError``
-        that says how long the write waited, over how many attempts.
+        Only what can succeed on a second attempt is retried: a busy lock
+        (on PostgreSQL also a serialization failure or a deadlock, which
+        ``translate_operational_error`` reports as busy). A lock still busy
+        after the last attempt is a ``RegistryBusyError`` that says how long
+        the write waited, over how many attempts. Anything else, an
+        ``IntegrityError`` first (a constraint the same write breaks again),
+        is raised at once as one ``RegistryError`` line; nothing is written.
         """
         self.require_writable()
         delay = 0.05
@@ -906,7 +911,7 @@ class Registry:
                         held.start()  # from here to the recorded commit id, SIGINT waits
                     self._made(getattr(result, "commit_id", None))
                 return result
-            except (OperationalError, IntegrityError, DatabaseError) as exc:
+            except (OperationalError, DatabaseError) as exc:
                 error = schema.translate_operational_error(
                     exc,
                     self.location,
@@ -914,8 +919,7 @@ class Registry:
                     waited_s=time.monotonic() - started,
                     attempts=attempt + 1,
                 )
-                retryable = isinstance(error, RegistryBusyError) or isinstance(exc, IntegrityError)
-                if not retryable or attempt == WRITE_ATTEMPTS - 1:
+                if not isinstance(error, RegistryBusyError) or attempt == WRITE_ATTEMPTS - 1:
                     raise error from None
                 time.sleep(delay)
                 delay *= 4

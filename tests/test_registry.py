@@ -207,6 +207,34 @@ def test_a_write_that_finds_the_lock_busy_retries_and_commits_once(
     assert current(reg) == {(1, "shared", key(16)): "1", (1, "shared", key(32)): "2"}
 
 
+def test_a_write_that_breaks_a_constraint_fails_at_once_without_retrying(
+    reg: Registry, registry_db: str, dump_db
+) -> None:
+    """A constraint the write breaks (here a unique index on commit messages, added for the
+    test) breaks again on every attempt: the write takes the lock once, then one line."""
+    reg.write([entry(H200, 16, 1)], kind="import", message="same")
+    with reg.engine.begin() as conn:
+        conn.execute(text("CREATE UNIQUE INDEX one_message ON commits (message)"))
+    before = dump_db(registry_db)
+    lock_attempts: list[str] = []
+
+    @event.listens_for(reg.engine, "before_cursor_execute")
+    def count_lock_attempts(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if statement == "BEGIN IMMEDIATE" or "pg_advisory_xact_lock" in statement:
+            lock_attempts.append(statement)
+
+    with pytest.raises(FicacheError) as raised:
+        reg.write([entry(H200, 32, 2)], kind="import", message="same")
+
+    assert len(lock_attempts) == 1
+    message = str(raised.value)
+    assert "\n" not in message and not isinstance(raised.value, RegistryBusyError)
+    assert message.startswith(f"registry {reg.location.display} refused the write (")
+    assert message.endswith("nothing was written; check it with `ficache verify`")
+    assert "unique" in message.lower()
+    assert dump_db(registry_db) == before
+
+
 def test_a_lock_held_past_the_bound_is_one_line_saying_the_wait(
     reg: Registry, registry_db: str, dump_db
 ) -> None:
