@@ -1092,8 +1092,12 @@ class Registry:
                     new_fids.add(fid)
             fid_of = dict(zip(fingerprints, fp_ids, strict=True))
 
+            # The fingerprint rows of records, looked up (or created) once per
+            # fingerprint, not once per record: the write lock is held here.
+            record_fid_of = dict(fid_of)
+
             def record_fingerprint_id(fp: Fingerprint, create: bool) -> int | None:
-                found = fid_of.get(fp)
+                found = record_fid_of.get(fp)
                 if found is None:
                     if create:
                         found, _created = self._fingerprint_id(conn, fp, now)
@@ -1103,10 +1107,9 @@ class Registry:
                         ).scalar_one_or_none()
                         found = int(row) if row is not None else None
                     if found is not None:
-                        record_fids[fp] = found
+                        record_fid_of[fp] = found
                 return found
 
-            record_fids: dict[Fingerprint, int] = {}
             scopes_by_fid = {fid: set(scopes_by_fp[i]) for i, fid in enumerate(fp_ids)}
             for fp, scope, _key in removal_ids:
                 if fp not in fid_of:  # looked up, never created: nothing of it to remove
