@@ -77,6 +77,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ficache import tuned_time
 from ficache.errors import BundleError, FingerprintError, NotFoundError
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
 from ficache.flashinfer_format import (
@@ -658,14 +659,22 @@ def bundle_bytes(
 def plan_bundle_import(bundles: Sequence[tuple[str, Bundle]], policy: str = "keep") -> ImportPlan:
     """The import plan of verified ``(source, bundle)`` pairs (``ficache.importing``).
 
-    Entries keep their scope, ``tuned_at`` and selection, records their scope
-    (they carry no tuning time: the import's is used). A key two bundles hold
+    Entries keep their scope, ``tuned_at`` and selection, records their scope;
+    records carry no tuning time, so the bundle file's mtime dates them
+    (``tuned_time.tuned_at``, as ``merge`` dates them). A key two bundles hold
     with different values is resolved by ``policy``, as ``merge`` does.
     """
     from ficache.importing import ImportInput, plan_import
 
     return plan_import(
-        [ImportInput(source, tuple(b.entries), tuple(bundle_records(b))) for source, b in bundles],
+        [
+            ImportInput(
+                source,
+                tuple(b.entries),
+                tuple(bundle_records(b, tuned_time.tuned_at(None, source))),
+            )
+            for source, b in bundles
+        ],
         policy,
     )
 
@@ -700,11 +709,15 @@ def import_bundles(
     )
 
 
-def bundle_records(bundle: Bundle) -> list[NewRecord]:
-    """The records of a verified bundle, as ``Registry.write`` stores them (no tuned_at)."""
+def bundle_records(bundle: Bundle, tuned_at: float | None = None) -> list[NewRecord]:
+    """The records of a verified bundle, as ``Registry.write`` stores them.
+
+    A bundle carries no tuning time for records: ``tuned_at`` is the one its
+    reader dates them with (``tuned_time.tuned_at`` of the bundle file).
+    """
     fps = {fp.digest: fp for fp in bundle.fingerprints}
     return [
-        NewRecord(fps[digest], ns, key, record_value_json(value), scope)
+        NewRecord(fps[digest], ns, key, record_value_json(value), scope, tuned_at)
         for digest, scopes in sorted(bundle.records.items())
         for scope, by_ns in sorted(scopes.items())
         for ns, by_key in sorted(by_ns.items())

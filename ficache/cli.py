@@ -585,7 +585,7 @@ def import_cmd(
         _import_bundles(obj, files, fingerprint_ref, scope, policy, dry_run, fmt)
         return
     with _progress(files, "reading files") as items:
-        parsed = [(str(f), read_cache_file(f), _mtime(f)) for f in items]
+        parsed = [(str(f), read_cache_file(f), f) for f in items]
     fingerprint_note = (
         _fingerprint_option_note([(name, cache) for name, cache, _ in parsed])
         if fingerprint_ref
@@ -597,7 +597,7 @@ def import_cmd(
             [(name, cache) for name, cache, _ in parsed],
             fingerprint=fp,
             scope=scope,
-            mtimes=[mtime for _, _, mtime in parsed],
+            paths=[path for _, _, path in parsed],
         )
         return plan_import(inputs, policy)
 
@@ -647,14 +647,6 @@ def _fingerprint_option_note(parsed: Sequence[tuple[str, Any]]) -> str | None:
         f"_metadata; {len(named)} file(s) with _metadata kept the fingerprint it names "
         f"(first: {named[0]})"
     )
-
-
-def _mtime(path: Path) -> float | None:
-    """A file's mtime (when its entries were tuned, for ``--on-conflict newest``)."""
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return None
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ Invariants:
 - One rule with ``merge``: a conflict is resolved by ``ficache.merge.resolve``
   with no target, as a merge resolves the sources of a key the registry does
   not hold (``keep``: the first input's value; ``theirs``: the last's;
-  ``newest``: the latest tuned, a file's entries dated by its mtime; ``vote``:
+  ``newest``: the latest tuned, by ``tuned_time.tuned_at``; ``vote``:
   the value most inputs hold). ``drop`` leaves the identity out of the import
   (an import never removes: the registry's value, if any, stays as it was);
   ``fail`` refuses the whole import (``check``: one line naming a key and its
@@ -37,11 +37,12 @@ Invariants:
 
 from __future__ import annotations
 
-import dataclasses
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ficache import tuned_time
 from ficache._gcpause import paused_gc
 from ficache.errors import FingerprintError, MergeConflictError
 from ficache.fingerprint import Fingerprint
@@ -64,15 +65,14 @@ from ficache.registry import NewEntry, Registry, WriteResult, validate_scope
 class ImportInput:
     """One input of an import: its name and what it holds.
 
-    ``tuned_at``: when its entries and records that carry no time of their
-    own were tuned (a FlashInfer file's mtime), for the ``newest`` policy
-    only; what is written keeps the entries' own ``tuned_at``.
+    Its entries and records carry their ``tuned_at`` (``tuned_time.tuned_at``,
+    the rule of every ingest path), which ``newest`` compares and the import
+    writes.
     """
 
     name: str
     entries: tuple[NewEntry, ...] = field(repr=False)
     records: tuple[NewRecord, ...] = field(default=(), repr=False)
-    tuned_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -200,29 +200,32 @@ def file_inputs(
     *,
     fingerprint: Fingerprint | None = None,
     scope: str = SHARED_SCOPE,
-    mtimes: Sequence[float | None] | None = None,
+    paths: Sequence[str | os.PathLike[str] | None] | None = None,
 ) -> list[ImportInput]:
     """The ``ImportInput`` of each parsed FlashInfer file, in order.
 
     A file's own ``_metadata`` names its fingerprint; ``fingerprint`` is used
     only for files that have none (``FingerprintError`` for such a file
-    without it). ``mtimes``: each file's mtime, for ``newest``.
+    without it). ``paths``: the file each was read from, whose mtime dates
+    its entries and records (``tuned_time.tuned_at``; without one, now).
     """
     validate_scope(scope)
     inputs = []
     make = tuple.__new__
     for number, (source, cache) in enumerate(files):
         fp = _file_fingerprint(source, cache, fingerprint)
+        at = tuned_time.tuned_at(None, paths[number] if paths is not None else None)
         # A FileEntry is (key, runner, tactic, policy, fields, selection).
         entries = tuple(
             [
-                make(NewEntry, (fp, key, runner, tactic, policy, scope, kf, None, selection))
+                make(NewEntry, (fp, key, runner, tactic, policy, scope, kf, at, selection))
                 for key, runner, tactic, policy, kf, selection in cache.entries
             ]
         )
-        records = tuple(records_of_file(fp, cache.record_rows, scope)) if cache.record_rows else ()
-        tuned_at = mtimes[number] if mtimes is not None else None
-        inputs.append(ImportInput(source, entries, records, tuned_at))
+        records = (
+            tuple(records_of_file(fp, cache.record_rows, scope, at)) if cache.record_rows else ()
+        )
+        inputs.append(ImportInput(source, entries, records))
     return inputs
 
 
@@ -237,22 +240,6 @@ def _file_fingerprint(
         f"{source} has no _metadata, so its environment is unknown; "
         "import it with --fingerprint ID|current"
     )
-
-
-def _dated(entry: Any, tuned_at: float | None) -> Any:
-    """``entry`` with its input's time where it has none of its own (for ``newest``)."""
-    if entry.tuned_at is None and tuned_at is not None:
-        return (
-            entry._replace(tuned_at=tuned_at)
-            if isinstance(entry, NewEntry)
-            else (dataclasses.replace(entry, tuned_at=tuned_at))
-        )
-    return entry
-
-
-def _undated(cands: list[Any], dated: list[Any], winner: Any) -> Any:
-    """The winner as its input holds it (``resolve`` returns one of ``dated``)."""
-    return next(c for c, d in zip(cands, dated, strict=True) if d is winner)[1]
 
 
 def _reconcile_entries(
@@ -298,14 +285,13 @@ def _reconcile_entries(
             if len(values) == 1:
                 writes.append(cands[0][1])
                 continue
-            dated = [(n, _dated(e, inputs[n - 1].tuned_at)) for n, e in cands]
-            winner = resolve(policy, None, dated)
+            winner = resolve(policy, None, cands)
             if isinstance(winner, str):  # dropped, or unresolved (``fail``)
                 conflicts += len(values)
                 resolution = winner
             else:
                 conflicts += len(values) - 1
-                writes.append(_undated(cands, dated, winner))
+                writes.append(winner[1])
                 resolution = f"source {winner[0]}"
             conflicting.append(
                 MergeConflict(
@@ -338,14 +324,13 @@ def _reconcile_records(
         if len(values) == 1:
             writes.append(cands[0][1])
             continue
-        dated = [(n, _dated(r, inputs[n - 1].tuned_at)) for n, r in cands]
-        winner = resolve_record(policy, None, dated)
+        winner = resolve_record(policy, None, cands)
         if isinstance(winner, str):
             conflicts += len(values)
             resolution = winner
         else:
             conflicts += len(values) - 1
-            writes.append(_undated(cands, dated, winner))
+            writes.append(winner[1])
             resolution = f"source {winner[0]}"
         conflicting.append(
             RecordConflict(

@@ -14,7 +14,8 @@ Policies decide which value stays:
 
 - ``keep`` (default): the registry's value; among sources, the first.
 - ``theirs``: the last source holding the key.
-- ``newest``: the most recently tuned (``tuned_at``; a FlashInfer file's
+- ``newest``: the most recently tuned (``tuned_at``, dated by
+  ``tuned_time.tuned_at`` as every ingest path dates it: a FlashInfer file's
   entries take the file's mtime). Ties keep the registry's value, else the
   first source's.
 - ``vote``: the value most sources hold. Ties keep the registry's value,
@@ -48,8 +49,8 @@ Invariants:
 - Namespaced records (``ficache.records``) merge under the same policies in
   the same plan and commit: a conflict is one (fingerprint, scope,
   namespace, record key) with different values (``MergePlan.records``).
-  ``newest`` compares their ``tuned_at`` (a file's mtime; bundles carry no
-  time, so a bundle's record loses to any dated one).
+  ``newest`` compares their ``tuned_at`` (a file's mtime; a bundle carries
+  no time for records, so they take the bundle file's mtime).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.exc import DatabaseError
 
-from ficache import schema
+from ficache import schema, tuned_time
 from ficache._gcpause import paused_gc
 from ficache.errors import (
     CacheFileError,
@@ -209,7 +210,7 @@ def _open_source(text: str) -> MergeSource:
             "bundle",
             read.digest,
             tuple(read.entries),
-            records=tuple(bundle.bundle_records(read)),
+            records=tuple(bundle.bundle_records(read, tuned_time.tuned_at(None, path))),
         )
     return _flashinfer_source(path)
 
@@ -236,18 +237,17 @@ def _flashinfer_source(path: Path) -> MergeSource:
     except FingerprintError as exc:
         raise FingerprintError(f"{path}: {exc}") from None
     fp = _interned(fp)
-    tuned_at = stat.st_mtime  # a FlashInfer file does not say when each entry was tuned
+    at = tuned_time.tuned_at(None, path)  # a FlashInfer file does not say when each entry was tuned
     make, scope = bulk_new_entry, SHARED_SCOPE
     # A FileEntry is (key, runner, tactic, policy, fields, selection).
     entries = tuple(
         [
-            make(fp, key, runner, tactic, policy, scope, kf, tuned_at, selection)
+            make(fp, key, runner, tactic, policy, scope, kf, at, selection)
             for key, runner, tactic, policy, kf, selection in cache.entries
         ]
     )
     records = tuple(
-        NewRecord(fp, ns, key, value, SHARED_SCOPE, tuned_at)
-        for ns, key, value in cache.record_rows
+        NewRecord(fp, ns, key, value, SHARED_SCOPE, at) for ns, key, value in cache.record_rows
     )
     return MergeSource(
         str(path), "flashinfer", hashlib.sha256(data).hexdigest(), entries, records=records

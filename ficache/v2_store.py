@@ -86,6 +86,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ficache import tuned_time
 from ficache.errors import FingerprintError, NotFoundError, V2StoreError
 from ficache.fingerprint import FLASHINFER_FIELDS, Fingerprint
 from ficache.flashinfer_format import (
@@ -319,6 +320,8 @@ class StoreEnvironment:
     records: int  # protocol records (not tactics; not imported)
     skipped: int  # malformed entries
     first_skipped: tuple[Skipped, ...]  # the first MAX_REASONS of them
+    #: When each of ``entries`` was tuned: its entry file's mtime (``tuned_time.tuned_at``).
+    tuned_at: tuple[float, ...] = ()
 
     @property
     def measurement_fields(self) -> dict[str, str]:
@@ -526,6 +529,7 @@ def _read_environment(env_dir: Path) -> StoreEnvironment:
     fingerprint, measurement, digest = _read_manifest(env_dir)
     entries_dir = env_dir / ENTRIES
     entries: list[FileEntry] = []
+    tuned: list[float] = []
     skipped: list[Skipped] = []
     records = n_skipped = 0
     if entries_dir.exists():
@@ -547,6 +551,7 @@ def _read_environment(env_dir: Path) -> StoreEnvironment:
                 records += 1
             else:
                 entries.append(entry)
+                tuned.append(tuned_time.tuned_at(None, path))
     return StoreEnvironment(
         env_dir,
         digest,
@@ -556,6 +561,7 @@ def _read_environment(env_dir: Path) -> StoreEnvironment:
         records,
         n_skipped,
         tuple(skipped),
+        tuple(tuned),
     )
 
 
@@ -583,7 +589,8 @@ def plan_store_import(
     """The import plan of ``stores`` (``ficache.importing``: one input per store).
 
     A key two stores hold with different values is resolved by ``policy``,
-    as ``merge`` does.
+    as ``merge`` does. Each entry is dated by its entry file's mtime, as
+    adoption dates it (``StoreEnvironment.tuned_at``).
     """
     from ficache.importing import ImportInput, plan_import
 
@@ -594,10 +601,17 @@ def plan_store_import(
             str(store.source),
             tuple(
                 NewEntry(
-                    env.fingerprint, e.key, e.runner, e.tactic_json, e.policy_json, scope, e.fields
+                    env.fingerprint,
+                    e.key,
+                    e.runner,
+                    e.tactic_json,
+                    e.policy_json,
+                    scope,
+                    e.fields,
+                    at,
                 )
                 for env in store.environments
-                for e in env.entries
+                for e, at in zip(env.entries, env.tuned_at, strict=True)
             ),
         )
         for store in stores

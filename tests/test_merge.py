@@ -998,3 +998,73 @@ def test_registry_write_removes_in_the_same_commit(registry_db: str) -> None:
                 kind="merge",
                 removals=[(H200_FP, "shared", K64)],
             )
+
+
+# -- one tuned_at rule for every ingest path -------------------------------------
+
+RECORDS = {"_records": {"trtllm_moe_da": {"bucket8": {"tiles": [1, 2]}}}}
+
+
+def tuned_times(db: Path) -> dict[tuple[str, str], float]:
+    """``(namespace or "entry", key) -> tuned_at`` of every entry and record in ``db``."""
+    with closing(sqlite3.connect(db)) as conn:
+        rows = conn.execute(
+            "SELECT 'entry', key, tuned_at FROM entries "
+            "UNION ALL SELECT namespace, key, tuned_at FROM records"
+        ).fetchall()
+    return {(kind, key): at for kind, key, at in rows}
+
+
+def test_a_file_is_dated_by_its_mtime_through_import_and_merge(
+    cli, cache_file, tmp_path: Path
+) -> None:
+    """The same FlashInfer file, imported into one registry and merged into another:
+    its entries and records are dated by the file's mtime both ways (import made them "now")."""
+    path = cache_file("a.json", {K16: ["Runner", 1], **RECORDS}, META)
+    os.utime(path, (1000.0, 1000.0))
+    imported, merged = tmp_path / "imported.db", tmp_path / "merged.db"
+
+    assert cli("import", path, db=imported).exit_code == 0
+    assert cli("merge", path, db=merged).exit_code == 0
+
+    assert tuned_times(imported) == {("entry", K16): 1000.0, ("trtllm_moe_da", "bucket8"): 1000.0}
+    assert tuned_times(merged) == tuned_times(imported)
+
+
+@pytest.mark.parametrize("first", ["import", "merge"])
+def test_newest_picks_the_same_value_whichever_path_brought_the_older_one(
+    cli, cache_file, tmp_path: Path, first: str
+) -> None:
+    """An older file (mtime 1000) came in by ``first``; a newer one (mtime 2000) is merged
+    with ``newest``: the newer value wins both ways (imported, the older one was "now")."""
+    older = flashinfer_file(cache_file, "older.json", {K16: 1}, 1000.0)
+    newer = flashinfer_file(cache_file, "newer.json", {K16: 2}, 2000.0)
+    db = tmp_path / "target.db"
+    assert cli(first, older, db=db).exit_code == 0
+
+    result = cli("merge", newer, "--on-conflict", "newest", db=db)
+
+    assert result.exit_code == 0, result.stderr
+    listed = json.loads(cli("list", "--format", "json", db=db).stdout)
+    assert [(r["key"], r["tactic"]) for r in listed] == [(K16, 2)]
+    assert tuned_times(db) == {("entry", K16): 2000.0}
+
+
+def test_a_bundle_dates_its_records_by_its_file_through_import_and_merge(
+    cli, cache_file, tmp_path: Path
+) -> None:
+    """A bundle keeps its entries' tuned_at; its records carry none, so both ``import`` and
+    ``merge`` date them by the bundle file's mtime (before: each path's own "now")."""
+    path = cache_file("a.json", {K16: ["Runner", 1], **RECORDS}, META)
+    os.utime(path, (1000.0, 1000.0))
+    source, bundle = tmp_path / "source.db", tmp_path / "fleet.bundle"
+    assert cli("import", path, db=source).exit_code == 0
+    assert cli("export", "--bundle", bundle, "--all", db=source).exit_code == 0
+    os.utime(bundle, (3000.0, 3000.0))
+    imported, merged = tmp_path / "imported.db", tmp_path / "merged.db"
+
+    assert cli("import", bundle, db=imported).exit_code == 0
+    assert cli("merge", bundle, db=merged).exit_code == 0
+
+    assert tuned_times(imported) == {("entry", K16): 1000.0, ("trtllm_moe_da", "bucket8"): 3000.0}
+    assert tuned_times(merged) == tuned_times(imported)
