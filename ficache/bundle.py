@@ -295,9 +295,14 @@ def is_bundle(path: str | os.PathLike[str]) -> bool:
             head = handle.read(len(MAGIC))
     except OSError:
         return False
+    return looks_like_bundle(head)
+
+
+def looks_like_bundle(head: bytes) -> bool:
+    """``is_bundle`` of a file whose first bytes (all of them, if fewer) are ``head``."""
     if len(head) < len(MAGIC):
         return bool(head) and MAGIC.startswith(head)
-    return head == MAGIC
+    return head.startswith(MAGIC)
 
 
 def _frame(data: bytes, source: str) -> tuple[int, bytes]:
@@ -734,6 +739,7 @@ __all__ = [
     "import_bundles",
     "plan_bundle_import",
     "is_bundle",
+    "looks_like_bundle",
     "parse_bundle_bytes",
     "read_bundle",
     "render_bundle",

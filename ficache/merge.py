@@ -64,14 +64,14 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.exc import DatabaseError
 
-from ficache import schema, tuned_time
+from ficache import ingest, schema, tuned_time
 from ficache._gcpause import paused_gc
+from ficache.bundle import bundle_records, read_bundle
 from ficache.errors import (
     CacheFileError,
     FingerprintError,
@@ -151,17 +151,6 @@ class MergeSource:
         )
 
 
-def _bundle_module() -> ModuleType | None:
-    """``ficache.bundle``, or None where this installation has no bundles."""
-    try:
-        from ficache import bundle
-    except ModuleNotFoundError as exc:
-        if exc.name == "ficache.bundle":
-            return None
-        raise
-    return bundle
-
-
 def read_sources(specs: Iterable[str | os.PathLike[str]]) -> tuple[MergeSource, ...]:
     """``open_source`` of every spec, in order, stopping at the first damaged one.
 
@@ -174,9 +163,10 @@ def read_sources(specs: Iterable[str | os.PathLike[str]]) -> tuple[MergeSource, 
 def open_source(spec: str | os.PathLike[str]) -> MergeSource:
     """Read and verify one merge source: a registry, a FlashInfer file or a bundle.
 
-    A URL (``scheme://``) or a SQLite file is a registry; a file starting
-    with the bundle magic is a bundle; anything else must be a FlashInfer
-    cache file. Raises a ``FicacheError`` with one line for anything
+    ``ingest.recognise`` says which: a URL (``scheme://``) or a SQLite file
+    is a registry; a file starting with the bundle magic is a bundle; a
+    directory is refused; anything else must be a FlashInfer cache file.
+    Raises a ``FicacheError`` with one line for anything
     missing, damaged, truncated, foreign or too new.
     """
     with paused_gc():
@@ -184,33 +174,22 @@ def open_source(spec: str | os.PathLike[str]) -> MergeSource:
 
 
 def _open_source(text: str) -> MergeSource:
-    if "://" in text:
+    kind = ingest.recognise(text)
+    if kind == ingest.REGISTRY:
         return _registry_source(text)
     path = Path(text)
-    try:
-        with path.open("rb") as handle:
-            head = handle.read(len(schema.SQLITE_MAGIC))
-    except IsADirectoryError:
+    if kind in (ingest.V2_STORE, ingest.DIRECTORY):
         raise CacheFileError(
             f"{path}: is a directory, expected a registry, a FlashInfer cache file or a bundle"
-        ) from None
-    except FileNotFoundError:
-        raise CacheFileError(f"{path}: no such file") from None
-    except PermissionError:
-        raise CacheFileError(f"{path}: permission denied") from None
-    except OSError as exc:
-        raise CacheFileError(f"{path}: cannot read ({exc.strerror})") from None
-    if head == schema.SQLITE_MAGIC:
-        return _registry_source(text)
-    bundle = _bundle_module()
-    if bundle is not None and bundle.is_bundle(path):
-        read = bundle.read_bundle(path)
+        )
+    if kind == ingest.BUNDLE:
+        read = read_bundle(path)
         return MergeSource(
             str(path),
             "bundle",
             read.digest,
             tuple(read.entries),
-            records=tuple(bundle.bundle_records(read, tuned_time.tuned_at(None, path))),
+            records=tuple(bundle_records(read, tuned_time.tuned_at(None, path))),
         )
     return _flashinfer_source(path)
 
@@ -224,6 +203,10 @@ def _flashinfer_source(path: Path) -> MergeSource:
                     f"{path}: larger than {MAX_FILE_BYTES} bytes; not a cache file"
                 )
             data = handle.read()
+    except FileNotFoundError:
+        raise CacheFileError(f"{path}: no such file") from None
+    except PermissionError:
+        raise CacheFileError(f"{path}: permission denied") from None
     except OSError as exc:
         raise CacheFileError(f"{path}: cannot read ({exc.strerror})") from None
     cache = parse_cache_bytes(data, source=str(path))

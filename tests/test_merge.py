@@ -1068,3 +1068,54 @@ def test_a_bundle_dates_its_records_by_its_file_through_import_and_merge(
 
     assert tuned_times(imported) == {("entry", K16): 1000.0, ("trtllm_moe_da", "bucket8"): 3000.0}
     assert tuned_times(merged) == tuned_times(imported)
+
+
+# -- one place that says what a path is ------------------------------------------
+
+
+def test_one_function_says_what_every_source_path_is(cli, cache_file, tmp_path: Path) -> None:
+    """``ingest.recognise`` is what ``import`` and ``merge`` both dispatch on: a URL or a SQLite
+    file is a registry, a bundle (even one cut inside its magic) a bundle, a v2 store root or
+    environment directory a store, any other directory a directory, anything else (missing,
+    unreadable, JSON or not) a FlashInfer file whose reading says what is wrong with it."""
+    from ficache import ingest
+    from ficache.bundle import MAGIC
+
+    flash = flashinfer_file(cache_file, "a.json", {K16: 1}, 1000.0)
+    registry = tmp_path / "other.db"
+    assert cli("import", flash, db=registry).exit_code == 0
+    bundle = tmp_path / "fleet.bundle"
+    assert cli("export", "--bundle", bundle, "--all", db=registry).exit_code == 0
+    cut = tmp_path / "cut.bundle"
+    cut.write_bytes(MAGIC[:5])
+    root = tmp_path / "autotune"
+    env = root / "v2" / "0123456789abcdef"
+    env.mkdir(parents=True)
+    (env / "manifest.json").write_text("{}")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    empty = tmp_path / "empty.json"
+    empty.write_bytes(b"")
+
+    kinds = {
+        "postgresql+psycopg://u@h/db": ingest.REGISTRY,
+        registry: ingest.REGISTRY,
+        bundle: ingest.BUNDLE,
+        cut: ingest.BUNDLE,
+        root: ingest.V2_STORE,
+        env: ingest.V2_STORE,
+        plain: ingest.DIRECTORY,
+        flash: ingest.FLASHINFER,
+        empty: ingest.FLASHINFER,
+        tmp_path / "missing.json": ingest.FLASHINFER,
+        tmp_path / ("x" * 5000): ingest.FLASHINFER,  # a name too long to look up
+    }
+    assert {spec: ingest.recognise(spec) for spec in kinds} == kinds
+
+    assert ingest.import_kind([flash, registry, empty]) == ingest.FLASHINFER
+    assert ingest.import_kind([bundle, cut]) == ingest.BUNDLE
+    assert ingest.import_kind([root, plain]) == ingest.V2_STORE
+    with pytest.raises(ingest.MixedSourcesError, match="^import bundles and FlashInfer cache"):
+        ingest.import_kind([flash, bundle])
+    with pytest.raises(ingest.MixedSourcesError, match="^import v2 store directories and files"):
+        ingest.import_kind([bundle, root])
