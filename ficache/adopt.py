@@ -117,8 +117,9 @@ Invariants:
   of versions), each by path; each such conflict with a different value is
   counted.
 - ``tuned_at`` of an adopted entry or record is the modification time of the
-  file that holds it (the earliest of them for a shared one): vLLM saves a
-  file right after the tuning that produced it.
+  file that holds it (the earliest of them for a shared one), by the rule of
+  every ingest path (``tuned_time.tuned_at``): vLLM saves a file right after
+  the tuning that produced it.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ficache import schema, sqlite_fast
+from ficache import schema, sqlite_fast, tuned_time
 from ficache.deadline import DEFAULT_REGISTRY_TIMEOUT_S, registry_deadline
 from ficache.errors import CacheFileError, FingerprintError, V2StoreError, VllmCacheError
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
@@ -140,12 +141,10 @@ from ficache.models import SHARED_SCOPE
 from ficache.records import NewRecord
 from ficache.registry import NewEntry, Registry, WriteResult, rank_scope
 from ficache.v2_store import (
-    ENTRIES,
     SCHEMA,
     Skipped,
     StoredEnvironment,
     StoreEnvironment,
-    entry_file_name,
     environments_provenance,
     is_store_root,
     measurement_label,
@@ -505,7 +504,7 @@ def _read(path: Path, found: _Collector) -> _ReadFile | None:
         if cache.metadata is None:
             raise CacheFileError(f"{path}: no _metadata, so its environment is unknown")
         fingerprint = Fingerprint.from_flashinfer_metadata(cache.metadata)
-        mtime = path.stat().st_mtime
+        mtime = tuned_time.tuned_at(None, path)
     except (CacheFileError, FingerprintError) as exc:
         found.skip(path, str(exc).removeprefix(f"{path}: "))
         return None
@@ -759,11 +758,7 @@ def _adopt_store(root: Path, entries: _Entries, found: _Collector) -> list[Adopt
             if len(found.skipped) < MAX_REASONS:
                 found.skipped.append(skipped)
         found.ignored_records += env.records
-        for e in env.entries:
-            try:
-                mtime: float | None = (env.path / ENTRIES / entry_file_name(e.key)).stat().st_mtime
-            except OSError:
-                mtime = None
+        for e, mtime in zip(env.entries, env.tuned_at, strict=True):
             entries.add(
                 NewEntry(
                     env.fingerprint,

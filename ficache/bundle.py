@@ -295,9 +295,14 @@ def is_bundle(path: str | os.PathLike[str]) -> bool:
             head = handle.read(len(MAGIC))
     except OSError:
         return False
+    return looks_like_bundle(head)
+
+
+def looks_like_bundle(head: bytes) -> bool:
+    """``is_bundle`` of a file whose first bytes (all of them, if fewer) are ``head``."""
     if len(head) < len(MAGIC):
         return bool(head) and MAGIC.startswith(head)
-    return head == MAGIC
+    return head.startswith(MAGIC)
 
 
 def _frame(data: bytes, source: str) -> tuple[int, bytes]:
@@ -627,11 +632,15 @@ def publish_bundle(path: Path, data: bytes) -> None:
         raise BundleError(f"cannot write {path}: {exc.strerror}") from None
 
 
-def bundle_records(bundle: Bundle) -> list[NewRecord]:
-    """The records of a verified bundle, as ``Registry.write`` stores them (no tuned_at)."""
+def bundle_records(bundle: Bundle, tuned_at: float | None = None) -> list[NewRecord]:
+    """The records of a verified bundle, as ``Registry.write`` stores them.
+
+    A bundle carries no tuning time for records: ``tuned_at`` is the one its
+    reader dates them with (``tuned_time.tuned_at`` of the bundle file).
+    """
     fps = {fp.digest: fp for fp in bundle.fingerprints}
     return [
-        NewRecord(fps[digest], ns, key, record_value_json(value), scope)
+        NewRecord(fps[digest], ns, key, record_value_json(value), scope, tuned_at)
         for digest, scopes in sorted(bundle.records.items())
         for scope, by_ns in sorted(scopes.items())
         for ns, by_key in sorted(by_ns.items())
@@ -646,6 +655,7 @@ __all__ = [
     "bundle_records",
     "encode_bundle",
     "is_bundle",
+    "looks_like_bundle",
     "parse_bundle_bytes",
     "publish_bundle",
     "read_bundle",

@@ -611,8 +611,7 @@ def import_cmd(
     deployment are stored shared, the rest scoped to their rank; unreadable
     files are skipped and counted.
     """
-    from ficache.bundle import is_bundle
-    from ficache.flashinfer_format import read_cache_file
+    from ficache import ingest
     from ficache.importing import file_inputs, plan_import
 
     if from_vllm is not None:
@@ -629,14 +628,18 @@ def import_cmd(
         raise click.UsageError("--layout goes with --from-vllm")
     if not files:
         raise click.UsageError("give FILES to import, or --from-vllm")
-    if any(_is_dir(f) for f in files):
+    try:
+        kind = ingest.import_kind(files)
+    except ingest.MixedSourcesError as exc:
+        raise click.UsageError(str(exc)) from None
+    if kind == ingest.V2_STORE:
         _import_v2_stores(obj, files, fingerprint_ref, scope, policy, dry_run, fmt)
         return
-    if any(is_bundle(f) for f in files):
+    if kind == ingest.BUNDLE:
         _import_bundles(obj, files, fingerprint_ref, scope, policy, dry_run, fmt)
         return
     with _progress(files, "reading files") as items:
-        parsed = [(str(f), read_cache_file(f), _mtime(f)) for f in items]
+        parsed = ingest.read_files(items)
     fingerprint_note = (
         _fingerprint_option_note([(name, cache) for name, cache, _ in parsed])
         if fingerprint_ref
@@ -648,7 +651,7 @@ def import_cmd(
             [(name, cache) for name, cache, _ in parsed],
             fingerprint=fp,
             scope=scope,
-            mtimes=[mtime for _, _, mtime in parsed],
+            paths=[path for _, _, path in parsed],
         )
         return plan_import(inputs, policy)
 
@@ -698,14 +701,6 @@ def _fingerprint_option_note(parsed: Sequence[tuple[str, Any]]) -> str | None:
         f"_metadata; {len(named)} file(s) with _metadata kept the fingerprint it names "
         f"(first: {named[0]})"
     )
-
-
-def _mtime(path: Path) -> float | None:
-    """A file's mtime (when its entries were tuned, for ``--on-conflict newest``)."""
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return None
 
 
 @contextlib.contextmanager
@@ -950,14 +945,6 @@ _PROTOCOL_RECORDS_WHY = (
 )
 
 
-def _is_dir(path: Path) -> bool:
-    """``path.is_dir()``, False where the file system cannot look the name up (too long...)."""
-    try:
-        return path.is_dir()
-    except OSError:
-        return False
-
-
 def _import_v2_stores(
     obj: _Context,
     dirs: tuple[Path, ...],
@@ -967,20 +954,15 @@ def _import_v2_stores(
     dry_run: bool,
     fmt: str,
 ) -> None:
-    """``import`` of FlashInfer v2 stores: read every one, then one commit."""
+    """``import`` of FlashInfer v2 stores (``ingest.import_kind``): read every one, then one commit."""
     from ficache.adopt import import_hint
-    from ficache.v2_store import (
-        measurement_label,
-        plan_store_import,
-        read_store,
-        stores_provenance,
-    )
+    from ficache.importing import plan_store_import
+    from ficache.ingest import read_stores
+    from ficache.v2_store import measurement_label, stores_provenance
 
-    if not all(_is_dir(d) for d in dirs):
-        raise click.UsageError("import v2 store directories and files in separate commands")
     if fingerprint_ref is not None:
         raise click.UsageError("a v2 store's manifest names its environments; drop --fingerprint")
-    stores = [read_store(d, hint=import_hint) for d in dirs]
+    stores = read_stores(dirs, hint=import_hint)
     plan = plan_store_import(stores, scope=scope, policy=policy)
     plan.check()
     with _import_registry(obj, dry_run) as reg:
@@ -1077,17 +1059,15 @@ def _import_bundles(
     dry_run: bool,
     fmt: str,
 ) -> None:
-    """``import`` of bundles: verify every one, then one commit."""
-    from ficache.bundle import is_bundle, read_bundle
+    """``import`` of bundles (``ingest.import_kind``): verify every one, then one commit."""
     from ficache.importing import bundles_provenance, plan_bundle_import
+    from ficache.ingest import read_bundles
 
-    if not all(is_bundle(f) for f in files):
-        raise click.UsageError("import bundles and FlashInfer cache files in separate commands")
     if fingerprint_ref is not None or scope != "shared":
         raise click.UsageError(
             "a bundle carries its own fingerprints and scopes; drop --fingerprint/--scope"
         )
-    bundles = [(str(f), read_bundle(f)) for f in files]
+    bundles = read_bundles(files)
     plan = plan_bundle_import(bundles, policy)
     plan.check()
     with _import_registry(obj, dry_run) as reg:

@@ -16,7 +16,7 @@ Invariants:
 - One rule with ``merge``: a conflict is resolved by ``ficache.merge.resolve``
   with no target, as a merge resolves the sources of a key the registry does
   not hold (``keep``: the first input's value; ``theirs``: the last's;
-  ``newest``: the latest tuned, a file's entries dated by its mtime; ``vote``:
+  ``newest``: the latest tuned, by ``tuned_time.tuned_at``; ``vote``:
   the value most inputs hold). ``drop`` leaves the identity out of the import
   (an import never removes: the registry's value, if any, stays as it was);
   ``fail`` refuses the whole import (``check``: one line naming a key and its
@@ -40,11 +40,12 @@ Invariants:
 
 from __future__ import annotations
 
-import dataclasses
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ficache import tuned_time
 from ficache._gcpause import paused_gc
 from ficache.bundle import Bundle, bundle_records
 from ficache.errors import FingerprintError, MergeConflictError
@@ -62,6 +63,12 @@ from ficache.merge import (
 from ficache.models import SHARED_SCOPE
 from ficache.records import NewRecord, RecordConflict, records_of_file
 from ficache.registry_access import RegistryAccess
+from ficache.v2_store import (
+    StoreContents,
+    check_one_policy_per_fingerprint,
+    store_entries,
+    stores_provenance,
+)
 from ficache.values import NewEntry, WriteResult, validate_scope
 
 
@@ -69,15 +76,14 @@ from ficache.values import NewEntry, WriteResult, validate_scope
 class ImportInput:
     """One input of an import: its name and what it holds.
 
-    ``tuned_at``: when its entries and records that carry no time of their
-    own were tuned (a FlashInfer file's mtime), for the ``newest`` policy
-    only; what is written keeps the entries' own ``tuned_at``.
+    Its entries and records carry their ``tuned_at`` (``tuned_time.tuned_at``,
+    the rule of every ingest path), which ``newest`` compares and the import
+    writes.
     """
 
     name: str
     entries: tuple[NewEntry, ...] = field(repr=False)
     records: tuple[NewRecord, ...] = field(default=(), repr=False)
-    tuned_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -205,29 +211,32 @@ def file_inputs(
     *,
     fingerprint: Fingerprint | None = None,
     scope: str = SHARED_SCOPE,
-    mtimes: Sequence[float | None] | None = None,
+    paths: Sequence[str | os.PathLike[str] | None] | None = None,
 ) -> list[ImportInput]:
     """The ``ImportInput`` of each parsed FlashInfer file, in order.
 
     A file's own ``_metadata`` names its fingerprint; ``fingerprint`` is used
     only for files that have none (``FingerprintError`` for such a file
-    without it). ``mtimes``: each file's mtime, for ``newest``.
+    without it). ``paths``: the file each was read from, whose mtime dates
+    its entries and records (``tuned_time.tuned_at``; without one, now).
     """
     validate_scope(scope)
     inputs = []
     make = tuple.__new__
     for number, (source, cache) in enumerate(files):
         fp = _file_fingerprint(source, cache, fingerprint)
+        at = tuned_time.tuned_at(None, paths[number] if paths is not None else None)
         # A FileEntry is (key, runner, tactic, policy, fields, selection).
         entries = tuple(
             [
-                make(NewEntry, (fp, key, runner, tactic, policy, scope, kf, None, selection))
+                make(NewEntry, (fp, key, runner, tactic, policy, scope, kf, at, selection))
                 for key, runner, tactic, policy, kf, selection in cache.entries
             ]
         )
-        records = tuple(records_of_file(fp, cache.record_rows, scope)) if cache.record_rows else ()
-        tuned_at = mtimes[number] if mtimes is not None else None
-        inputs.append(ImportInput(source, entries, records, tuned_at))
+        records = (
+            tuple(records_of_file(fp, cache.record_rows, scope, at)) if cache.record_rows else ()
+        )
+        inputs.append(ImportInput(source, entries, records))
     return inputs
 
 
@@ -242,22 +251,6 @@ def _file_fingerprint(
         f"{source} has no _metadata, so its environment is unknown; "
         "import it with --fingerprint ID|current"
     )
-
-
-def _dated(entry: Any, tuned_at: float | None) -> Any:
-    """``entry`` with its input's time where it has none of its own (for ``newest``)."""
-    if entry.tuned_at is None and tuned_at is not None:
-        return (
-            entry._replace(tuned_at=tuned_at)
-            if isinstance(entry, NewEntry)
-            else (dataclasses.replace(entry, tuned_at=tuned_at))
-        )
-    return entry
-
-
-def _undated(cands: list[Any], dated: list[Any], winner: Any) -> Any:
-    """The winner as its input holds it (``resolve`` returns one of ``dated``)."""
-    return next(c for c, d in zip(cands, dated, strict=True) if d is winner)[1]
 
 
 def _reconcile_entries(
@@ -303,14 +296,13 @@ def _reconcile_entries(
             if len(values) == 1:
                 writes.append(cands[0][1])
                 continue
-            dated = [(n, _dated(e, inputs[n - 1].tuned_at)) for n, e in cands]
-            winner = resolve(policy, None, dated)
+            winner = resolve(policy, None, cands)
             if isinstance(winner, str):  # dropped, or unresolved (``fail``)
                 conflicts += len(values)
                 resolution = winner
             else:
                 conflicts += len(values) - 1
-                writes.append(_undated(cands, dated, winner))
+                writes.append(winner[1])
                 resolution = f"source {winner[0]}"
             conflicting.append(
                 MergeConflict(
@@ -343,14 +335,13 @@ def _reconcile_records(
         if len(values) == 1:
             writes.append(cands[0][1])
             continue
-        dated = [(n, _dated(r, inputs[n - 1].tuned_at)) for n, r in cands]
-        winner = resolve_record(policy, None, dated)
+        winner = resolve_record(policy, None, cands)
         if isinstance(winner, str):
             conflicts += len(values)
             resolution = winner
         else:
             conflicts += len(values) - 1
-            writes.append(_undated(cands, dated, winner))
+            writes.append(winner[1])
             resolution = f"source {winner[0]}"
         conflicting.append(
             RecordConflict(
@@ -374,12 +365,20 @@ def _reconcile_records(
 def plan_bundle_import(bundles: Sequence[tuple[str, Bundle]], policy: str = "keep") -> ImportPlan:
     """The import plan of verified ``(source, bundle)`` pairs (one input per bundle).
 
-    Entries keep their scope, ``tuned_at`` and selection, records their scope
-    (they carry no tuning time: the import's is used). A key two bundles hold
+    Entries keep their scope, ``tuned_at`` and selection, records their scope;
+    records carry no tuning time, so the bundle file's mtime dates them
+    (``tuned_time.tuned_at``, as ``merge`` dates them). A key two bundles hold
     with different values is resolved by ``policy``, as ``merge`` does.
     """
     return plan_import(
-        [ImportInput(source, tuple(b.entries), tuple(bundle_records(b))) for source, b in bundles],
+        [
+            ImportInput(
+                source,
+                tuple(b.entries),
+                tuple(bundle_records(b, tuned_time.tuned_at(None, source))),
+            )
+            for source, b in bundles
+        ],
         policy,
     )
 
@@ -414,12 +413,45 @@ def import_bundles(
     )
 
 
+def plan_store_import(
+    stores: Sequence[StoreContents], *, scope: str = SHARED_SCOPE, policy: str = "keep"
+) -> ImportPlan:
+    """The import plan of v2 ``stores`` (one input per store, ``v2_store.store_entries``).
+
+    A key two stores hold with different values is resolved by ``policy``,
+    as ``merge`` does; a fingerprint under two measurement policies is refused.
+    """
+    check_one_policy_per_fingerprint(stores)
+    return plan_import(
+        [ImportInput(str(store.source), store_entries(store, scope)) for store in stores],
+        policy,
+    )
+
+
+def import_stores(
+    registry: RegistryAccess,
+    stores: Sequence[StoreContents],
+    *,
+    scope: str = SHARED_SCOPE,
+    on_conflict: str = "keep",
+) -> WriteResult:
+    """Import every environment of ``stores`` as one commit (``v2_store.stores_provenance``)."""
+    plan = plan_store_import(stores, scope=scope, policy=on_conflict)
+    return plan.execute(
+        registry,
+        message=", ".join(str(s.source) for s in stores),
+        provenance=stores_provenance(stores),
+    )
+
+
 __all__ = [
     "ImportInput",
     "ImportPlan",
     "bundles_provenance",
     "file_inputs",
     "import_bundles",
+    "import_stores",
     "plan_bundle_import",
     "plan_import",
+    "plan_store_import",
 ]

@@ -14,7 +14,8 @@ Policies decide which value stays:
 
 - ``keep`` (default): the registry's value; among sources, the first.
 - ``theirs``: the last source holding the key.
-- ``newest``: the most recently tuned (``tuned_at``; a FlashInfer file's
+- ``newest``: the most recently tuned (``tuned_at``, dated by
+  ``tuned_time.tuned_at`` as every ingest path dates it: a FlashInfer file's
   entries take the file's mtime). Ties keep the registry's value, else the
   first source's.
 - ``vote``: the value most sources hold. Ties keep the registry's value,
@@ -48,8 +49,8 @@ Invariants:
 - Namespaced records (``ficache.records``) merge under the same policies in
   the same plan and commit: a conflict is one (fingerprint, scope,
   namespace, record key) with different values (``MergePlan.records``).
-  ``newest`` compares their ``tuned_at`` (a file's mtime; bundles carry no
-  time, so a bundle's record loses to any dated one).
+  ``newest`` compares their ``tuned_at`` (a file's mtime; a bundle carries
+  no time for records, so they take the bundle file's mtime).
 """
 
 from __future__ import annotations
@@ -63,14 +64,14 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.exc import DatabaseError
 
-from ficache import schema
+from ficache import ingest, schema, tuned_time
 from ficache._gcpause import paused_gc
+from ficache.bundle import bundle_records, read_bundle
 from ficache.errors import (
     CacheFileError,
     FingerprintError,
@@ -150,17 +151,6 @@ class MergeSource:
         )
 
 
-def _bundle_module() -> ModuleType | None:
-    """``ficache.bundle``, or None where this installation has no bundles."""
-    try:
-        from ficache import bundle
-    except ModuleNotFoundError as exc:
-        if exc.name == "ficache.bundle":
-            return None
-        raise
-    return bundle
-
-
 def read_sources(specs: Iterable[str | os.PathLike[str]]) -> tuple[MergeSource, ...]:
     """``open_source`` of every spec, in order, stopping at the first damaged one.
 
@@ -173,9 +163,10 @@ def read_sources(specs: Iterable[str | os.PathLike[str]]) -> tuple[MergeSource, 
 def open_source(spec: str | os.PathLike[str]) -> MergeSource:
     """Read and verify one merge source: a registry, a FlashInfer file or a bundle.
 
-    A URL (``scheme://``) or a SQLite file is a registry; a file starting
-    with the bundle magic is a bundle; anything else must be a FlashInfer
-    cache file. Raises a ``FicacheError`` with one line for anything
+    ``ingest.recognise`` says which: a URL (``scheme://``) or a SQLite file
+    is a registry; a file starting with the bundle magic is a bundle; a
+    directory is refused; anything else must be a FlashInfer cache file.
+    Raises a ``FicacheError`` with one line for anything
     missing, damaged, truncated, foreign or too new.
     """
     with paused_gc():
@@ -183,33 +174,22 @@ def open_source(spec: str | os.PathLike[str]) -> MergeSource:
 
 
 def _open_source(text: str) -> MergeSource:
-    if "://" in text:
+    kind = ingest.recognise(text)
+    if kind == ingest.REGISTRY:
         return _registry_source(text)
     path = Path(text)
-    try:
-        with path.open("rb") as handle:
-            head = handle.read(len(schema.SQLITE_MAGIC))
-    except IsADirectoryError:
+    if kind in (ingest.V2_STORE, ingest.DIRECTORY):
         raise CacheFileError(
             f"{path}: is a directory, expected a registry, a FlashInfer cache file or a bundle"
-        ) from None
-    except FileNotFoundError:
-        raise CacheFileError(f"{path}: no such file") from None
-    except PermissionError:
-        raise CacheFileError(f"{path}: permission denied") from None
-    except OSError as exc:
-        raise CacheFileError(f"{path}: cannot read ({exc.strerror})") from None
-    if head == schema.SQLITE_MAGIC:
-        return _registry_source(text)
-    bundle = _bundle_module()
-    if bundle is not None and bundle.is_bundle(path):
-        read = bundle.read_bundle(path)
+        )
+    if kind == ingest.BUNDLE:
+        read = read_bundle(path)
         return MergeSource(
             str(path),
             "bundle",
             read.digest,
             tuple(read.entries),
-            records=tuple(bundle.bundle_records(read)),
+            records=tuple(bundle_records(read, tuned_time.tuned_at(None, path))),
         )
     return _flashinfer_source(path)
 
@@ -223,6 +203,10 @@ def _flashinfer_source(path: Path) -> MergeSource:
                     f"{path}: larger than {MAX_FILE_BYTES} bytes; not a cache file"
                 )
             data = handle.read()
+    except FileNotFoundError:
+        raise CacheFileError(f"{path}: no such file") from None
+    except PermissionError:
+        raise CacheFileError(f"{path}: permission denied") from None
     except OSError as exc:
         raise CacheFileError(f"{path}: cannot read ({exc.strerror})") from None
     cache = parse_cache_bytes(data, source=str(path))
@@ -236,18 +220,17 @@ def _flashinfer_source(path: Path) -> MergeSource:
     except FingerprintError as exc:
         raise FingerprintError(f"{path}: {exc}") from None
     fp = _interned(fp)
-    tuned_at = stat.st_mtime  # a FlashInfer file does not say when each entry was tuned
+    at = tuned_time.tuned_at(None, path)  # a FlashInfer file does not say when each entry was tuned
     make, scope = bulk_new_entry, SHARED_SCOPE
     # A FileEntry is (key, runner, tactic, policy, fields, selection).
     entries = tuple(
         [
-            make(fp, key, runner, tactic, policy, scope, kf, tuned_at, selection)
+            make(fp, key, runner, tactic, policy, scope, kf, at, selection)
             for key, runner, tactic, policy, kf, selection in cache.entries
         ]
     )
     records = tuple(
-        NewRecord(fp, ns, key, value, SHARED_SCOPE, tuned_at)
-        for ns, key, value in cache.record_rows
+        NewRecord(fp, ns, key, value, SHARED_SCOPE, at) for ns, key, value in cache.record_rows
     )
     return MergeSource(
         str(path), "flashinfer", hashlib.sha256(data).hexdigest(), entries, records=records

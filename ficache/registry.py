@@ -70,7 +70,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy import text as sql_text
-from sqlalchemy.exc import DatabaseError, IntegrityError, OperationalError
+from sqlalchemy.exc import DatabaseError, OperationalError
 
 from ficache import records as rec
 from ficache import schema
@@ -763,8 +763,13 @@ class Registry:
     def _write(self, body: Callable[[Connection], T]) -> T:
         """Run ``body(conn)`` in one write transaction, retrying a busy lock.
 
-        A lock still busy after the last attempt is a ``RegistryBusyError``
-        that says how long the write waited, over how many attempts.
+        Only what can succeed on a second attempt is retried: a busy lock
+        (on PostgreSQL also a serialization failure or a deadlock, which
+        ``translate_operational_error`` reports as busy). A lock still busy
+        after the last attempt is a ``RegistryBusyError`` that says how long
+        the write waited, over how many attempts. Anything else, an
+        ``IntegrityError`` first (a constraint the same write breaks again),
+        is raised at once as one ``RegistryError`` line; nothing is written.
         """
         self.require_writable()
         delay = 0.05
@@ -777,7 +782,7 @@ class Registry:
                         held.start()  # from here to the recorded commit id, SIGINT waits
                     self._made(getattr(result, "commit_id", None))
                 return result
-            except (OperationalError, IntegrityError, DatabaseError) as exc:
+            except (OperationalError, DatabaseError) as exc:
                 error = schema.translate_operational_error(
                     exc,
                     self.location,
@@ -785,8 +790,7 @@ class Registry:
                     waited_s=time.monotonic() - started,
                     attempts=attempt + 1,
                 )
-                retryable = isinstance(error, RegistryBusyError) or isinstance(exc, IntegrityError)
-                if not retryable or attempt == WRITE_ATTEMPTS - 1:
+                if not isinstance(error, RegistryBusyError) or attempt == WRITE_ATTEMPTS - 1:
                     raise error from None
                 time.sleep(delay)
                 delay *= 4
@@ -959,8 +963,12 @@ class Registry:
                     new_fids.add(fid)
             fid_of = dict(zip(fingerprints, fp_ids, strict=True))
 
+            # The fingerprint rows of records, looked up (or created) once per
+            # fingerprint, not once per record: the write lock is held here.
+            record_fid_of = dict(fid_of)
+
             def record_fingerprint_id(fp: Fingerprint, create: bool) -> int | None:
-                found = fid_of.get(fp)
+                found = record_fid_of.get(fp)
                 if found is None:
                     if create:
                         found, _created = self._fingerprint_id(conn, fp, now)
@@ -970,10 +978,9 @@ class Registry:
                         ).scalar_one_or_none()
                         found = int(row) if row is not None else None
                     if found is not None:
-                        record_fids[fp] = found
+                        record_fid_of[fp] = found
                 return found
 
-            record_fids: dict[Fingerprint, int] = {}
             scopes_by_fid = {fid: set(scopes_by_fp[i]) for i, fid in enumerate(fp_ids)}
             for fp, scope, _key in removal_ids:
                 if fp not in fid_of:  # looked up, never created: nothing of it to remove

@@ -82,7 +82,13 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError, DatabaseError, NoSuchModuleError, OperationalError
+from sqlalchemy.exc import (
+    ArgumentError,
+    DatabaseError,
+    IntegrityError,
+    NoSuchModuleError,
+    OperationalError,
+)
 from sqlalchemy.pool import NullPool
 
 from ficache.deadline import watch_engine
@@ -525,6 +531,11 @@ def translate_operational_error(
     message = str(exc.orig) if getattr(exc, "orig", None) is not None else str(exc)
     lowered = message.lower()
     first_line = " ".join(message.strip().splitlines()[0].split()) if message.strip() else ""
+    if isinstance(exc, IntegrityError):  # deterministic: the same write breaks it again
+        return RegistryError(
+            f"registry {location.display} refused the write ({first_line}); nothing was "
+            "written; check it with `ficache verify`"
+        )
     if getattr(exc, "connection_invalidated", False) or any(
         phrase in lowered for phrase in _CONNECTION_LOST
     ):

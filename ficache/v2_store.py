@@ -37,7 +37,7 @@ Measurement policy (where ficache keeps it):
   v2 exports agree.
 - The manifest's ``measure_*`` fields are part of FlashInfer's environment
   identity but not of a ficache ``Fingerprint``. Every commit that stores a
-  store's entries (``import_stores``, and vLLM adoption in ``ficache.adopt``)
+  store's entries (``importing.import_stores``, and vLLM adoption in ``ficache.adopt``)
   records them in one shape, written by one helper (``environments_provenance``):
   provenance key ``v2_environments``, a list of ``{path, env_hash,
   fingerprint (digest), measurement, entries, skipped_entries, records}``
@@ -89,8 +89,9 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ficache import tuned_time
 from ficache.errors import FingerprintError, V2StoreError
 from ficache.fingerprint import FLASHINFER_FIELDS, Fingerprint
 from ficache.flashinfer_format import (
@@ -101,11 +102,7 @@ from ficache.flashinfer_format import (
 )
 from ficache.models import SHARED_SCOPE
 from ficache.publish import publish
-from ficache.registry_access import RegistryAccess
-from ficache.values import NewEntry, WriteResult, validate_scope
-
-if TYPE_CHECKING:
-    from ficache.importing import ImportPlan
+from ficache.values import NewEntry, validate_scope
 
 SCHEMA = "v2"
 SCHEMA_KEY = "cache_schema"
@@ -325,6 +322,8 @@ class StoreEnvironment:
     records: int  # protocol records (not tactics; not imported)
     skipped: int  # malformed entries
     first_skipped: tuple[Skipped, ...]  # the first MAX_REASONS of them
+    #: When each of ``entries`` was tuned: its entry file's mtime (``tuned_time.tuned_at``).
+    tuned_at: tuple[float, ...] = ()
 
     @property
     def measurement_fields(self) -> dict[str, str]:
@@ -532,6 +531,7 @@ def _read_environment(env_dir: Path) -> StoreEnvironment:
     fingerprint, measurement, digest = _read_manifest(env_dir)
     entries_dir = env_dir / ENTRIES
     entries: list[FileEntry] = []
+    tuned: list[float] = []
     skipped: list[Skipped] = []
     records = n_skipped = 0
     if entries_dir.exists():
@@ -553,6 +553,7 @@ def _read_environment(env_dir: Path) -> StoreEnvironment:
                 records += 1
             else:
                 entries.append(entry)
+                tuned.append(tuned_time.tuned_at(None, path))
     return StoreEnvironment(
         env_dir,
         digest,
@@ -562,6 +563,7 @@ def _read_environment(env_dir: Path) -> StoreEnvironment:
         records,
         n_skipped,
         tuple(skipped),
+        tuple(tuned),
     )
 
 
@@ -569,7 +571,8 @@ def _read_environment(env_dir: Path) -> StoreEnvironment:
 # Import.
 
 
-def _check_one_policy_per_fingerprint(stores: Sequence[StoreContents]) -> None:
+def check_one_policy_per_fingerprint(stores: Sequence[StoreContents]) -> None:
+    """Refuse stores holding one fingerprint under two measurement policies."""
     seen: dict[Fingerprint, StoreEnvironment] = {}
     for store in stores:
         for env in store.environments:
@@ -583,32 +586,24 @@ def _check_one_policy_per_fingerprint(stores: Sequence[StoreContents]) -> None:
                 )
 
 
-def plan_store_import(
-    stores: Sequence[StoreContents], *, scope: str = SHARED_SCOPE, policy: str = "keep"
-) -> ImportPlan:
-    """The import plan of ``stores`` (``ficache.importing``: one input per store).
-
-    A key two stores hold with different values is resolved by ``policy``,
-    as ``merge`` does.
-    """
-    from ficache.importing import ImportInput, plan_import
-
+def store_entries(store: StoreContents, scope: str = SHARED_SCOPE) -> tuple[NewEntry, ...]:
+    """Every entry of ``store``'s environments under ``scope``, each dated by its entry
+    file's mtime, as adoption dates it (``StoreEnvironment.tuned_at``)."""
     validate_scope(scope)
-    _check_one_policy_per_fingerprint(stores)
-    inputs = [
-        ImportInput(
-            str(store.source),
-            tuple(
-                NewEntry(
-                    env.fingerprint, e.key, e.runner, e.tactic_json, e.policy_json, scope, e.fields
-                )
-                for env in store.environments
-                for e in env.entries
-            ),
+    return tuple(
+        NewEntry(
+            env.fingerprint,
+            e.key,
+            e.runner,
+            e.tactic_json,
+            e.policy_json,
+            scope,
+            e.fields,
+            at,
         )
-        for store in stores
-    ]
-    return plan_import(inputs, policy)
+        for env in store.environments
+        for e, at in zip(env.entries, env.tuned_at, strict=True)
+    )
 
 
 def stores_provenance(stores: Sequence[StoreContents]) -> dict[str, Any]:
@@ -629,22 +624,6 @@ def stores_provenance(stores: Sequence[StoreContents]) -> dict[str, Any]:
     if skipped_environments:
         provenance["skipped_environments"] = skipped_environments[:MAX_REASONS]
     return provenance
-
-
-def import_stores(
-    registry: RegistryAccess,
-    stores: Sequence[StoreContents],
-    *,
-    scope: str = SHARED_SCOPE,
-    on_conflict: str = "keep",
-) -> WriteResult:
-    """Import every environment of ``stores`` as one commit (``stores_provenance``)."""
-    plan = plan_store_import(stores, scope=scope, policy=on_conflict)
-    return plan.execute(
-        registry,
-        message=", ".join(str(s.source) for s in stores),
-        provenance=stores_provenance(stores),
-    )
 
 
 def measurements_in(provenances: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, str]]:

@@ -998,3 +998,124 @@ def test_registry_write_removes_in_the_same_commit(registry_db: str) -> None:
                 kind="merge",
                 removals=[(H200_FP, "shared", K64)],
             )
+
+
+# -- one tuned_at rule for every ingest path -------------------------------------
+
+RECORDS = {"_records": {"trtllm_moe_da": {"bucket8": {"tiles": [1, 2]}}}}
+
+
+def tuned_times(db: Path) -> dict[tuple[str, str], float]:
+    """``(namespace or "entry", key) -> tuned_at`` of every entry and record in ``db``."""
+    with closing(sqlite3.connect(db)) as conn:
+        rows = conn.execute(
+            "SELECT 'entry', key, tuned_at FROM entries "
+            "UNION ALL SELECT namespace, key, tuned_at FROM records"
+        ).fetchall()
+    return {(kind, key): at for kind, key, at in rows}
+
+
+def test_a_file_is_dated_by_its_mtime_through_import_and_merge(
+    cli, cache_file, tmp_path: Path
+) -> None:
+    """The same FlashInfer file, imported into one registry and merged into another:
+    its entries and records are dated by the file's mtime both ways (import made them "now")."""
+    path = cache_file("a.json", {K16: ["Runner", 1], **RECORDS}, META)
+    os.utime(path, (1000.0, 1000.0))
+    imported, merged = tmp_path / "imported.db", tmp_path / "merged.db"
+
+    assert cli("import", path, db=imported).exit_code == 0
+    assert cli("merge", path, db=merged).exit_code == 0
+
+    assert tuned_times(imported) == {("entry", K16): 1000.0, ("trtllm_moe_da", "bucket8"): 1000.0}
+    assert tuned_times(merged) == tuned_times(imported)
+
+
+@pytest.mark.parametrize("first", ["import", "merge"])
+def test_newest_picks_the_same_value_whichever_path_brought_the_older_one(
+    cli, cache_file, tmp_path: Path, first: str
+) -> None:
+    """An older file (mtime 1000) came in by ``first``; a newer one (mtime 2000) is merged
+    with ``newest``: the newer value wins both ways (imported, the older one was "now")."""
+    older = flashinfer_file(cache_file, "older.json", {K16: 1}, 1000.0)
+    newer = flashinfer_file(cache_file, "newer.json", {K16: 2}, 2000.0)
+    db = tmp_path / "target.db"
+    assert cli(first, older, db=db).exit_code == 0
+
+    result = cli("merge", newer, "--on-conflict", "newest", db=db)
+
+    assert result.exit_code == 0, result.stderr
+    listed = json.loads(cli("list", "--format", "json", db=db).stdout)
+    assert [(r["key"], r["tactic"]) for r in listed] == [(K16, 2)]
+    assert tuned_times(db) == {("entry", K16): 2000.0}
+
+
+def test_a_bundle_dates_its_records_by_its_file_through_import_and_merge(
+    cli, cache_file, tmp_path: Path
+) -> None:
+    """A bundle keeps its entries' tuned_at; its records carry none, so both ``import`` and
+    ``merge`` date them by the bundle file's mtime (before: each path's own "now")."""
+    path = cache_file("a.json", {K16: ["Runner", 1], **RECORDS}, META)
+    os.utime(path, (1000.0, 1000.0))
+    source, bundle = tmp_path / "source.db", tmp_path / "fleet.bundle"
+    assert cli("import", path, db=source).exit_code == 0
+    assert cli("export", "--bundle", bundle, "--all", db=source).exit_code == 0
+    os.utime(bundle, (3000.0, 3000.0))
+    imported, merged = tmp_path / "imported.db", tmp_path / "merged.db"
+
+    assert cli("import", bundle, db=imported).exit_code == 0
+    assert cli("merge", bundle, db=merged).exit_code == 0
+
+    assert tuned_times(imported) == {("entry", K16): 1000.0, ("trtllm_moe_da", "bucket8"): 3000.0}
+    assert tuned_times(merged) == tuned_times(imported)
+
+
+# -- one place that says what a path is ------------------------------------------
+
+
+def test_one_function_says_what_every_source_path_is(cli, cache_file, tmp_path: Path) -> None:
+    """``ingest.recognise`` is what ``import`` and ``merge`` both dispatch on: a URL or a SQLite
+    file is a registry, a bundle (even one cut inside its magic) a bundle, a v2 store root or
+    environment directory a store, any other directory a directory, anything else (missing,
+    unreadable, JSON or not) a FlashInfer file whose reading says what is wrong with it."""
+    from ficache import ingest
+    from ficache.bundle import MAGIC
+
+    flash = flashinfer_file(cache_file, "a.json", {K16: 1}, 1000.0)
+    registry = tmp_path / "other.db"
+    assert cli("import", flash, db=registry).exit_code == 0
+    bundle = tmp_path / "fleet.bundle"
+    assert cli("export", "--bundle", bundle, "--all", db=registry).exit_code == 0
+    cut = tmp_path / "cut.bundle"
+    cut.write_bytes(MAGIC[:5])
+    root = tmp_path / "autotune"
+    env = root / "v2" / "0123456789abcdef"
+    env.mkdir(parents=True)
+    (env / "manifest.json").write_text("{}")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    empty = tmp_path / "empty.json"
+    empty.write_bytes(b"")
+
+    kinds = {
+        "postgresql+psycopg://u@h/db": ingest.REGISTRY,
+        registry: ingest.REGISTRY,
+        bundle: ingest.BUNDLE,
+        cut: ingest.BUNDLE,
+        root: ingest.V2_STORE,
+        env: ingest.V2_STORE,
+        plain: ingest.DIRECTORY,
+        flash: ingest.FLASHINFER,
+        empty: ingest.FLASHINFER,
+        tmp_path / "missing.json": ingest.FLASHINFER,
+        tmp_path / ("x" * 5000): ingest.FLASHINFER,  # a name too long to look up
+    }
+    assert {spec: ingest.recognise(spec) for spec in kinds} == kinds
+
+    assert ingest.import_kind([flash, registry, empty]) == ingest.FLASHINFER
+    assert ingest.import_kind([bundle, cut]) == ingest.BUNDLE
+    assert ingest.import_kind([root, plain]) == ingest.V2_STORE
+    with pytest.raises(ingest.MixedSourcesError, match="^import bundles and FlashInfer cache"):
+        ingest.import_kind([flash, bundle])
+    with pytest.raises(ingest.MixedSourcesError, match="^import v2 store directories and files"):
+        ingest.import_kind([bundle, root])

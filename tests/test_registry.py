@@ -27,6 +27,7 @@ from ficache.errors import (
 )
 from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import parse_cache_bytes, parse_key
+from ficache.records import NewRecord, RecordWrite
 from ficache.registry import (
     NewEntry,
     PruneGroup,
@@ -205,6 +206,58 @@ def test_a_write_that_finds_the_lock_busy_retries_and_commits_once(
     assert [(c.id, c.message) for c in reg.log()] == [(2, "after a busy wait"), (1, None)]
     assert count(reg, "commits") == 2 and count(reg, "entry_changes") == 2
     assert current(reg) == {(1, "shared", key(16)): "1", (1, "shared", key(32)): "2"}
+
+
+def test_a_write_that_breaks_a_constraint_fails_at_once_without_retrying(
+    reg: Registry, registry_db: str, dump_db
+) -> None:
+    """A constraint the write breaks (here a unique index on commit messages, added for the
+    test) breaks again on every attempt: the write takes the lock once, then one line."""
+    reg.write([entry(H200, 16, 1)], kind="import", message="same")
+    with reg.engine.begin() as conn:
+        conn.execute(text("CREATE UNIQUE INDEX one_message ON commits (message)"))
+    before = dump_db(registry_db)
+    lock_attempts: list[str] = []
+
+    @event.listens_for(reg.engine, "before_cursor_execute")
+    def count_lock_attempts(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if statement == "BEGIN IMMEDIATE" or "pg_advisory_xact_lock" in statement:
+            lock_attempts.append(statement)
+
+    with pytest.raises(FicacheError) as raised:
+        reg.write([entry(H200, 32, 2)], kind="import", message="same")
+
+    assert len(lock_attempts) == 1
+    message = str(raised.value)
+    assert "\n" not in message and not isinstance(raised.value, RegistryBusyError)
+    assert message.startswith(f"registry {reg.location.display} refused the write (")
+    assert message.endswith("nothing was written; check it with `ficache verify`")
+    assert "unique" in message.lower()
+    assert dump_db(registry_db) == before
+
+
+def test_a_write_looks_up_the_fingerprint_of_its_records_once_not_once_per_record(
+    reg: Registry,
+) -> None:
+    """40 records of a fingerprint no entry of the write names, then 40 removals of it:
+    its row is looked up once per write (while the write lock is held), not per record."""
+    reg.write([entry(H200, 16, 1)], kind="import")
+    lookups: list[str] = []
+
+    @event.listens_for(reg.engine, "before_cursor_execute")
+    def count_fingerprint_lookups(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if statement.lstrip().upper().startswith("SELECT") and "FROM fingerprints" in statement:
+            lookups.append(statement)
+
+    records = [NewRecord(B200, "trtllm_moe_da", f"k{n}", str(n)) for n in range(40)]
+    written = reg.write([entry(H200, 32, 2)], kind="import", records=records)
+    assert (written.added, written.records_added) == (1, 40)
+    assert len(lookups) == 2  # H200 for the entries, B200 for the records
+    lookups.clear()
+    removals = tuple((B200, "shared", "trtllm_moe_da", f"k{n}") for n in range(40))
+    removed = reg.write([], kind="import", records=RecordWrite(removals=removals))
+    assert removed.records_removed == 40
+    assert len(lookups) == 1
 
 
 def test_a_lock_held_past_the_bound_is_one_line_saying_the_wait(

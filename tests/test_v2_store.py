@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import sqlite3
 import stat
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -303,6 +306,31 @@ def test_an_export_is_served_by_flashinfers_own_store(cli, autotuner, tmp_path: 
         hydrated = {k[2] for k in autotuner._managed_decoded if k[:2] == (str(out), store.env_hash)}
     assert store.env_dir == served.env_dir
     assert hydrated == {k.key_fields for k in cache_keys()}
+
+
+def test_a_store_is_dated_by_its_entry_files_through_import_and_adoption(
+    cli, tmp_path: Path
+) -> None:
+    """The same v2 store imported into one registry and adopted (``--from-vllm``) into
+    another: each entry is dated by its entry file's mtime both ways (import made it "now")."""
+    root = tmp_path / "autotune"
+    store = publish_like_tuning(root)
+    dated = {}
+    for n, entry_file in enumerate(sorted((store.env_dir / "entries").glob("*.json"))):
+        os.utime(entry_file, (1000.0 + n, 1000.0 + n))
+        dated[json.loads(entry_file.read_text())["key"]] = 1000.0 + n
+    imported, adopted = tmp_path / "imported.db", tmp_path / "adopted.db"
+
+    assert cli("import", root, db=imported).exit_code == 0
+    assert cli("import", "--from-vllm", root, db=adopted).exit_code == 0
+
+    def tuned_times(db: Path) -> dict[str, float]:
+        with closing(sqlite3.connect(db)) as conn:
+            return dict(conn.execute("SELECT key, tuned_at FROM entries").fetchall())
+
+    assert len(dated) == len(cache_keys())
+    assert tuned_times(imported) == dated
+    assert tuned_times(adopted) == dated
 
 
 def test_an_adopted_store_exports_to_its_own_environment(
