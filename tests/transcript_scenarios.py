@@ -10,11 +10,14 @@ a tuner that cannot be read at exit). The recording wraps the
 module at call time) for calls on the caller's group only: the tuning
 group's all-reduces are FlashInfer's, not the protocol's. A call is recorded
 before it is made, so a rank stuck in a collective its peers never make
-still shows it.
+still shows it. Each rank also writes what it recorded so far to
+``root/transcripts-rank{r}.json`` after every case, so ranks that fell out of
+step (and then failed at the next barrier) still show where.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -131,4 +134,6 @@ def record_transcripts(rank: int, world: int, root: str) -> dict[str, Any]:
             "exception": result["exception"],
             "seconds": time.monotonic() - started,
         }
+        # Kept as it goes: ranks that fell out of step may not get to return it.
+        (Path(root) / f"transcripts-rank{rank}.json").write_text(json.dumps(out))
     return out
