@@ -309,12 +309,15 @@ class _Channel:
             deadline = time.monotonic() + self.timeout
             if self.rank == 0:
                 assert data is not None, "rank 0 broadcasts a message"
-                sent = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                size = torch.tensor([sent.numel()], dtype=torch.int64)
+                size = torch.tensor([len(data)], dtype=torch.int64)
             else:
                 size = torch.zeros(1, dtype=torch.int64)
             self._wait(dist.broadcast(size, group=self.group, group_src=0, async_op=True), deadline)
-            if self.rank != 0:
+            if int(size.item()) == 0:  # every rank knows: no second broadcast
+                return b""
+            if self.rank == 0 and data is not None:
+                sent = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            else:
                 sent = torch.empty(int(size.item()), dtype=torch.uint8)
             self._wait(dist.broadcast(sent, group=self.group, group_src=0, async_op=True), deadline)
             return data if self.rank == 0 and data is not None else sent.numpy().tobytes()
@@ -380,6 +383,16 @@ class _Channel:
             return [[int(v) for v in t.tolist()] for t in out]
 
         return self._call("status exchange", run)
+
+
+def _encoded(message: Any, what: str) -> bytes:
+    """``message.encode()``, or, when it cannot be encoded, bytes that decode to no message
+    (empty: "truncated"), so the receivers take the failure as a value; logged here."""
+    try:
+        return bytes(message.encode())
+    except Exception as exc:  # noqa: BLE001 - a rank never leaves the protocol early
+        logger.error("ficache warm start: could not encode %s: %s", what, _one_line(exc))
+        return b""
 
 
 def _selection(row: tuple[Any, ...]) -> str | None:
@@ -736,17 +749,17 @@ class WarmStart:
 
     def _step_distribute(self) -> None:
         """3. One broadcast of rank 0's ``SliceOffer``. Every rank makes it, whatever step 1
-        or 2 did (a rank 0 that could not export broadcasts the reason). A rank whose
-        broadcast failed or whose bytes do not decode holds an offer with a reason; a
-        failed broadcast also breaks its channel, so it makes no further collective."""
+        or 2 did (a rank 0 that could not export broadcasts the reason). Every rank, rank 0
+        included, decodes the bytes that travelled, so a message that does not decode is
+        the same reason on every rank and the confirm's branches stay the same everywhere.
+        A rank whose broadcast failed holds an offer with the channel's error as reason,
+        and its broken channel makes no further collective."""
         state, channel = self._enter, self._channel
-        mine = state.offer if state.rank == 0 else None
-        data = channel.broadcast(mine.encode() if mine is not None else None)
+        mine = _encoded(state.offer, "its slices") if state.rank == 0 else None
+        data = channel.broadcast(mine)
         offer: SliceOffer
         if data is None:
             offer = SliceOffer(fingerprint=None, reason=channel.error or "no slice received")
-        elif mine is not None:
-            offer = mine  # rank 0: what it sent, not decoded back
         else:
             try:
                 offer = SliceOffer.decode(data)
@@ -1132,7 +1145,7 @@ class WarmStart:
         outcome as unknown or nothing committed, never a commit that did not happen."""
         channel, report, verdict = self._channel, self.report, self._verdict
         t = time.perf_counter()
-        gathered = channel.gather(TunedResults(new, new_records or {}).encode())
+        gathered = channel.gather(_encoded(TunedResults(new, new_records or {}), "what it tuned"))
         t = self._phase("gather", t)
         outcome: CommitOutcome | None = None
         if report.rank == 0 and gathered is not None:
@@ -1150,7 +1163,7 @@ class WarmStart:
                 records.append(results.records)
             outcome = self._commit(entries, records)
             t = self._phase("commit", t)
-        data = channel.broadcast(outcome.encode() if outcome is not None else None)
+        data = channel.broadcast(_encoded(outcome, "the outcome") if outcome is not None else None)
         mine: CommitOutcome | None = None
         why = channel.error or "no outcome received"
         if data is not None and outcome is not None:

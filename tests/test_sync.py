@@ -537,7 +537,7 @@ def test_every_rank_makes_the_same_collectives_on_every_path(tmp_path: Any) -> N
         assert first["transcript"] == second["transcript"], (name, first, second)
     assert crashed is None, crashed
     cases = list(results[0])
-    assert len(cases) == 9 and list(results[1]) == cases
+    assert len(cases) == 12 and list(results[1]) == cases
     for name in cases:
         first, second = results[0][name], results[1][name]
         assert_no_timeout(first, name)
@@ -552,5 +552,17 @@ def test_every_rank_makes_the_same_collectives_on_every_path(tmp_path: Any) -> N
     assert by_case["raise_before_on_rank1"]["exception"] == "ValueError: boom"
     assert "could not read its tuner" in by_case["unreadable_tuner_on_rank1"]["reason"]
     assert by_case["cold_again"]["status"] == "cold"
+    garbled = [results[r]["garbled_offer_and_rank0_load_fails"]["reason"] for r in (0, 1)]
+    assert garbled[0] == garbled[1] and garbled[0].startswith("malformed SliceOffer: "), garbled
+    for r in (0, 1):  # rank 0 commits nothing of a start whose entries did not all arrive
+        assert results[r]["unencodable_tuned_on_rank1"]["reason"] == (
+            "nothing committed: malformed TunedResults: truncated (0 bytes) (from rank 1)"
+        )
+    outcome = [results[r]["unencodable_outcome_on_rank0"] for r in (0, 1)]
+    assert outcome[0]["status"] == "cold" and outcome[0]["reason"] is None, outcome[0]
+    assert outcome[1]["reason"] == (
+        "commit outcome unknown: malformed CommitOutcome: truncated (0 bytes); "
+        "rank 0 may have committed (see `ficache log`)"
+    )
     # The paths differ in their collectives: the comparison is not of one sequence only.
     assert len({tuple(results[0][name]["transcript"]) for name in cases}) >= 4

@@ -5,7 +5,8 @@
 collective calls in the same order, on the happy paths and on each failure
 path (a registry that cannot be read, a load that fails on one rank,
 heterogeneous ranks, a block that raises on one rank before or after tuning,
-a tuner that cannot be read at exit). The recording wraps the
+a tuner that cannot be read at exit, a slice offer whose bytes do not
+decode while rank 0's own load fails, a message a rank cannot encode). The recording wraps the
 ``torch.distributed`` functions ``ficache.sync`` calls (looked up on the
 module at call time) for calls on the caller's group only: the tuning
 group's all-reduces are FlashInfer's, not the protocol's. A call is recorded
@@ -96,7 +97,47 @@ def _cases(rank: int, tmp: Path) -> dict[str, Callable[[], dict[str, Any]]]:
         ),
         "unreadable_tuner_on_rank1": lambda: start(other, tuner=UnreadableTuner() if one else None),
         "cold_again": lambda: start(other),
+        "garbled_offer_and_rank0_load_fails": lambda: _garbled_offer(rank, db),
+        "unencodable_tuned_on_rank1": lambda: _unencodable(
+            "TunedResults", one, start, tmp / "third.db"
+        ),
+        "unencodable_outcome_on_rank0": lambda: _unencodable(
+            "CommitOutcome", rank == 0, start, tmp / "fourth.db"
+        ),
     }
+
+
+def _unencodable(kind: str, here: bool, run: Callable[..., Any], db: Path) -> dict[str, Any]:
+    """Fault injection: this rank's message of ``kind`` cannot be encoded (its ``encode``
+    raises); the receivers must take that as a value, never wait for bytes that do not come."""
+    from ficache import messages
+
+    cls = getattr(messages, kind)
+    real = cls.encode
+
+    def fails(self: Any) -> Any:
+        raise TypeError("injected encoding failure")
+
+    if here:
+        cls.encode = fails
+    try:
+        return run(db)
+    finally:
+        cls.encode = real
+
+
+def _garbled_offer(rank: int, db: Path) -> dict[str, Any]:
+    """Fault injection on rank 0: the slice offer it broadcasts is cut short (the bytes do
+    not decode), and its own load fails: the confirm must not branch on rank 0 alone."""
+    from ficache.messages import SliceOffer
+
+    real = SliceOffer.encode
+    if rank == 0:
+        SliceOffer.encode = lambda self: real(self)[:-7]  # type: ignore[method-assign]
+    try:
+        return start(db, tuner=FailingLoadTuner() if rank == 0 else None)
+    finally:
+        SliceOffer.encode = real  # type: ignore[method-assign]
 
 
 def _other_gpu() -> Any:
