@@ -603,14 +603,15 @@ class WarmStart:
 
     #: Enter: (phase timed in ``report.seconds``, step), in the order every rank runs them.
     #: Collectives: distribute = one broadcast; confirm = one all-gather (+ one when a load
-    #: failed or fingerprints differ); group = one all-gather when a tuning group is created.
+    #: failed or fingerprints differ); group = ``new_group`` and one all-gather when a
+    #: dedicated tuning group is created (the first start, or after a release).
     ENTER_STEPS: tuple[tuple[str, str], ...] = (
         ("prepare", "_step_prepare"),  # 1. local: fingerprint, a clean tuner
         ("export", "_step_export"),  # 2. local, rank 0 only: the slices
         ("distribute", "_step_distribute"),  # 3. broadcast SliceOffer
         ("load", "_step_load"),  # 4. local: load this rank's slice
         ("confirm", "_step_confirm"),  # 5. all-gather LoadConfirmation [+ LoadTrouble]
-        ("group", "_step_tuning_group"),  # 6. [all-gather TuningGroupCreated]
+        ("group", "_step_tuning_group"),  # 6. [new_group, all-gather TuningGroupCreated]
     )
     #: Exit, also when the block raised. Collectives: exchange = one all-gather; failures =
     #: one all-gather when a rank failed; commit = one gather and one broadcast when
