@@ -8,7 +8,18 @@
 
 Protocol. Every rank of ``group`` runs every step below, in this order, on
 every path. A failure is a value that travels to the next collective, never
-a rank that leaves early.
+a rank that leaves early. The steps are written once, in order, as
+``WarmStart.ENTER_STEPS`` and ``WarmStart.EXIT_STEPS`` (one method per step,
+whose docstring says which ranks do what and why every rank reaches the next
+collective); a step that is taken only on some paths (the trouble all-gather
+of step 5, the failure all-gather of step 8, the commit of step 9) decides
+on data every rank holds identically, received in an earlier collective.
+Everything that travels is a typed message of ``ficache.messages``
+(``SliceOffer``, ``LoadConfirmation``, ``StatusReport``, ``CommitOutcome``,
+...); a message that does not decode is one clear error, turned into the
+start's reason like any other failure. The state of a start is grouped by
+what it is about (``_EnterState``, ``_Loaded``, ``_TuningGroupState``,
+``_Verdict``, ``_ExitState``).
 
 On enter:
 
@@ -132,14 +143,13 @@ import datetime
 import json
 import logging
 import os
-import pickle
 import re
 import time
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -160,6 +170,17 @@ from ficache.flashinfer_format import (
     parse_key,
     record_value_json,
 )
+from ficache.messages import (
+    CommitOutcome,
+    FailureNote,
+    LoadConfirmation,
+    LoadTrouble,
+    MalformedMessageError,
+    SliceOffer,
+    StatusReport,
+    TunedResults,
+    TuningGroupCreated,
+)
 from ficache.records import NewRecord
 from ficache.registry import SHARED_SCOPE, NewEntry, Registry, rank_scope
 from ficache.slices import cached_slices, export_slices
@@ -169,6 +190,7 @@ from ficache.usage import mark_served
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+MsgT = TypeVar("MsgT")
 
 #: gloo's default timeout, used when ``timeout`` is None.
 DEFAULT_TIMEOUT_S = 1800.0
@@ -277,24 +299,28 @@ class _Channel:
             logger.error("ficache warm start: %s", self.error)
             return None
 
-    def broadcast(self, obj: Any) -> Any | None:
-        """Rank 0's ``obj`` on every rank (pickled, as ``broadcast_object_list`` does,
-        but as two tensor broadcasts whose waits ``timeout`` bounds)."""
+    def broadcast(self, data: bytes | None) -> bytes | None:
+        """Rank 0's ``data`` (an encoded message; the others pass None) on every rank, as two
+        tensor broadcasts (its size, its bytes) whose waits ``timeout`` bounds."""
         if self.world == 1:
-            return obj
+            return data
 
-        def run() -> Any:
+        def run() -> bytes:
             deadline = time.monotonic() + self.timeout
             if self.rank == 0:
-                data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-                size = torch.tensor([data.numel()], dtype=torch.int64)
+                assert data is not None, "rank 0 broadcasts a message"
+                size = torch.tensor([len(data)], dtype=torch.int64)
             else:
                 size = torch.zeros(1, dtype=torch.int64)
             self._wait(dist.broadcast(size, group=self.group, group_src=0, async_op=True), deadline)
-            if self.rank != 0:
-                data = torch.empty(int(size.item()), dtype=torch.uint8)
-            self._wait(dist.broadcast(data, group=self.group, group_src=0, async_op=True), deadline)
-            return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
+            if int(size.item()) == 0:  # every rank knows: no second broadcast
+                return b""
+            if self.rank == 0 and data is not None:
+                sent = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            else:
+                sent = torch.empty(int(size.item()), dtype=torch.uint8)
+            self._wait(dist.broadcast(sent, group=self.group, group_src=0, async_op=True), deadline)
+            return data if self.rank == 0 and data is not None else sent.numpy().tobytes()
 
         return self._call("broadcast", run)
 
@@ -357,6 +383,16 @@ class _Channel:
             return [[int(v) for v in t.tolist()] for t in out]
 
         return self._call("status exchange", run)
+
+
+def _encoded(message: Any, what: str) -> bytes:
+    """``message.encode()``, or, when it cannot be encoded, bytes that decode to no message
+    (empty: "truncated"), so the receivers take the failure as a value; logged here."""
+    try:
+        return bytes(message.encode())
+    except Exception as exc:  # noqa: BLE001 - a rank never leaves the protocol early
+        logger.error("ficache warm start: could not encode %s: %s", what, _one_line(exc))
+        return b""
 
 
 def _selection(row: tuple[Any, ...]) -> str | None:
@@ -448,6 +484,84 @@ def _describe_difference(fields: list[dict[str, str] | None]) -> str:
 # --------------------------------------------------------------------------
 
 
+# The state of one start, grouped by what it is about. Each is written by the
+# steps named in its docstring and read by the later ones.
+
+
+@dataclass
+class _Clock:
+    """When the start began and when its block began (``time.perf_counter``)."""
+
+    started: float = 0.0
+    block_started: float = 0.0
+
+
+@dataclass
+class _EnterState:
+    """What enter's steps learn, in step order (written by steps 1-5, read after them)."""
+
+    rank: int = 0
+    world: int = 1
+    layout: str = "world1"
+    fp: Fingerprint | None = None  # step 1
+    local_error: str | None = None  # step 1: why this rank cannot take part
+    offer: SliceOffer | None = None  # step 2 (rank 0's own), then step 3 (everyone's)
+    load_ok: bool = True  # step 4
+    loaded: int = 0  # step 4: entries this rank loaded
+    load_error: str | None = None  # step 4
+    tuning_group_cached: bool = False  # step 5: every rank still holds the tuning group
+
+
+@dataclass
+class _Loaded:
+    """What the tuner held right after its last load: the slice texts, and its records as
+    canonical JSON (kept as data at the load; ``_new_entries`` and ``_new_records`` compare
+    against them)."""
+
+    texts: list[str] = field(default_factory=list)
+    records: dict[str, dict[str, str]] = field(default_factory=dict)
+
+
+@dataclass
+class _TuningGroupState:
+    """The tuning group this rank set (step 6), and whether it was released (steps 7-8)."""
+
+    group: Any = None
+    dedicated: bool = False
+    released: bool = False
+
+
+@dataclass
+class _Verdict:
+    """Why the start is not whole, shared by every phase (read by ``_finish``)."""
+
+    uncached: str | None = None  # why the registry is not used at all (step 5)
+    no_commit: str | None = None  # why nothing may be committed (any step)
+    outcome_unknown: str | None = None  # why rank 0's commit outcome never arrived (step 9)
+    readonly: bool = False  # the registry can be read, not written (step 3)
+    rank_failed: bool = False  # a rank raised, or could not take part (step 8)
+
+
+@dataclass
+class _ExitState:
+    """What exit's steps learn (steps 7-9)."""
+
+    exc: BaseException | None = None  # what the block raised on this rank
+    failed_at: float = 0.0  # wall clock: the earliest failure is the root cause
+    new: dict[str, Row] = field(default_factory=dict)  # step 7: entries new on this rank
+    new_records: dict[str, dict[str, str]] = field(default_factory=dict)
+    tuner_error: str | None = None  # step 7: this rank could not read its tuner
+    statuses: list[StatusReport] | None = None  # step 8: everyone's, or None on a failure
+    outcome: CommitOutcome | None = None  # step 9
+
+    @property
+    def raised(self) -> bool:
+        return self.exc is not None
+
+
+# --------------------------------------------------------------------------
+
+
 class WarmStart:
     """A warm start of FlashInfer's autotuner, entered by every rank of ``group``.
 
@@ -482,7 +596,32 @@ class WarmStart:
     is added to the commit's provenance (framework, model, ...).
 
     After the ``with`` block, ``.report`` is this rank's ``WarmStartReport``.
+
+    The steps of a start are the methods named in ``ENTER_STEPS`` and
+    ``EXIT_STEPS``, run in that order by every rank (see the module docstring).
     """
+
+    #: Enter: (phase timed in ``report.seconds``, step), in the order every rank runs them.
+    #: Collectives: distribute = one broadcast; confirm = one all-gather (+ one when a load
+    #: failed or fingerprints differ); group = ``new_group`` and one all-gather when a
+    #: dedicated tuning group is created (the first start, or after a release).
+    ENTER_STEPS: tuple[tuple[str, str], ...] = (
+        ("prepare", "_step_prepare"),  # 1. local: fingerprint, a clean tuner
+        ("export", "_step_export"),  # 2. local, rank 0 only: the slices
+        ("distribute", "_step_distribute"),  # 3. broadcast SliceOffer
+        ("load", "_step_load"),  # 4. local: load this rank's slice
+        ("confirm", "_step_confirm"),  # 5. all-gather LoadConfirmation [+ LoadTrouble]
+        ("group", "_step_tuning_group"),  # 6. [new_group, all-gather TuningGroupCreated]
+    )
+    #: Exit, also when the block raised. Collectives: exchange = one all-gather; failures =
+    #: one all-gather when a rank failed; commit = one gather and one broadcast when
+    #: something was tuned (phases "gather", "commit" and "final" inside it).
+    EXIT_STEPS: tuple[tuple[str | None, str], ...] = (
+        ("exchange", "_step_read_tuner"),  # 7. local: clear the group, read what is new
+        ("exchange", "_step_exchange"),  # 8. all-gather StatusReport
+        (None, "_step_share_failures"),  # 8b. [all-gather FailureNote]
+        (None, "_step_commit"),  # 9. [gather TunedResults, broadcast CommitOutcome]
+    )
 
     def __init__(
         self,
@@ -514,22 +653,12 @@ class WarmStart:
         self.provenance = dict(provenance or {})
         self.report = WarmStartReport()
         self.tuner: Tuner
-        self._fp: Fingerprint | None = None
         self._channel: _Channel
-        self._uncached: str | None = None  # why the registry is not used at all
-        self._no_commit: str | None = None  # why nothing may be committed
-        self._outcome_unknown: str | None = None  # why rank 0's commit outcome never arrived
-        self._readonly = False
-        self._loaded_texts: list[str] = []
-        #: The records the tuner held right after the load, as canonical JSON.
-        self._loaded_records: dict[str, dict[str, str]] = {}
-        self._tune_group: Any = None
-        self._tune_group_dedicated = False
-        self._released = False
-        self._started = 0.0
-        self._block_started = 0.0
-        self._failed_at = 0.0
-        self._rank_failed = False  # a rank raised, or could not take part
+        self._clock = _Clock()
+        self._enter = _EnterState()
+        self._loaded = _Loaded()
+        self._tuning = _TuningGroupState()
+        self._verdict = _Verdict()
 
     # -- helpers ----------------------------------------------------------
 
@@ -560,7 +689,7 @@ class WarmStart:
     # -- enter ------------------------------------------------------------
 
     def __enter__(self) -> WarmStart:
-        self._started = t = time.perf_counter()
+        self._clock.started = t = time.perf_counter()
         if dist.is_available() and dist.is_initialized():
             rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
             if rank < 0:  # torch's answer for a process outside ``group``
@@ -575,191 +704,248 @@ class WarmStart:
         report = self.report
         report.rank, report.world_size, report.layout = rank, world, layout
         report.synchronized = world == 1 and self.synchronize
-        self._channel = channel = _Channel(self.group, rank, world, self.timeout)
+        self._enter = _EnterState(rank=rank, world=world, layout=layout)
+        self._channel = _Channel(self.group, rank, world, self.timeout)
+        for phase, step in self.ENTER_STEPS:
+            getattr(self, step)()
+            t = self._phase(phase, t)
+        if self._verdict.uncached is not None:
+            logger.warning(
+                "ficache warm start rank %d/%d: tuning uncached: %s",
+                rank,
+                world,
+                self._verdict.uncached,
+            )
+        self._clock.block_started = time.perf_counter()
+        return self
 
-        # 1. fingerprint and a clean tuner
-        local_error: str | None = None
+    def _step_prepare(self) -> None:
+        """1. Every rank, alone: collect the fingerprint, clear the tuner. No collective; a
+        failure is kept as ``local_error`` (the load step turns it into a failed load)."""
+        state = self._enter
         try:
-            self._fp = self._fingerprint or collect()
-            report.fingerprint = self._fp.digest
+            state.fp = self._fingerprint or collect()
+            self.report.fingerprint = state.fp.digest
         except Exception as exc:  # noqa: BLE001 - becomes "tune uncached"
-            local_error = f"rank {rank} could not collect its fingerprint: {_one_line(exc)}"
+            state.local_error = (
+                f"rank {state.rank} could not collect its fingerprint: {_one_line(exc)}"
+            )
         try:
             self.tuner = self._tuner if self._tuner is not None else FlashInferTuner()
             self.tuner.clear()
         except Exception as exc:  # noqa: BLE001
-            local_error = local_error or f"rank {rank} could not set up its tuner: {_one_line(exc)}"
+            state.local_error = (
+                state.local_error
+                or f"rank {state.rank} could not set up its tuner: {_one_line(exc)}"
+            )
             if not hasattr(self, "tuner"):
                 self.tuner = _NoTuner()
-        t = self._phase("prepare", t)
 
-        # 2. rank 0 exports every rank's slice
-        payload = self._export_payload(world, layout) if rank == 0 else None
-        t = self._phase("export", t)
+    def _step_export(self) -> None:
+        """2. Rank 0 alone exports every rank's slice (``_export_payload`` never raises, and
+        bounds its registry work by ``registry_timeout``); the other ranks go straight to
+        the broadcast, where they wait for rank 0."""
+        state = self._enter
+        state.offer = self._export_payload(state.world, state.layout) if state.rank == 0 else None
 
-        # 3. one broadcast
-        mine = channel.broadcast(payload)
-        t = self._phase("distribute", t)
-        if not isinstance(mine, dict):
-            mine = {"reason": channel.error or "no slice received", "fingerprint": None}
-        report.registry = mine.get("registry")
-        report.slice_cache = mine.get("cache", "off")
-        self._readonly = bool(mine.get("readonly"))
-        for warning in mine.get("warnings", ()):
+    def _step_distribute(self) -> None:
+        """3. One broadcast of rank 0's ``SliceOffer``. Every rank makes it, whatever step 1
+        or 2 did (a rank 0 that could not export broadcasts the reason). Every rank, rank 0
+        included, decodes the bytes that travelled, so a message that does not decode is
+        the same reason on every rank and the confirm's branches stay the same everywhere.
+        A rank whose broadcast failed holds an offer with the channel's error as reason,
+        and its broken channel makes no further collective."""
+        state, channel = self._enter, self._channel
+        mine = _encoded(state.offer, "its slices") if state.rank == 0 else None
+        data = channel.broadcast(mine)
+        offer: SliceOffer
+        if data is None:
+            offer = SliceOffer(fingerprint=None, reason=channel.error or "no slice received")
+        else:
+            try:
+                offer = SliceOffer.decode(data)
+            except MalformedMessageError as exc:
+                offer = SliceOffer(fingerprint=None, reason=str(exc))
+        state.offer = offer
+        self.report.registry = offer.registry
+        self.report.slice_cache = offer.cache
+        self._verdict.readonly = offer.readonly
+        for warning in offer.warnings:
             self._warn(warning)
 
-        # 4. load
-        ok, loaded, load_error = True, 0, None
-        if local_error is None and mine.get("base") is not None and self._fp is not None:
-            if mine.get("fingerprint") == self._fp.digest:
+    def _step_load(self) -> None:
+        """4. Every rank whose fingerprint is rank 0's loads its slice, alone. No collective:
+        a failed load is a value (``load_ok``, ``load_error``) for the confirm."""
+        state = self._enter
+        offer = state.offer
+        assert offer is not None
+        if state.local_error is None and offer.base is not None and state.fp is not None:
+            if offer.fingerprint == state.fp.digest:
                 try:
-                    loaded = self._load_slice(mine)
+                    state.loaded = self._load_slice(offer)
                 except Exception as exc:  # noqa: BLE001 - a failed load is a value
-                    ok, load_error = (
-                        False,
-                        f"rank {rank} could not load its slice: {_one_line(exc)}",
+                    state.load_ok = False
+                    state.load_error = (
+                        f"rank {state.rank} could not load its slice: {_one_line(exc)}"
                     )
-        elif local_error is not None:
-            ok, load_error = False, local_error
-        t = self._phase("load", t)
+        elif state.local_error is not None:
+            state.load_ok, state.load_error = False, state.local_error
 
-        # 5. confirm together: one all-gather of a few integers; details only on trouble
-        digest = bytes.fromhex(self._fp.digest) if self._fp else bytes(32)
-        vector = [int(ok), loaded, int(_cached_tuning_group(self.group) is not None)]
-        vector += [
-            int.from_bytes(digest[i : i + 8], "little", signed=True) for i in range(0, 32, 8)
-        ]
-        vectors = channel.all_gather_ints(vector)
-        alive = False
-        if vectors is None:
-            vectors = [vector]
-            self._uncached = channel.error
+    def _step_confirm(self) -> None:
+        """5. One all-gather of every rank's ``LoadConfirmation``; then, only when a load failed
+        or fingerprints differ, one all-gather of ``LoadTrouble`` for the reason.
+
+        Every branch below is decided on what every rank holds identically (the
+        broadcast offer and the all-gathered confirmations), so every rank makes the
+        second all-gather or none does. A rank whose all-gather failed has a broken
+        channel and makes no further collective. Any reason found means every rank
+        clears its tuner and tunes from empty.
+        """
+        state, channel, verdict = self._enter, self._channel, self._verdict
+        offer = state.offer
+        assert offer is not None
+        mine = LoadConfirmation(
+            int(state.load_ok),
+            state.loaded,
+            int(_cached_tuning_group(self.group) is not None),
+            LoadConfirmation.digest_words(state.fp.digest if state.fp else None),
+        )
+        confirmations = self._decode_all(LoadConfirmation, channel.all_gather_ints(mine.encode()))
+        if isinstance(confirmations, str):
+            verdict.uncached = confirmations
         else:
-            alive = all(v[2] for v in vectors)
-            differ = len({tuple(v[3:]) for v in vectors}) > 1
-            failed = not all(v[0] for v in vectors)
-            if mine.get("reason"):
-                self._uncached = mine["reason"]
-            elif differ or failed:
-                details = channel.all_gather(
-                    {"fields": self._fp.as_dict() if self._fp else None, "error": load_error}
-                )
-                if details is None:
-                    self._uncached = channel.error
-                elif differ:
-                    self._uncached = "ranks run in different environments: " + _describe_difference(
-                        [d["fields"] for d in details]
-                    )
-                else:
-                    errors = [
-                        d["error"] or "a rank failed"
-                        for d, v in zip(details, vectors, strict=True)
-                        if not v[0]
-                    ]
-                    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-                    self._uncached = errors[0] + more
-            elif len({v[1] for v in vectors}) > 1:
-                self._uncached = (
-                    "ranks loaded different numbers of entries ("
-                    + ", ".join(str(v[1]) for v in vectors)
-                    + "); a rank that hits where another misses would stall synchronized tuning"
-                )
-        if self._uncached is not None:
-            self._no_commit = self._uncached
-            if loaded:
+            state.tuning_group_cached = all(c.tuning_group_cached for c in confirmations)
+            verdict.uncached = offer.reason or self._confirm_reason(confirmations)
+        if verdict.uncached is not None or isinstance(confirmations, str):
+            verdict.no_commit = verdict.uncached
+            if state.loaded:
                 with suppress(Exception):
                     self.tuner.clear()
-            loaded, self._loaded_texts, self._loaded_records = 0, [], {}
-            report.loaded_by_rank = [0] * world
+            state.loaded, self._loaded = 0, _Loaded()
+            self.report.loaded_by_rank = [0] * state.world
         else:
-            report.loaded_by_rank = [int(v[1]) for v in vectors]
-        report.loaded = loaded
-        counts = mine.get("record_counts") or []
-        report.records_loaded = (
-            int(counts[rank]) if self._uncached is None and rank < len(counts) else 0
+            self.report.loaded_by_rank = [c.loaded for c in confirmations]
+        self.report.loaded = state.loaded
+        self.report.records_loaded = (
+            offer.record_count(state.rank) if verdict.uncached is None else 0
         )
-        t = self._phase("confirm", t)
 
-        # 6. the tuning group
-        if world > 1 and channel.error is None and self.synchronize:
-            self._set_tuning_group(alive)
-            report.synchronized = self._tune_group is not None
-        self._phase("group", t)
-        if self._uncached is not None:
-            logger.warning(
-                "ficache warm start rank %d/%d: tuning uncached: %s", rank, world, self._uncached
+    def _confirm_reason(self, confirmations: list[LoadConfirmation]) -> str | None:
+        """Why the ranks cannot use their slices (None: they can); may all-gather
+        ``LoadTrouble``, on every rank alike (see ``_step_confirm``)."""
+        state = self._enter
+        differ = len({c.digest for c in confirmations}) > 1
+        failed = not all(c.ok for c in confirmations)
+        if differ or failed:
+            trouble = LoadTrouble(state.fp.as_dict() if state.fp else None, state.load_error)
+            details = self._decode_all(LoadTrouble, self._channel.all_gather(trouble.encode()))
+            if isinstance(details, str):
+                return details
+            if differ:
+                return "ranks run in different environments: " + _describe_difference(
+                    [d.fields for d in details]
+                )
+            errors = [
+                d.error or "a rank failed"
+                for d, c in zip(details, confirmations, strict=True)
+                if not c.ok
+            ]
+            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+            return errors[0] + more
+        if len({c.loaded for c in confirmations}) > 1:
+            return (
+                "ranks loaded different numbers of entries ("
+                + ", ".join(str(c.loaded) for c in confirmations)
+                + "); a rank that hits where another misses would stall synchronized tuning"
             )
-        self._block_started = time.perf_counter()
-        return self
+        return None
 
-    def _load_slice(self, message: dict[str, Any]) -> int:
+    def _decode_all(self, kind: type[MsgT], received: list[Any] | None) -> list[MsgT] | str:
+        """Every rank's message of ``kind`` from one all-gather, or why there are none: the
+        channel's error (this rank's collective failed), or the decoding error (every rank
+        read the same bytes, so every rank gets the same one)."""
+        if received is None:
+            return self._channel.error or "a collective failed"
+        decode = cast(Any, kind).decode
+        try:
+            return [decode(item) for item in received]
+        except MalformedMessageError as exc:
+            return str(exc)
+
+    def _step_tuning_group(self) -> None:
+        """6. Set the tuning group (``_set_tuning_group``): when a dedicated group is created,
+        ``new_group`` and one all-gather of ``TuningGroupCreated``, on every rank alike
+        (``tuning_group_cached`` came from the confirm's all-gather). Skipped by a rank
+        whose channel broke, which makes no further collective."""
+        state = self._enter
+        if state.world > 1 and self._channel.error is None and self.synchronize:
+            self._set_tuning_group(state.tuning_group_cached)
+            self.report.synchronized = self._tuning.group is not None
+
+    def _load_slice(self, message: SliceOffer | CommitOutcome) -> int:
         """Load the base text and this rank's overlay; return the entries now held."""
-        texts = [message["base"]]
-        overlays = message.get("overlays") or []
-        overlay = overlays[self.report.rank] if self.report.rank < len(overlays) else None
+        assert message.base is not None
+        texts = [message.base]
+        overlay = message.overlay(self.report.rank)
         if overlay is not None:
             texts.append(overlay)
-        self._loaded_texts, self._loaded_records = [], {}
+        self._loaded = _Loaded()
         loaded = 0
         for text in texts:
             loaded += self.tuner.load(text)
-            self._loaded_texts.append(text)
+            self._loaded.texts.append(text)
         try:
-            self._loaded_records, _skipped = self._held_records()
+            self._loaded.records, _skipped = self._held_records()
         except Exception:  # noqa: BLE001 - then every record held at exit counts as new
-            self._loaded_records = {}
+            self._loaded.records = {}
         return loaded
 
-    def _export_payload(self, world: int, layout: str) -> dict[str, Any]:
+    def _export_payload(self, world: int, layout: str) -> SliceOffer:
         """Rank 0: what every rank needs to load its slice, or why there is nothing."""
-        payload: dict[str, Any] = {
-            "fingerprint": self._fp.digest if self._fp else None,
-            "registry": None,
-            "readonly": False,
-            "reason": None,
-            "base": None,
-            "overlays": None,
-            "cache": "off",
-            "warnings": [],
-        }
-        if self._fp is None:
-            payload["reason"] = "rank 0 could not collect its fingerprint"
-            return payload
-        fast = cached_slices(self.db, self._fp, layout, world) if self.slice_cache else None
+        fp = self._enter.fp
+        if fp is None:
+            return SliceOffer(None, reason="rank 0 could not collect its fingerprint")
+        registry: str | None = None
+        readonly = False
+        fast = cached_slices(self.db, fp, layout, world) if self.slice_cache else None
         if fast is not None:
-            slices, payload["registry"] = fast
+            slices, registry = fast
             # The warm path opened no registry: mark the SQLite file directly,
             # and tell a read-only file as ``Registry.open`` would.
             location = schema.resolve(self.db)
             mark_served(location, slices.fingerprint_ids)
             with suppress(OSError):
                 path = location.path
-                payload["readonly"] = path is not None and schema.is_read_only_file(path)
+                readonly = path is not None and schema.is_read_only_file(path)
         else:
             try:
                 with self._deadline(), self._registry() as reg:
-                    payload["registry"] = reg.location.display
-                    payload["readonly"] = reg.readonly
-                    slices = export_slices(reg, self._fp, layout, world, use_cache=self.slice_cache)
+                    registry = reg.location.display
+                    readonly = reg.readonly
+                    slices = export_slices(reg, fp, layout, world, use_cache=self.slice_cache)
                     mark_served(reg, slices.fingerprint_ids)  # never raises, bounded wait
             except FicacheError as exc:
-                payload["reason"] = str(exc)
-                return payload
+                return SliceOffer(fp.digest, registry=registry, readonly=readonly, reason=str(exc))
             except Exception as exc:  # noqa: BLE001 - any registry problem means "uncached"
-                payload["reason"] = f"registry could not be read: {_one_line(exc)}"
-                return payload
-        payload.update(
+                return SliceOffer(
+                    fp.digest,
+                    registry=registry,
+                    readonly=readonly,
+                    reason=f"registry could not be read: {_one_line(exc)}",
+                )
+        warnings = list(slices.warnings)
+        if readonly:
+            warnings.append(f"registry {registry} is read-only: this start commits nothing")
+        return SliceOffer(
+            fp.digest,
+            registry=registry,
+            readonly=readonly,
             base=slices.base,
-            overlays=list(slices.overlays),
+            overlays=tuple(slices.overlays),
             cache=slices.cache,
-            warnings=list(slices.warnings),
-            record_counts=list(slices.record_counts),
+            warnings=tuple(warnings),
+            record_counts=tuple(int(n) for n in slices.record_counts),
         )
-        if payload["readonly"]:
-            payload["warnings"].append(
-                f"registry {payload['registry']} is read-only: this start commits nothing"
-            )
-        return payload
 
     def _set_tuning_group(self, alive: bool) -> None:
         group = self.group
@@ -779,7 +965,11 @@ class WarmStart:
                     )
                 except Exception as exc:  # noqa: BLE001
                     error = _one_line(exc)
-                oks = self._channel.all_gather(error is None)
+                answers = self._decode_all(
+                    TuningGroupCreated,
+                    self._channel.all_gather(TuningGroupCreated(error is None).encode()),
+                )
+                oks = None if isinstance(answers, str) else [a.ok for a in answers]
                 if oks is not None and all(oks) and created is not None:
                     _TUNING_GROUPS[id(group)] = (group, created)
                     chosen = created
@@ -791,35 +981,36 @@ class WarmStart:
                         f"could not create a tuning group ({error or 'on another rank'}); tuning on the caller's group"
                     )
                     dedicated = False
-                    if oks is None:
+                    if self._channel.error is not None:
                         return
         try:
             self.tuner.set_process_group(chosen)
         except Exception as exc:  # noqa: BLE001
             self._warn(f"could not set the autotune process group: {_one_line(exc)}")
             return
-        self._tune_group = chosen
-        self._tune_group_dedicated = dedicated
+        self._tuning.group = chosen
+        self._tuning.dedicated = dedicated
 
     # -- exit -------------------------------------------------------------
 
     def _release(self) -> None:
         """Close the dedicated tuning group now (see the module docstring)."""
-        if self._released:
+        tuning = self._tuning
+        if tuning.released:
             return
-        self._released = True
+        tuning.released = True
         with suppress(Exception):
             self.tuner.set_process_group(None)
-        if self._tune_group_dedicated:
+        if tuning.dedicated:
             _drop_tuning_group(self.group)
-            self._tune_group = None
+            tuning.group = None
 
     def _new_entries(self) -> dict[str, Row]:
         tuned = self.tuner.tuned()
         if not tuned:
             return {}
         loaded: dict[str, Any] = {}
-        for text in self._loaded_texts:
+        for text in self._loaded.texts:
             loaded.update(json.loads(text))
         new: dict[str, Row] = {}
         for key, row in tuned.items():
@@ -837,106 +1028,165 @@ class WarmStart:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._failed_at = time.time()  # wall clock: the earliest failure is the root cause
-        t = self._phase("block", self._block_started)
-        report, channel = self.report, self._channel
-        raised = exc is not None
-        # 7. clear the tuning group (and release it at once if this block failed)
+        state = _ExitState(exc=exc, failed_at=time.time())
+        t = self._phase("block", self._clock.block_started)
+        for phase, step in self.EXIT_STEPS:
+            getattr(self, step)(state)
+            if phase is not None:
+                t = self._phase(phase, t)
+        self._finish(state.outcome, exc)
+
+    def _step_read_tuner(self, state: _ExitState) -> None:
+        """7. Every rank, alone: clear the tuning group (release it at once if the block
+        raised), then read what it holds that is new. No collective; a tuner that cannot
+        be read is a value (``tuner_error``) for the exchange."""
+        rank = self.report.rank
         with suppress(Exception):
             self.tuner.set_process_group(None)
-        if raised:
-            _drop_frame_references(exc, self._tune_group if self._tune_group_dedicated else None)
+        if state.exc is not None:
+            tuning = self._tuning
+            _drop_frame_references(state.exc, tuning.group if tuning.dedicated else None)
             self._release()
-
-        new: dict[str, Row] = {}
-        new_records: dict[str, dict[str, str]] = {}
-        tuner_error = None
         try:
-            new = self._new_entries()
-            new_records, skipped_records = self._new_records()
+            state.new = self._new_entries()
+            state.new_records, skipped_records = self._new_records()
             if skipped_records:
                 self._warn(
-                    f"rank {report.rank}: {skipped_records} namespaced records JSON cannot carry "
+                    f"rank {rank}: {skipped_records} namespaced records JSON cannot carry "
                     "exactly; not stored"
                 )
         except Exception as exc2:  # noqa: BLE001
-            tuner_error = f"rank {report.rank} could not read its tuner: {_one_line(exc2)}"
-        report.tuned = len(new)
-        report.records_tuned = sum(len(by_key) for by_key in new_records.values())
+            state.tuner_error = f"rank {rank} could not read its tuner: {_one_line(exc2)}"
+        self.report.tuned = len(state.new)
+        self.report.records_tuned = sum(len(by_key) for by_key in state.new_records.values())
 
-        # 8. everyone's status. A block that raised because a tuning collective
-        # waited out the timeout has waited for its peers once already: wait
-        # only release_grace more, so a stalled peer costs the timeout once.
+    def _step_exchange(self, state: _ExitState) -> None:
+        """8. One all-gather of every rank's ``StatusReport`` (the status exchange), made by
+        every rank whatever its block did. A rank that waits ``release_grace`` for its
+        peers releases the tuning group, so a peer stuck in a tuning all-reduce fails at
+        once and reaches this exchange too. A block that raised because a tuning
+        collective waited out the timeout has waited for its peers once already: it waits
+        only ``release_grace`` more, so a stalled peer costs the timeout once. On a failed
+        exchange (or statuses that do not decode, the same on every rank) ``statuses``
+        stays None and this rank makes no further collective."""
+        report, channel = self.report, self._channel
+        exc = state.exc
         waited_out = exc is not None and "timed out" in str(exc).lower()
-        statuses = channel.exchange(
-            [int(raised), len(new), int(tuner_error is not None), report.records_tuned],
-            self.release_grace,
-            self.release_grace if waited_out else self.timeout,
-            self._release,
+        status = StatusReport(
+            int(state.raised),
+            len(state.new),
+            int(state.tuner_error is not None),
+            report.records_tuned,
         )
-        t = self._phase("exchange", t)
-        outcome: dict[str, Any] = {}
-        if statuses is None:
-            self._rank_failed = True
+        statuses = self._decode_all(
+            StatusReport,
+            channel.exchange(
+                status.encode(),
+                self.release_grace,
+                self.release_grace if waited_out else self.timeout,
+                self._release,
+            ),
+        )
+        if isinstance(statuses, str):
+            self._verdict.rank_failed = True
             self._release()
-            self._no_commit = self._no_commit or channel.error
-            report.tuned_by_rank = [len(new)]
+            self._verdict.no_commit = self._verdict.no_commit or statuses
+            report.tuned_by_rank = [len(state.new)]
         else:
-            report.tuned_by_rank = [s[1] for s in statuses]
-            if any(s[0] or s[2] for s in statuses):
-                # Someone raised or cannot read its tuner: share the reasons, commit nothing.
-                self._rank_failed = True
-                if any(s[0] for s in statuses):
-                    self._release()
-                mine = None
-                if raised and exc is not None:
-                    mine = (
-                        self._failed_at,
-                        f"rank {report.rank} raised {_one_line(exc)} in the warm-start block",
-                    )
-                elif tuner_error is not None:
-                    mine = (self._failed_at, tuner_error)
-                messages = sorted(m for m in channel.all_gather(mine) or [mine] if m)
-                first = messages[0][1] if messages else "a rank failed"
-                more = (
-                    f" (then {len(messages) - 1} more rank(s) failed)" if len(messages) > 1 else ""
-                )
-                self._no_commit = self._no_commit or first + more
-            # 9. commit what was tuned
-            if any(s[1] or s[3] for s in statuses):
-                outcome = self._commit_phase(new, statuses, new_records)
-        self._finish(outcome, exc)
+            state.statuses = statuses
+            report.tuned_by_rank = [s.new_entries for s in statuses]
+
+    def _step_share_failures(self, state: _ExitState) -> None:
+        """8b. Only when a status says a rank raised or cannot read its tuner (every rank
+        holds the same statuses, so all make it or none): one all-gather of
+        ``FailureNote``, so every rank names the same root cause; nothing is committed."""
+        statuses = state.statuses
+        if statuses is None or not any(s.failed for s in statuses):
+            return
+        report, verdict = self.report, self._verdict
+        verdict.rank_failed = True
+        if any(s.raised for s in statuses):
+            self._release()
+        mine = FailureNote()
+        if state.exc is not None:
+            mine = FailureNote(
+                state.failed_at,
+                f"rank {report.rank} raised {_one_line(state.exc)} in the warm-start block",
+            )
+        elif state.tuner_error is not None:
+            mine = FailureNote(state.failed_at, state.tuner_error)
+        notes = self._decode_all(FailureNote, self._channel.all_gather(mine.encode()))
+        if isinstance(notes, str) and self._channel.error is None:
+            verdict.no_commit = verdict.no_commit or notes  # undecodable, on every rank
+            return
+        heard = [mine] if isinstance(notes, str) else notes
+        messages = sorted((n.at, n.message) for n in heard if n.at is not None and n.message)
+        first = messages[0][1] if messages else "a rank failed"
+        more = f" (then {len(messages) - 1} more rank(s) failed)" if len(messages) > 1 else ""
+        verdict.no_commit = verdict.no_commit or first + more
+
+    def _step_commit(self, state: _ExitState) -> None:
+        """9. Only when a status says a rank tuned something (the same statuses everywhere, so
+        every rank goes on or none does): ``_commit_phase``. Otherwise every rank already
+        knows the outcome: nothing to commit."""
+        statuses = state.statuses
+        if statuses is not None and any(s.tuned_any for s in statuses):
+            state.outcome = self._commit_phase(state.new, statuses, state.new_records)
 
     def _commit_phase(
         self,
         new: dict[str, Row],
-        statuses: list[list[int]],
+        statuses: list[StatusReport],
         new_records: dict[str, dict[str, str]] | None = None,
-    ) -> dict[str, Any]:
-        channel, report = self._channel, self.report
+    ) -> CommitOutcome | None:
+        """9a-b. One gather of every rank's ``TunedResults`` to rank 0, which commits
+        (``_commit``, never raises, bounded by ``registry_timeout``), then one broadcast of
+        rank 0's ``CommitOutcome``; every rank loads its final slice from it. A rank 0 whose
+        gather failed broadcasts nothing (its channel is broken); its peers then report the
+        outcome as unknown or nothing committed, never a commit that did not happen."""
+        channel, report, verdict = self._channel, self.report, self._verdict
         t = time.perf_counter()
-        gathered = channel.gather((new, new_records or {}))
+        gathered = channel.gather(_encoded(TunedResults(new, new_records or {}), "what it tuned"))
         t = self._phase("gather", t)
-        outcome = None
+        outcome: CommitOutcome | None = None
         if report.rank == 0 and gathered is not None:
-            pairs = [g if isinstance(g, tuple) and len(g) == 2 else (None, None) for g in gathered]
-            outcome = self._commit([p[0] for p in pairs], [p[1] for p in pairs])
+            entries: list[dict[str, Row] | None] = []
+            records: list[dict[str, dict[str, str]] | None] = []
+            for r, data in enumerate(gathered):
+                try:
+                    results = TunedResults.decode(data)
+                except MalformedMessageError as exc:
+                    verdict.no_commit = verdict.no_commit or f"{exc} (from rank {r})"
+                    entries.append(None)
+                    records.append(None)
+                    continue
+                entries.append(results.entries)
+                records.append(results.records)
+            outcome = self._commit(entries, records)
             t = self._phase("commit", t)
-        mine = channel.broadcast(outcome)
-        if report.rank == 0 and isinstance(outcome, dict) and not isinstance(mine, dict):
+        data = channel.broadcast(_encoded(outcome, "the outcome") if outcome is not None else None)
+        mine: CommitOutcome | None = None
+        why = channel.error or "no outcome received"
+        if data is not None and outcome is not None:
+            mine = outcome  # rank 0: what it sent, not decoded back
+        elif data is not None:
+            try:
+                mine = CommitOutcome.decode(data)
+            except MalformedMessageError as exc:
+                why = str(exc)
+        if mine is None and outcome is not None:
             # The commit is made (or failed) whatever a peer heard of it: report it as it is.
             self._warn(f"the outcome did not reach every rank: {channel.error}")
             mine = outcome
-        if not isinstance(mine, dict):
-            why = channel.error or "no outcome received"
-            if report.rank != 0 and gathered is not None and self._no_commit is None:
+        if mine is None:
+            if report.rank != 0 and gathered is not None and verdict.no_commit is None:
                 # This rank's entries reached rank 0, which may have committed
                 # them before its answer was lost: "nothing committed" could be false.
-                self._outcome_unknown = why
+                verdict.outcome_unknown = why
             else:
-                self._no_commit = self._no_commit or why
-            return {}
-        if mine.get("base") is not None:
+                verdict.no_commit = verdict.no_commit or why
+            return None
+        if mine.base is not None:
             try:
                 self.tuner.clear()
                 self._load_slice(mine)
@@ -949,7 +1199,7 @@ class WarmStart:
         self,
         gathered: list[dict[str, Row] | None],
         gathered_records: list[dict[str, dict[str, str]] | None] | None = None,
-    ) -> dict[str, Any]:
+    ) -> CommitOutcome:
         """Rank 0: classify, commit once, export the final slices. Never raises.
 
         Concurrent servers: the value already committed wins. When another
@@ -966,8 +1216,9 @@ class WarmStart:
         tactic behind its back.
         """
         report, world, layout = self.report, self.report.world_size, self.report.layout
+        verdict = self._verdict
         result: dict[str, Any] = {
-            "reason": self._no_commit,
+            "reason": verdict.no_commit,
             "committed": 0,
             "commit_id": None,
             "shared": 0,
@@ -978,7 +1229,7 @@ class WarmStart:
         }
         per_rank: list[dict[str, Row]] = [g if isinstance(g, dict) else {} for g in gathered]
         keys = sorted(set().union(*per_rank))
-        synchronized = report.synchronized and self._no_commit is None
+        synchronized = report.synchronized and verdict.no_commit is None
         shared: list[tuple[str, Row]] = []
         scoped: list[tuple[int, str, Row]] = []
         invalid = 0
@@ -1007,10 +1258,10 @@ class WarmStart:
             )
         records = self._classify_records(gathered_records or [], synchronized, result)
         result["shared"], result["scoped"] = len(shared), len(scoped)
-        if self._no_commit is None and self._readonly:
-            self._no_commit = f"registry {report.registry} is read-only"
-        if self._no_commit is None and self._fp is not None and (shared or scoped or records):
-            fp = self._fp
+        if verdict.no_commit is None and verdict.readonly:
+            verdict.no_commit = f"registry {report.registry} is read-only"
+        fp = self._enter.fp
+        if verdict.no_commit is None and fp is not None and (shared or scoped or records):
             entries = [
                 NewEntry(fp, k, v[0], v[1], v[2], SHARED_SCOPE, selection_json=_selection(v))
                 for k, v in shared
@@ -1075,26 +1326,27 @@ class WarmStart:
                         final = export_slices(
                             reg, fp, layout, world, use_cache=self.slice_cache, for_tuning=False
                         )
-                        result.update(base=final.base, overlays=list(final.overlays))
+                        result.update(base=final.base, overlays=tuple(final.overlays))
                     except Exception as exc:  # noqa: BLE001 - ranks keep what they hold
                         result["warnings"].append(
                             f"could not export the final slices: {_one_line(exc)}"
                         )
             except RegistryTimeoutError as exc:
-                self._no_commit = (
+                verdict.no_commit = (
                     f"commit failed: {exc}; if the server had received the commit before it "
                     "stopped answering, it lands when the server resumes, whole"
                 )
             except RegistryBusyError as exc:  # it says how long the commit waited
-                self._no_commit = f"commit failed: {exc}; nothing was written"
+                verdict.no_commit = f"commit failed: {exc}; nothing was written"
             except FicacheError as exc:
-                self._no_commit = f"commit failed: {exc}"
+                verdict.no_commit = f"commit failed: {exc}"
             except Exception as exc:  # noqa: BLE001 - a failed commit leaves the registry as it was
-                self._no_commit = f"commit failed: {_one_line(exc)}"
-        result["reason"] = self._no_commit
-        if self._no_commit is not None:
+                verdict.no_commit = f"commit failed: {_one_line(exc)}"
+        result["reason"] = verdict.no_commit
+        if verdict.no_commit is not None:
             result["shared"] = result["scoped"] = 0
-        return result
+        result["warnings"] = tuple(result["warnings"])
+        return CommitOutcome(**result)
 
     def _classify_records(
         self,
@@ -1126,7 +1378,7 @@ class WarmStart:
         """Records the tuner holds that differ from what it held after the load, as
         canonical JSON, and how many it holds that JSON cannot carry exactly (skipped)."""
         held, skipped = self._held_records()
-        loaded = self._loaded_records
+        loaded = self._loaded.records
         new: dict[str, dict[str, str]] = {}
         for ns, by_key in held.items():
             for key, text in by_key.items():
@@ -1158,23 +1410,23 @@ class WarmStart:
                 out.setdefault(ns, {})[key] = text
         return out, skipped
 
-    def _finish(self, outcome: dict[str, Any], exc: BaseException | None) -> None:
-        report = self.report
-        if outcome:
-            report.committed = int(outcome.get("committed", 0))
-            report.commit_id = outcome.get("commit_id")
-            report.shared = int(outcome.get("shared", 0))
-            report.scoped = int(outcome.get("scoped", 0))
-            report.disagreements = int(outcome.get("disagreements", 0))
-            report.kept = int(outcome.get("kept", 0))
-            report.records_committed = int(outcome.get("records_committed", 0))
-            for warning in outcome.get("warnings", ()):
+    def _finish(self, outcome: CommitOutcome | None, exc: BaseException | None) -> None:
+        report, verdict = self.report, self._verdict
+        if outcome is not None:
+            report.committed = outcome.committed
+            report.commit_id = outcome.commit_id
+            report.shared = outcome.shared
+            report.scoped = outcome.scoped
+            report.disagreements = outcome.disagreements
+            report.kept = outcome.kept
+            report.records_committed = outcome.records_committed
+            for warning in outcome.warnings:
                 self._warn(warning)
-            self._no_commit = outcome.get("reason") or self._no_commit
+            verdict.no_commit = outcome.reason or verdict.no_commit
         tuned_any = any(report.tuned_by_rank) or report.tuned > 0 or report.records_tuned > 0
-        if self._uncached is not None:
-            report.status = f"uncached: {self._uncached}"
-            report.reason = self._uncached
+        if verdict.uncached is not None:
+            report.status = f"uncached: {verdict.uncached}"
+            report.reason = verdict.uncached
         else:
             if not any(report.loaded_by_rank):
                 report.status = "cold"
@@ -1182,15 +1434,15 @@ class WarmStart:
                 report.status = "partial"
             else:
                 report.status = "warm"
-            if self._no_commit is not None and (tuned_any or self._rank_failed):
-                report.reason = f"nothing committed: {self._no_commit}"
-            elif self._outcome_unknown is not None:
+            if verdict.no_commit is not None and (tuned_any or verdict.rank_failed):
+                report.reason = f"nothing committed: {verdict.no_commit}"
+            elif verdict.outcome_unknown is not None:
                 report.reason = (
-                    f"commit outcome unknown: {self._outcome_unknown}; rank 0 may have "
+                    f"commit outcome unknown: {verdict.outcome_unknown}; rank 0 may have "
                     "committed (see `ficache log`)"
                 )
-        self._phase("total", self._started)
-        if report.reason and self._uncached is None:
+        self._phase("total", self._clock.started)
+        if report.reason and verdict.uncached is None:
             logger.warning(
                 "ficache warm start rank %d/%d: %s", report.rank, report.world_size, report.reason
             )

@@ -9,13 +9,16 @@ filled by the CPU stand-in (``ficache.standin``), 18 entries per start.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import re
 from typing import Any
 
 import gloo_scenarios
 import pytest
 
-from ficache._ranks import run_ranks
+from ficache._ranks import RanksFailedError, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -388,3 +391,178 @@ def test_no_collective_waited_out_its_timeout(world: tuple[int, Any]) -> None:
     for name in gloo_scenarios.SCENARIOS:
         for rank, r in enumerate(scenario(results, name)):
             assert_no_timeout(r, f"{name} rank {rank}")
+
+
+# --------------------------------------------------------------------------
+# The typed messages between ranks (``ficache.messages``)
+
+
+def _message_samples() -> list[Any]:
+    """One message of every kind, with values other than the defaults."""
+    from ficache import messages as m
+
+    row = ("RunnerA", "[1, [2, 3]]", '["l2", "hot"]', '{"margin": 0.1}')
+    return [
+        m.SliceOffer(
+            "ab" * 32,
+            registry="/tmp/r.db",
+            readonly=True,
+            reason=None,
+            base='{"k": ["RunnerA", 1]}',
+            overlays=(None, '{"k2": ["RunnerB", 2]}'),
+            cache="hit",
+            warnings=("w1", "w2"),
+            record_counts=(3, 4),
+        ),
+        m.LoadConfirmation(1, 12, 0, m.LoadConfirmation.digest_words("cd" * 32)),
+        m.LoadTrouble({"gpu": "H200", "cuda_version": "12.9"}, "rank 1 could not load"),
+        m.TuningGroupCreated(False),
+        m.StatusReport(1, 6, 0, 2),
+        m.FailureNote(1764680000.25, "rank 1 raised ValueError: boom in the warm-start block"),
+        m.TunedResults({"('op', 'RunnerA', ((1,),), ())": row}, {"ns": {"k": '{"v": 1}'}}),
+        m.CommitOutcome(
+            reason=None,
+            committed=6,
+            commit_id=3,
+            shared=5,
+            scoped=1,
+            disagreements=1,
+            kept=0,
+            records_committed=2,
+            warnings=("one warning",),
+            base="{}",
+            overlays=("{}", None),
+        ),
+    ]
+
+
+def _assert_one_clear_error(kind: type, data: Any, *fragments: str) -> str:
+    from ficache.errors import FicacheError
+    from ficache.messages import MalformedMessageError
+
+    with pytest.raises(MalformedMessageError) as caught:
+        kind.decode(data)
+    text = str(caught.value)
+    assert isinstance(caught.value, FicacheError)
+    assert "\n" not in text and len(text) < 300, text
+    assert text.startswith(f"malformed {kind.__name__}: "), text
+    for fragment in fragments:
+        assert fragment in text, text
+    return text
+
+
+def test_every_message_survives_its_encoding() -> None:
+    from ficache.messages import MESSAGES
+
+    samples = _message_samples()
+    assert {type(s) for s in samples} == set(MESSAGES.values())  # one sample per kind
+    for sample in samples:
+        encoded = sample.encode()
+        assert type(sample).decode(encoded) == sample
+        if isinstance(encoded, bytes):
+            assert type(sample).decode(bytearray(encoded)) == sample  # what a tensor gives back
+
+
+def test_a_malformed_message_is_one_clear_error() -> None:
+    import pickle
+
+    from ficache import messages as m
+
+    for sample in _message_samples():
+        kind = type(sample)
+        encoded = sample.encode()
+        others = [k for k in m.MESSAGES.values() if k is not kind]
+        if isinstance(encoded, bytes):
+            for cut in (0, 2, 4, 5, len(encoded) // 2, len(encoded) - 1):
+                _assert_one_clear_error(kind, encoded[:cut])
+            wrong_version = encoded[:3] + bytes([m.VERSION + 1]) + encoded[4:]
+            _assert_one_clear_error(kind, wrong_version, f"wire version {m.VERSION + 1}")
+            _assert_one_clear_error(kind, b"XYZ" + encoded[3:], "not a ficache message")
+            _assert_one_clear_error(kind, encoded[:-1] + b"\x00")  # a damaged last byte
+            _assert_one_clear_error(kind, None, "not bytes")
+            no_fields = encoded[:5] + pickle.dumps(())
+            _assert_one_clear_error(kind, no_fields, "fields")
+        else:
+            _assert_one_clear_error(kind, encoded[:-1], "integers, expected")
+            _assert_one_clear_error(kind, encoded + [0], "integers, expected")
+            wrong_version = [encoded[0], m.VERSION + 1, *encoded[2:]]
+            _assert_one_clear_error(kind, wrong_version, f"wire version {m.VERSION + 1}")
+            _assert_one_clear_error(kind, [str(v) for v in encoded], "not a list of integers")
+        for other in others:  # another kind's message, whatever its length
+            _assert_one_clear_error(other, encoded)
+
+
+def test_a_message_carries_data_never_code_and_fields_of_the_right_type() -> None:
+    import pickle
+
+    from ficache import messages as m
+
+    header = m.MAGIC + bytes([m.VERSION, m.SliceOffer.KIND])
+    hostile = header + pickle.dumps((os.system, None, False, None, None, (), "off", (), ()))
+    assert "refused a global" in _assert_one_clear_error(m.SliceOffer, hostile, "unreadable")
+    # Right count, wrong types: a base that is not text, counts that are not integers.
+    bad_base = header + pickle.dumps(("ab", None, False, None, 5, (), "off", (), ()))
+    _assert_one_clear_error(m.SliceOffer, bad_base, "base is int")
+    bad_counts = dataclasses.replace(_message_samples()[0], record_counts=("3",))
+    _assert_one_clear_error(m.SliceOffer, bad_counts.encode(), "record count is str")
+    bad_row = m.TunedResults({"k": ("RunnerA", 1, None)}, {}).encode()  # type: ignore[dict-item]
+    _assert_one_clear_error(m.TunedResults, bad_row, "not a row of texts")
+    _assert_one_clear_error(m.StatusReport, m.StatusReport(2, 0, 0, 0).encode(), "raised is 2")
+    _assert_one_clear_error(m.StatusReport, m.StatusReport(0, -1, 0, 0).encode(), "negative")
+    _assert_one_clear_error(m.FailureNote, m.FailureNote(1.0, None).encode(), "both")
+
+
+# --------------------------------------------------------------------------
+# Every rank makes the same collectives, whatever happens on one rank
+
+
+def test_every_rank_makes_the_same_collectives_on_every_path(tmp_path: Any) -> None:
+    import transcript_scenarios
+
+    crashed = None
+    try:
+        run_ranks(
+            transcript_scenarios.record_transcripts,
+            2,
+            str(tmp_path),
+            timeout=HARD_TIMEOUT,
+            group_timeout=gloo_scenarios.GROUP_TIMEOUT,
+        )
+    except RanksFailedError as exc:  # ranks out of step: compare what they recorded first
+        crashed = str(exc).splitlines()[0]
+    results = [json.loads((tmp_path / f"transcripts-rank{r}.json").read_text()) for r in (0, 1)]
+    for name in results[0]:
+        first, second = results[0][name], results[1].get(name, {"transcript": None})
+        assert first["transcript"], name
+        assert first["transcript"] == second["transcript"], (name, first, second)
+    assert crashed is None, crashed
+    cases = list(results[0])
+    assert len(cases) == 12 and list(results[1]) == cases
+    for name in cases:
+        first, second = results[0][name], results[1][name]
+        assert_no_timeout(first, name)
+        assert_no_timeout(second, name)
+    by_case = {name: results[1][name] for name in cases}
+    # Each failure path was the one intended (so the sequences compared are its own).
+    assert by_case["cold"]["status"] == "cold" and by_case["warm"]["status"] == "warm"
+    assert by_case["corrupt_registry"]["status"].startswith("uncached: ")
+    assert "could not load its slice" in by_case["load_fails_on_rank1"]["reason"]
+    assert "different environments" in by_case["heterogeneous"]["reason"]
+    assert by_case["raise_after_on_rank1"]["exception"] == "ValueError: boom"
+    assert by_case["raise_before_on_rank1"]["exception"] == "ValueError: boom"
+    assert "could not read its tuner" in by_case["unreadable_tuner_on_rank1"]["reason"]
+    assert by_case["cold_again"]["status"] == "cold"
+    garbled = [results[r]["garbled_offer_and_rank0_load_fails"]["reason"] for r in (0, 1)]
+    assert garbled[0] == garbled[1] and garbled[0].startswith("malformed SliceOffer: "), garbled
+    for r in (0, 1):  # rank 0 commits nothing of a start whose entries did not all arrive
+        assert results[r]["unencodable_tuned_on_rank1"]["reason"] == (
+            "nothing committed: malformed TunedResults: truncated (0 bytes) (from rank 1)"
+        )
+    outcome = [results[r]["unencodable_outcome_on_rank0"] for r in (0, 1)]
+    assert outcome[0]["status"] == "cold" and outcome[0]["reason"] is None, outcome[0]
+    assert outcome[1]["reason"] == (
+        "commit outcome unknown: malformed CommitOutcome: truncated (0 bytes); "
+        "rank 0 may have committed (see `ficache log`)"
+    )
+    # The paths differ in their collectives: the comparison is not of one sequence only.
+    assert len({tuple(results[0][name]["transcript"]) for name in cases}) >= 4
