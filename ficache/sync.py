@@ -284,7 +284,10 @@ class _Channel:
             work.wait(timeout=datetime.timedelta(seconds=left))
         except Exception:
             if work.is_completed():
-                raise  # the collective itself failed (a peer gone): its own error
+                # It completed between the timeout and this check, or it failed (a peer
+                # gone): waiting again returns at once, or raises the collective's own error.
+                work.wait()
+                return
             raise TimeoutError(
                 f"timed out: no answer within the warm start's timeout ({self.timeout:g} s)"
             ) from None
