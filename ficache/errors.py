@@ -36,7 +36,12 @@ class RegistryReadOnlyError(RegistryError):
 
 
 class RegistryUnavailableError(RegistryError):
-    """A registry server could not be reached or refused the connection (its cause named)."""
+    """A registry server could not be reached or refused the connection (its cause named).
+
+    ``remedy`` is the message's last part, what to do next.
+    """
+
+    remedy: str = ""
 
 
 class RegistryBusyError(RegistryError):

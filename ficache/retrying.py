@@ -84,8 +84,17 @@ def retry_transient(
             ceiling = min(ceiling * 2, MAX_DELAY_S)
             waited = time.monotonic() - started
             if waited + delay > budget * LAST_START:
-                raise type(exc)(
-                    f"{exc} (gave up after {attempts} attempt(s) over {waited:.1f} s, "
-                    f"within the registry timeout of {budget:g} s)"
-                ) from exc
+                raise type(exc)(_gave_up(str(exc), attempts, waited, budget, exc)) from exc
             time.sleep(delay)
+
+
+def _gave_up(message: str, attempts: int, waited: float, budget: float, exc: FicacheError) -> str:
+    """``message`` with the attempts made, placed before its remedy, which stays last."""
+    tried = (
+        f"still refused after {attempts} attempt(s) over {waited:.1f} s "
+        f"(registry timeout {budget:g} s)"
+    )
+    remedy = getattr(exc, "remedy", None)
+    if remedy and message.endswith(f"; {remedy}"):
+        return f"{message[: -len(remedy) - 2]}; {tried}; {remedy}"
+    return f"{message}; {tried}"

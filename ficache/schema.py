@@ -545,14 +545,18 @@ _TROUBLES: tuple[tuple[tuple[str, ...], tuple[str, ...], ConnectionTrouble], ...
             "consuming input failed",
             "connection is lost",
             "terminating connection",
-            "timeout expired",
-            "connection timeout",
         ),
         ConnectionTrouble(
             "the connection was reset or dropped",
             True,
             "check the server and the network between; retry",
         ),
+    ),
+    (
+        (),
+        ("timeout expired", "connection timeout"),
+        # Not retried: the URL's connect_timeout is the user's bound on a silent host.
+        _UNREACHABLE,
     ),
 )
 
@@ -653,6 +657,7 @@ def translate_operational_error(
             f"cannot reach registry {location.display} ({reason}){cause}; {trouble.remedy}"
         )
         error.transient = trouble.transient
+        error.remedy = trouble.remedy  # ``ficache.retrying`` keeps it last
         return error
     if "readonly" in lowered or "read-only" in lowered:
         return RegistryReadOnlyError(

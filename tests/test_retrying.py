@@ -66,7 +66,7 @@ def test_a_transient_refusal_is_retried_until_served() -> None:
 def test_a_refusal_that_stays_gives_up_within_the_budget_and_says_so() -> None:
     calls, attempt = refusing(10**6, transient_error())
     started = time.monotonic()
-    with pytest.raises(RegistryError, match=r"gave up after \d+ attempt\(s\) over"):
+    with pytest.raises(RegistryError, match=r"still refused after \d+ attempt\(s\) over"):
         retry_transient(attempt, within=1.0)  # type: ignore[arg-type]
     assert len(calls) > 1
     assert calls[-1] - started <= LAST_START * 1.0 + 0.05
