@@ -74,7 +74,11 @@ Decisions:
   commit (step 9) each run under ``ficache.deadline.registry_deadline``,
   which cuts the connection when the limit passes. A cut export means "tune
   uncached"; a cut commit means nothing was committed as far as this start
-  knows, and every rank keeps what it tuned.
+  knows, and every rank keeps what it tuned. Within that limit, a server
+  that refuses for now (too many clients, starting up or shutting down, a
+  connection refused or reset, a serialization failure) is asked again with
+  jittered backoff (``ficache.retrying``); a commit retried so first looks up
+  its ``start_token`` (``landed_startup_commit``), so it never lands twice.
 - Concurrent servers: when two servers of one fingerprint commit the same
   key (and scope) with different values, the value committed first wins;
   the later one is not written and is counted in ``report.kept`` (see
