@@ -140,6 +140,7 @@ from ficache.flashinfer_format import read_cache_file
 from ficache.models import SHARED_SCOPE
 from ficache.records import NewRecord
 from ficache.registry import NewEntry, Registry, WriteResult, rank_scope
+from ficache.retrying import retry_transient
 from ficache.v2_store import (
     SCHEMA,
     Skipped,
@@ -888,17 +889,35 @@ def adopt_into_empty_registry(
     and then waits at most ``busy_timeout`` seconds for a lock per attempt.
     The check and the write each wait at most ``registry_timeout`` seconds
     on a registry server that stopped answering (``ficache.deadline``;
-    reading vLLM's files in between is not counted). Raises
+    reading vLLM's files in between is not counted); within it, a server that
+    refuses for now (too many clients, starting up, ...) is asked again
+    (``ficache.retrying``), and a write retried after a lost connection
+    first checks whether it landed. Raises
     ``FicacheError`` for a registry it cannot use; the caller (server
     startup) logs it and starts without adopting.
     """
     what = f"registry {schema.resolve(db).display}"
     with registry_deadline(registry_timeout, what):
-        if registry_holds_entries_for(db, fingerprint):
-            return None
+        held = retry_transient(
+            lambda: registry_holds_entries_for(db, fingerprint), within=registry_timeout
+        )
+    if held:
+        return None
     plan = plan_adoption(sources, known=known)
     if plan.is_empty:
         return StartupAdoption(plan, WriteResult(None))
-    with registry_deadline(registry_timeout, what), Registry.open(_db_text(db)) as reg:
-        schema.bound_busy_timeout(reg.engine, busy_timeout)
-        return StartupAdoption(plan, plan.execute(reg, provenance=provenance))
+
+    def write() -> StartupAdoption:
+        with Registry.open(_db_text(db)) as reg:
+            schema.bound_busy_timeout(reg.engine, busy_timeout)
+            return StartupAdoption(plan, plan.execute(reg, provenance=provenance))
+
+    def landed() -> StartupAdoption | None:
+        # A write whose connection was lost may have landed: then (or when another
+        # server adopted meanwhile) the registry is no longer empty for the fingerprint.
+        if registry_holds_entries_for(db, fingerprint):
+            return StartupAdoption(plan, WriteResult(None))
+        return None
+
+    with registry_deadline(registry_timeout, what):
+        return retry_transient(write, within=registry_timeout, before_retry=landed)

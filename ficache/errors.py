@@ -12,7 +12,15 @@ from __future__ import annotations
 
 
 class FicacheError(Exception):
-    """Base class: a failure ficache understands and can explain in one line."""
+    """Base class: a failure ficache understands and can explain in one line.
+
+    ``transient`` says whether the same work may succeed if tried again a moment
+    later (a server refusing connections for now, a serialization failure); only
+    ``ficache.schema.translate_operational_error`` sets it, and only
+    ``ficache.retrying`` acts on it.
+    """
+
+    transient: bool = False
 
 
 class RegistryError(FicacheError):
@@ -25,6 +33,15 @@ class NotARegistryError(RegistryError):
 
 class RegistryReadOnlyError(RegistryError):
     """A write was asked of a registry this process may only read."""
+
+
+class RegistryUnavailableError(RegistryError):
+    """A registry server could not be reached or refused the connection (its cause named).
+
+    ``remedy`` is the message's last part, what to do next.
+    """
+
+    remedy: str = ""
 
 
 class RegistryBusyError(RegistryError):

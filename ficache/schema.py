@@ -55,7 +55,11 @@ Invariants:
   lock, and the wait for it is bounded (``SET LOCAL lock_timeout``, like
   SQLite's busy timeout) and reported as ``RegistryBusyError``; connecting
   gives up after ``CONNECT_TIMEOUT_S``. A server that cannot be reached or drops the
-  connection is one ``RegistryError`` line, never a driver's multi-line text.
+  connection is one ``RegistryUnavailableError`` line, never a driver's multi-line
+  text, naming its cause and that cause's remedy (``connection_trouble``, the one
+  table of causes); a cause that may pass by itself (too many clients, a server
+  starting up or shutting down, a refused or reset connection, a serialization
+  failure or deadlock) is marked ``transient`` for ``ficache.retrying``.
   Its engines are watched by ``ficache.deadline``, so a caller can bound
   work on a server that stops answering mid-query.
 - Opening without ``create`` never creates a registry: a missing SQLite file
@@ -98,6 +102,7 @@ from ficache.errors import (
     RegistryBusyError,
     RegistryError,
     RegistryReadOnlyError,
+    RegistryUnavailableError,
     SchemaError,
     SchemaTooNewError,
     SchemaTooOldError,
@@ -471,6 +476,109 @@ def write_transaction(engine: Engine) -> Iterator[Connection]:
             yield conn
 
 
+@dataclass(frozen=True)
+class ConnectionTrouble:
+    """Why a registry server could not be used, whether it may pass, and what to do."""
+
+    cause: str
+    transient: bool
+    remedy: str
+
+
+_UNREACHABLE = ConnectionTrouble("", False, "check that the server runs and the URL is right")
+
+#: The one table of connection causes: (SQLSTATEs, driver phrases, trouble). First match wins.
+_TROUBLES: tuple[tuple[tuple[str, ...], tuple[str, ...], ConnectionTrouble], ...] = (
+    (
+        ("53300",),
+        ("too many clients", "remaining connection slots are reserved", "too many connections"),
+        ConnectionTrouble(
+            "the server has no free connection (too many clients)",
+            True,
+            "raise max_connections on the server or put a pooler such as PgBouncer in front",
+        ),
+    ),
+    (
+        (),
+        ("the database system is starting up", "not yet accepting connections"),
+        ConnectionTrouble(
+            "the server is starting up",
+            True,
+            "wait for it to accept connections; if it stays so, check the server's log",
+        ),
+    ),
+    (
+        ("57P01", "57P02"),
+        ("the database system is shutting down", "terminating connection due to administrator"),
+        ConnectionTrouble(
+            "the server is shutting down or restarting",
+            True,
+            "wait for it to come back; if it does not, check the server and its log",
+        ),
+    ),
+    (
+        ("57P03",),
+        ("the database system is in recovery", "cannot connect now"),
+        ConnectionTrouble(
+            "the server is not accepting connections yet",
+            True,
+            "wait for it to finish starting or recovering; check the server's log",
+        ),
+    ),
+    (
+        ("3D000", "28000", "28P01"),
+        ("does not exist", "authentication failed", "no pg_hba.conf entry"),
+        _UNREACHABLE,
+    ),
+    (
+        (),
+        ("connection refused",),
+        ConnectionTrouble(
+            "the connection was refused", True, "check that the server runs and the URL is right"
+        ),
+    ),
+    (
+        ("08000", "08003", "08006"),
+        (
+            "connection reset",
+            "server closed the connection",
+            "consuming input failed",
+            "connection is lost",
+            "terminating connection",
+        ),
+        ConnectionTrouble(
+            "the connection was reset or dropped",
+            True,
+            "check the server and the network between; retry",
+        ),
+    ),
+    (
+        (),
+        ("timeout expired", "connection timeout"),
+        # Not retried: the URL's connect_timeout is the user's bound on a silent host.
+        _UNREACHABLE,
+    ),
+)
+
+
+def connection_trouble(message: str, sqlstate: str | None = None) -> ConnectionTrouble | None:
+    """The cause of a connection failure named by ``sqlstate`` or the driver's ``message``.
+
+    None: not a connection cause this table knows (the caller decides). The
+    driver's phrase decides (it tells "starting up" from "shutting down", which
+    share 57P03), else the SQLSTATE. Call it only for an error that is about the
+    connection: some phrases ("does not exist") mean other things elsewhere.
+    """
+    lowered = message.lower()
+    for _codes, phrases, trouble in _TROUBLES:
+        if any(phrase in lowered for phrase in phrases):
+            return trouble
+    for codes, _phrases, trouble in _TROUBLES:
+        if sqlstate is not None and sqlstate in codes:
+            return trouble
+    return None
+
+
 #: Driver messages (psycopg, psycopg2) of a server that cannot be reached or went away.
 _CONNECTION_LOST = (
     "connection failed",
@@ -536,14 +644,21 @@ def translate_operational_error(
             f"registry {location.display} refused the write ({first_line}); nothing was "
             "written; check it with `ficache verify`"
         )
-    if getattr(exc, "connection_invalidated", False) or any(
-        phrase in lowered for phrase in _CONNECTION_LOST
+    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
+    if (
+        getattr(exc, "connection_invalidated", False)
+        or any(phrase in lowered for phrase in _CONNECTION_LOST)
+        or (sqlstate or "").startswith(("08", "53300", "57P"))
     ):
+        trouble = connection_trouble(lowered, sqlstate) or _UNREACHABLE
         reason = first_line.removeprefix("connection failed: ")
-        return RegistryError(
-            f"cannot reach registry {location.display} ({reason}); "
-            "check that the server runs and the URL is right"
+        cause = f": {trouble.cause}" if trouble.cause else ""
+        error = RegistryUnavailableError(
+            f"cannot reach registry {location.display} ({reason}){cause}; {trouble.remedy}"
         )
+        error.transient = trouble.transient
+        error.remedy = trouble.remedy  # ``ficache.retrying`` keeps it last
+        return error
     if "readonly" in lowered or "read-only" in lowered:
         return RegistryReadOnlyError(
             f"registry {location.display} is read-only; pass a writable --db"
@@ -555,7 +670,11 @@ def translate_operational_error(
         or "deadlock detected" in lowered
         or "could not serialize" in lowered
     ):
-        return busy_error(location, busy_timeout_ms(engine), waited_s=waited_s, attempts=attempts)
+        busy = busy_error(location, busy_timeout_ms(engine), waited_s=waited_s, attempts=attempts)
+        # A serialization failure or deadlock rolled back one transaction; a plain lock
+        # wait is already retried by ``Registry._write`` and is not retried again.
+        busy.transient = sqlstate in ("40001", "40P01") or "deadlock detected" in lowered
+        return busy
     if "not a database" in lowered or "malformed" in lowered:
         return NotARegistryError(
             f"registry {location.display} is corrupt ({message}); restore it or pass another --db"

@@ -74,7 +74,11 @@ Decisions:
   commit (step 9) each run under ``ficache.deadline.registry_deadline``,
   which cuts the connection when the limit passes. A cut export means "tune
   uncached"; a cut commit means nothing was committed as far as this start
-  knows, and every rank keeps what it tuned.
+  knows, and every rank keeps what it tuned. Within that limit, a server
+  that refuses for now (too many clients, starting up or shutting down, a
+  connection refused or reset, a serialization failure) is asked again with
+  jittered backoff (``ficache.retrying``); a commit retried so first looks up
+  its ``start_token`` (``landed_startup_commit``), so it never lands twice.
 - Concurrent servers: when two servers of one fingerprint commit the same
   key (and scope) with different values, the value committed first wins;
   the later one is not written and is counted in ``report.kept`` (see
@@ -145,6 +149,7 @@ import logging
 import os
 import re
 import time
+import uuid
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -183,9 +188,11 @@ from ficache.messages import (
 )
 from ficache.records import NewRecord
 from ficache.registry import SHARED_SCOPE, NewEntry, Registry, rank_scope
+from ficache.retrying import retry_transient
 from ficache.slices import cached_slices, export_slices
 from ficache.tuner import FlashInferTuner, Row, Tuner, row_value
 from ficache.usage import mark_served
+from ficache.values import WriteResult
 
 logger = logging.getLogger(__name__)
 
@@ -221,6 +228,47 @@ def _collective_error(exc: BaseException) -> str:
         return _one_line(exc)
     cause = _COLLECTIVE_CAUSE.search(str(exc))
     return f"{type(exc).__name__}: {cause.group(0).strip()}" if cause else _one_line(exc)
+
+
+def landed_startup_commit(reg: Registry, token: str) -> WriteResult | None:
+    """The startup commit whose provenance holds ``token``, as its write's result, or None.
+
+    A commit whose connection was lost after the server received its COMMIT
+    may have landed; a retry asks this first, so it never lands twice. The
+    counts come from the commit row (``kept`` is not stored: reported 0).
+    """
+    from sqlalchemy import func, select  # only a retried commit needs them
+
+    from ficache.models import CommitRow, EntryRow
+
+    with reg.engine.connect() as conn:
+        rows = conn.execute(
+            select(
+                CommitRow.id,
+                CommitRow.provenance,
+                CommitRow.added,
+                CommitRow.replaced,
+                CommitRow.records_added,
+                CommitRow.records_replaced,
+            ).where(CommitRow.kind == "startup", CommitRow.provenance.contains(token))
+        ).all()
+        for commit_id, provenance, added, replaced, records_added, records_replaced in rows:
+            if json.loads(provenance or "{}").get("start_token") != token:
+                continue
+            shared = conn.execute(
+                select(func.count())
+                .select_from(EntryRow)
+                .where(EntryRow.commit_id == commit_id, EntryRow.scope == SHARED_SCOPE)
+            ).scalar_one()
+            return WriteResult(
+                commit_id,
+                added=added,
+                replaced=replaced,
+                shared_written=int(shared),
+                records_added=records_added,
+                records_replaced=records_replaced,
+            )
+    return None
 
 
 @dataclass
@@ -921,12 +969,18 @@ class WarmStart:
                 path = location.path
                 readonly = path is not None and schema.is_read_only_file(path)
         else:
+
+            def read() -> tuple[bool, Any]:
+                with self._registry() as reg:
+                    exported = export_slices(reg, fp, layout, world, use_cache=self.slice_cache)
+                    mark_served(reg, exported.fingerprint_ids)  # never raises, bounded wait
+                    return reg.readonly, exported
+
             try:
-                with self._deadline(), self._registry() as reg:
-                    registry = reg.location.display
-                    readonly = reg.readonly
-                    slices = export_slices(reg, fp, layout, world, use_cache=self.slice_cache)
-                    mark_served(reg, slices.fingerprint_ids)  # never raises, bounded wait
+                # A server refusing connections for now (a restart storm) is asked again.
+                with self._deadline():
+                    readonly, slices = retry_transient(read, within=self.registry_timeout)
+                registry = schema.resolve(self.db).display
             except FicacheError as exc:
                 return SliceOffer(fp.digest, registry=registry, readonly=readonly, reason=str(exc))
             except Exception as exc:  # noqa: BLE001 - any registry problem means "uncached"
@@ -1289,12 +1343,17 @@ class WarmStart:
             }
             if records:
                 provenance["records"] = len(records)
-            try:
-                with self._deadline(), self._registry() as reg:
+            # This start's commit is found by its token: a retry after a connection lost
+            # mid-COMMIT first looks whether that commit landed, so it never lands twice.
+            token = uuid.uuid4().hex
+            provenance["start_token"] = token
+
+            def write() -> WriteResult:
+                with self._registry() as reg:
                     if reg.readonly:
                         raise RegistryReadOnlyError(f"registry {reg.location.display} is read-only")
                     reg.require_writable()  # a newer schema only older readers may use
-                    written = reg.write(
+                    return reg.write(
                         entries,
                         kind="startup",
                         world_size=world,
@@ -1307,6 +1366,18 @@ class WarmStart:
                             NewRecord(fp, ns, key, value, scope)
                             for scope, ns, key, value in records
                         ],
+                    )
+
+            def landed() -> WriteResult | None:
+                with self._registry() as reg:
+                    return landed_startup_commit(reg, token)
+
+            try:
+                with self._deadline():
+                    # A refusal for now is tried again; before each retry, the token says
+                    # whether the failed attempt's commit landed after all.
+                    written = retry_transient(
+                        write, within=self.registry_timeout, before_retry=landed
                     )
                     result["committed"] = written.added + written.replaced
                     # What this start wrote: a key another server committed first is in neither.
@@ -1326,9 +1397,10 @@ class WarmStart:
                         )
                     result["commit_id"] = written.commit_id
                     try:
-                        final = export_slices(
-                            reg, fp, layout, world, use_cache=self.slice_cache, for_tuning=False
-                        )
+                        with self._registry() as reg:
+                            final = export_slices(
+                                reg, fp, layout, world, use_cache=self.slice_cache, for_tuning=False
+                            )
                         result.update(base=final.base, overlays=tuple(final.overlays))
                     except Exception as exc:  # noqa: BLE001 - ranks keep what they hold
                         result["warnings"].append(

@@ -1,4 +1,7 @@
-"""Fault injection: a TCP proxy in front of PostgreSQL that freezes like a stopped server.
+"""Fault injection: TCP proxies in front of PostgreSQL: one freezes like a stopped server.
+
+``ResettingProxy`` (below) instead resets a connection just after forwarding
+its COMMIT: a commit that landed while its client saw the connection reset.
 
 ``FreezingProxy(host, port, trigger)`` listens on 127.0.0.1 and forwards
 each client connection to the server. Once a client sends bytes containing
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -108,3 +112,109 @@ def freezing_proxy(host: str, port: int, trigger: bytes) -> Iterator[FreezingPro
         yield proxy
     finally:
         proxy.close()
+
+
+class ResettingProxy:
+    """A TCP proxy that resets a connection just after it forwarded its COMMIT.
+
+    Once a client connection has sent ``armed_by`` (``b"INSERT INTO entries"``,
+    say), the next bytes holding ``trigger`` (``b"COMMIT"``) are forwarded to
+    the server, which commits; then, after ``delay_s``, both sides of that
+    connection are reset (``SO_LINGER`` 0), so the client never reads the
+    server's answer: a commit that landed while its client saw a reset. Only
+    the first ``times`` such connections are reset; ``resets`` counts them.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        armed_by: bytes,
+        trigger: bytes = b"COMMIT",
+        *,
+        delay_s: float = 0.3,
+        times: int = 1,
+    ) -> None:
+        self.target = (host, port)
+        self.armed_by, self.trigger, self.delay_s = armed_by, trigger, delay_s
+        self.times = times
+        self.resets = 0
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def url(self, database: str, user: str = "postgres") -> str:
+        return f"postgresql+psycopg://{user}@127.0.0.1:{self.port}/{database}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self.target)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._sockets += [client, server]
+            state = {"cut": False}
+            threading.Thread(target=self._up, args=(client, server, state), daemon=True).start()
+            threading.Thread(target=self._down, args=(server, client, state), daemon=True).start()
+
+    def _up(self, client: socket.socket, server: socket.socket, state: dict[str, bool]) -> None:
+        armed = False
+        while True:
+            try:
+                data = client.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                with contextlib.suppress(OSError):
+                    server.shutdown(socket.SHUT_WR)
+                return
+            armed = armed or self.armed_by in data
+            fire = False
+            if armed and self.trigger in data:
+                with self._lock:
+                    fire = self.resets < self.times
+                    self.resets += fire
+                state["cut"] = fire  # the server's answer to it never reaches the client
+            try:
+                server.sendall(data)
+            except OSError:
+                return
+            if fire:
+                threading.Timer(self.delay_s, _reset, (client, server)).start()
+                return
+
+    def _down(self, server: socket.socket, client: socket.socket, state: dict[str, bool]) -> None:
+        while True:
+            try:
+                data = server.recv(65536)
+                if not data:
+                    break
+                if not state["cut"]:
+                    client.sendall(data)
+            except OSError:
+                break
+        with contextlib.suppress(OSError):
+            client.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        self._listener.close()
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
+def _reset(*sockets: socket.socket) -> None:
+    for sock in sockets:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()

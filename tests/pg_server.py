@@ -88,7 +88,9 @@ class PostgresServer:
         self._stopped = False
 
     @classmethod
-    def start(cls) -> PostgresServer:
+    def start(cls, settings: dict[str, str] | None = None) -> PostgresServer:
+        """Start a server; ``settings`` are extra ``-c name=value`` options (say
+        ``{"max_connections": "10"}`` for ``benchmarks/restart_storm.py``)."""
         embedded = _embedded()
         bin_dir = Path(embedded._commands.POSTGRES_BIN_PATH)
         root = Path(tempfile.mkdtemp(prefix="ficache-pg-"))
@@ -126,6 +128,7 @@ class PostgresServer:
                     f"-h 127.0.0.1 -p {server.port} -k {root}",
                     "-c fsync=off -c synchronous_commit=off -c full_page_writes=off",
                     "-c lc_messages=C -c autovacuum=off",
+                    *(f"-c {name}={value}" for name, value in (settings or {}).items()),
                 ]
             )
             server._run(

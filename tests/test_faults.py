@@ -494,8 +494,10 @@ def test_a_read_only_registry_reads_the_commits_its_wal_still_holds(
 # SQLite: a warm start on a full disk or a read-only registry (world 1, in process)
 
 
-def warm(db: str | None, shapes: Any = DEFAULT_SHAPES) -> tuple[Any, Any]:
-    with ficache.warm_start(db=db, timeout=60) as ws:
+def warm(
+    db: str | None, shapes: Any = DEFAULT_SHAPES, registry_timeout: float = 60.0
+) -> tuple[Any, Any]:
+    with ficache.warm_start(db=db, timeout=60, registry_timeout=registry_timeout) as ws:
         tuned = standin_tune(shapes=shapes)
     return ws.report, tuned
 
@@ -730,7 +732,7 @@ def test_cli_commit_with_the_server_stopped(
     retry = cli(*args, db=url)
     assert result.exit_code == 1
     assert result.stderr.startswith(f"error: {unreachable_reason(url)}"), result.stderr
-    assert result.stderr.endswith("); check that the server runs and the URL is right\n")
+    assert result.stderr.endswith("; check that the server runs and the URL is right\n")
     assert "Connection refused" in result.stderr or "No such file" in result.stderr
     assert result.stderr.count("\n") == 1
     assert unchanged
@@ -796,7 +798,7 @@ def test_cli_commit_with_the_server_unreachable(
     detail = "Connection refused" if where == "closed_port" else "connection timeout expired"
     assert result.stderr.startswith(f"error: {unreachable_reason(url)}"), result.stderr
     assert detail in result.stderr
-    assert result.stderr.endswith("); check that the server runs and the URL is right\n")
+    assert result.stderr.endswith("; check that the server runs and the URL is right\n")
     assert result.stderr.count("\n") == 1
     record(
         item=ITEM,
@@ -816,7 +818,7 @@ def test_warm_start_with_the_server_stopped_before_it_tunes_uncached(
     url = throwaway_server.url()
     prepare_warm_registry(url)
     throwaway_server.halt()
-    report, tuned = warm(url)
+    report, tuned = warm(url, registry_timeout=CONNECT_LIMIT_S)  # refused: retried that long
     assert tuned.profiled == 18
     assert (report.loaded, report.tuned, report.committed) == (0, 18, 0)
     assert report.status == f"uncached: {report.reason}"
@@ -841,7 +843,8 @@ def test_warm_start_with_the_server_stopped_during_it_says_why_nothing_was_commi
     url = throwaway_server.url()
     prepare_warm_registry(url)
     before = dump_db(url)
-    with ficache.warm_start(db=url, timeout=60) as ws:
+    # The commit's refused connection is retried (the server may come back) for that long.
+    with ficache.warm_start(db=url, timeout=60, registry_timeout=CONNECT_LIMIT_S) as ws:
         throwaway_server.halt()  # the server goes away while the server tunes
         tuned = standin_tune()
     report = ws.report

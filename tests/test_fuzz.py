@@ -1178,7 +1178,8 @@ def test_db_current_on_a_server_that_cannot_be_reached_is_one_line(cli_world: Cl
         assert (result.exit_code, result.stdout) == (1, "")
         assert result.stderr == (
             f'error: cannot reach registry {url} (connection to server at "127.0.0.1", port 1 '
-            "failed: Connection refused); check that the server runs and the URL is right\n"
+            "failed: Connection refused): the connection was refused; check that the server "
+            "runs and the URL is right\n"
         )
 
 

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from contextlib import closing
 from pathlib import Path
@@ -28,7 +30,7 @@ from typing import Any
 import gloo_scenarios
 import pg_server
 import pytest
-from frozen_proxy import FreezingProxy, freezing_proxy
+from frozen_proxy import FreezingProxy, ResettingProxy, freezing_proxy
 from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.pool import NullPool
 
@@ -384,7 +386,9 @@ def test_a_server_that_cannot_be_reached_is_one_line(cli, cache_file) -> None:
         result = cli(*args, db=url)
         assert (result.exit_code, result.stdout) == (1, "")
         assert result.stderr.startswith(f"error: cannot reach registry {display(url)} (")
-        assert result.stderr.endswith("); check that the server runs and the URL is right\n")
+        assert result.stderr.endswith(
+            "): the connection was refused; check that the server runs and the URL is right\n"
+        )
         assert "Connection refused" in result.stderr
         assert result.stderr.count("\n") == 1
 
@@ -425,13 +429,15 @@ def test_a_dropped_connection_is_replaced(postgres_url: str, postgres_server) ->
 def test_a_warm_start_whose_registry_cannot_be_reached_tunes_uncached(autotuner: Any) -> None:
     url = f"postgresql+psycopg://postgres@127.0.0.1:{pg_server.free_port()}/registry"
 
-    with ficache.warm_start(db=url) as ws:
+    # A refused connection is retried (the server may be restarting) within the limit.
+    with ficache.warm_start(db=url, registry_timeout=2) as ws:
         tuned = standin_tune()
 
     report = ws.report
     assert (report.loaded, report.tuned, report.committed, tuned.profiled) == (0, 18, 0, 18)
     assert report.status == f"uncached: {report.reason}"
     assert report.reason.startswith(f"cannot reach registry {display(url)} (")
+    assert "the connection was refused" in report.reason
     assert "\n" not in report.reason
 
 
@@ -744,3 +750,111 @@ def test_gloo_a_server_frozen_in_the_commit_costs_the_limit_and_writes_nothing(
         )
     # The cut transaction never reached COMMIT: the server rolled it back whole.
     assert frozen_ranks["after"]["frozen_commit"] == {"commits": 0, "scopes": {}}
+
+
+# -- restart storms: a server that refuses for now (ficache.retrying) -------------------------
+
+
+def storm_role_url(server: pg_server.PostgresServer, url: str, *, limit: int) -> tuple[str, str]:
+    """Give ``url``'s database to a login role that is no superuser (a database's
+    ``CONNECTION LIMIT`` binds only those), limited to ``limit`` connections; the
+    role's SQLAlchemy URL and its plain libpq URL."""
+    name = url.rsplit("/", 1)[1]
+    role = f"ficache_storm_{os.getpid()}"
+    admin = server._admin
+    exists = admin.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", [role]).fetchone()
+    if exists is None:
+        admin.execute(f'CREATE ROLE "{role}" LOGIN')
+    admin.execute(f'ALTER DATABASE "{name}" OWNER TO "{role}"')
+    sql(url, f'ALTER SCHEMA public OWNER TO "{role}"')
+    admin.execute(f'ALTER DATABASE "{name}" CONNECTION LIMIT {limit}')
+    plain = f"postgresql://{role}@127.0.0.1:{server.port}/{name}"
+    return plain.replace("postgresql://", "postgresql+psycopg://"), plain
+
+
+def hold_connections(plain_url: str, count: int) -> list[Any]:
+    """``count`` idle connections of the storm role: the database's every slot, taken."""
+    import psycopg
+
+    held = [psycopg.connect(plain_url, autocommit=True) for _ in range(count)]
+    with pytest.raises(psycopg.OperationalError, match="too many connections"):
+        psycopg.connect(plain_url).close()
+    return held
+
+
+def release_later(held: list[Any], seconds: float) -> threading.Timer:
+    timer = threading.Timer(seconds, lambda: [conn.close() for conn in held])
+    timer.start()
+    return timer
+
+
+def test_a_start_refused_with_too_many_clients_is_served_once_a_connection_frees(
+    autotuner: Any, postgres_server: pg_server.PostgresServer, postgres_url: str
+) -> None:
+    url, plain = storm_role_url(postgres_server, postgres_url, limit=2)
+    with ficache.warm_start(db=url) as ws:
+        standin_tune()
+    assert ws.report.committed == 18
+    held = hold_connections(plain, 2)
+    release_later(held, 1.5)
+
+    started = time.monotonic()
+    with ficache.warm_start(db=url, registry_timeout=30) as ws:
+        tuned = standin_tune()
+    elapsed = time.monotonic() - started
+
+    report = ws.report
+    assert report.reason is None, report.reason
+    assert (report.loaded, tuned.profiled) == (18, 0)
+    assert elapsed >= 1.4  # it was refused until the connections were released
+
+
+def test_a_start_refused_past_the_registry_timeout_tunes_uncached_and_names_the_cause(
+    autotuner: Any, postgres_server: pg_server.PostgresServer, postgres_url: str
+) -> None:
+    url, plain = storm_role_url(postgres_server, postgres_url, limit=2)
+    with ficache.warm_start(db=url) as ws:
+        standin_tune()
+    held = hold_connections(plain, 2)
+    limit = 2.0
+    try:
+        started = time.monotonic()
+        with ficache.warm_start(db=url, registry_timeout=limit) as ws:
+            tuned = standin_tune()
+        elapsed = time.monotonic() - started
+    finally:
+        for conn in held:
+            conn.close()
+
+    report = ws.report
+    assert (report.loaded, tuned.profiled, report.committed) == (0, 18, 0)
+    assert report.status == f"uncached: {report.reason}"
+    assert report.reason.startswith(f"cannot reach registry {display(url)} (")
+    assert "too many connections" in report.reason
+    assert "raise max_connections on the server or put a pooler such as PgBouncer" in (
+        report.reason
+    )
+    attempts = re.search(r"still refused after (\d+) attempt\(s\) over ", report.reason)
+    assert attempts is not None and int(attempts[1]) > 1, report.reason
+    assert "\n" not in report.reason
+    assert elapsed < CUT_CEILING * limit + 2  # the start's own work beside the limit
+
+
+def test_a_commit_retried_after_a_connection_reset_lands_once(
+    autotuner: Any, postgres_server: pg_server.PostgresServer, postgres_url: str
+) -> None:
+    name = postgres_url.rsplit("/", 1)[1]
+    Registry.open(postgres_url).close()  # created at head, outside the proxy
+    proxy = ResettingProxy("127.0.0.1", postgres_server.port, armed_by=COMMIT_INSERT)
+    try:
+        with ficache.warm_start(db=proxy.url(name), registry_timeout=30) as ws:
+            standin_tune()
+    finally:
+        proxy.close()
+
+    assert proxy.resets == 1  # the COMMIT reached the server, its answer never came back
+    report = ws.report
+    commits = sql(postgres_url, "SELECT id, added FROM commits WHERE kind = 'startup'")
+    assert commits == [(report.commit_id, 18)], report.reason
+    assert (report.reason, report.committed) == (None, 18)
+    assert sql(postgres_url, "SELECT count(*) FROM entries") == [(18,)]
