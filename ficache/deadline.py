@@ -49,10 +49,10 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import event
-from sqlalchemy.engine import Engine
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Engine
 
 from .errors import RegistryTimeoutError
 
@@ -117,6 +117,7 @@ def _current() -> _Watch | None:
 
 def watch_engine(engine: Engine) -> None:
     """Let ``registry_deadline`` watch the connections of ``engine`` (PostgreSQL)."""
+    from sqlalchemy import event  # lazy: a start's non-zero ranks never import SQLAlchemy
 
     def seen(dbapi_connection: Any, *_args: Any) -> None:
         watch = _current()

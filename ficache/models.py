@@ -81,7 +81,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SHARED_SCOPE = "shared"
+from ficache.scopes import SHARED_SCOPE as SHARED_SCOPE  # re-exported
 
 
 class Base(DeclarativeBase):

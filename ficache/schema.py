@@ -77,13 +77,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import (
@@ -94,6 +90,12 @@ from sqlalchemy.exc import (
     OperationalError,
 )
 from sqlalchemy.pool import NullPool
+
+if TYPE_CHECKING:
+    # Alembic loads where a schema is read or changed, never on a warm start's
+    # fast path (``ficache.slices.cached_slices``).
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
 
 from ficache.deadline import watch_engine
 from ficache.errors import (
@@ -424,6 +426,8 @@ def migrations_dir() -> Path:
 
 
 def alembic_config(connection: Connection | None = None) -> Config:
+    from alembic.config import Config
+
     config = Config()
     config.set_main_option("script_location", str(migrations_dir()))
     # One path, never split on spaces (an install under "My Projects/").
@@ -434,10 +438,57 @@ def alembic_config(connection: Connection | None = None) -> Config:
     return config
 
 
+def _alembic_command() -> Any:
+    """``alembic.command``, imported when a schema changes."""
+    from alembic import command
+
+    return command
+
+
 @functools.lru_cache(maxsize=1)
 def script_directory() -> ScriptDirectory:
     """The installed revisions (read once per process: they cannot change under it)."""
+    from alembic.script import ScriptDirectory
+
     return ScriptDirectory.from_config(alembic_config())
+
+
+@functools.lru_cache(maxsize=1)
+def declared_head() -> str | None:
+    """The head revision the installed migration files declare, read without Alembic.
+
+    Each file's module-level ``revision`` and ``down_revision`` strings, read
+    with ``ast``; the head is the one revision no other names as its parent.
+    None on any doubt (a merge or branch, a value that is not a plain
+    string, an unreadable file): callers then ask ``head_revision``. The warm
+    start's fast path uses it to trust a SQLite file's revision without
+    loading Alembic; a test checks it names Alembic's head.
+    """
+    import ast
+
+    parents: dict[str, str | None] = {}
+    try:
+        for path in sorted((migrations_dir() / "versions").glob("*.py")):
+            found: dict[str, Any] = {}
+            for node in ast.parse(path.read_text(encoding="utf-8")).body:
+                if isinstance(node, ast.AnnAssign | ast.Assign) and node.value is not None:
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    for target in targets:
+                        if isinstance(target, ast.Name) and target.id in (
+                            "revision",
+                            "down_revision",
+                        ):
+                            found[target.id] = ast.literal_eval(node.value)
+            if "revision" not in found:
+                continue
+            revision, parent = found["revision"], found.get("down_revision")
+            if not isinstance(revision, str) or not (parent is None or isinstance(parent, str)):
+                return None
+            parents[revision] = parent
+    except (OSError, SyntaxError, ValueError, SchemaError):
+        return None
+    heads = set(parents) - set(parents.values())
+    return heads.pop() if len(heads) == 1 else None
 
 
 def head_revision() -> str:
@@ -447,6 +498,8 @@ def head_revision() -> str:
 
 
 def current_revision(connection: Connection) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
     return MigrationContext.configure(connection).get_current_revision()
 
 
@@ -856,7 +909,7 @@ def ensure_schema(
         with write_transaction(engine) as conn:
             revision = check_revision(conn, location)  # again, inside the lock
             if revision != head:
-                command.upgrade(alembic_config(conn), "head")
+                _alembic_command().upgrade(alembic_config(conn), "head")
                 _stamp_compat(conn)
         _enable_wal(engine)
     except DatabaseError as exc:
@@ -892,7 +945,7 @@ def upgrade(engine: Engine, location: Location, revision: str = "head") -> None:
     try:
         with write_transaction(engine) as conn:
             check_revision(conn, location)
-            command.upgrade(alembic_config(conn), revision)
+            _alembic_command().upgrade(alembic_config(conn), revision)
             _stamp_compat(conn)
     except (OperationalError, DatabaseError) as exc:
         raise translate_operational_error(exc, location, engine=engine) from None
@@ -976,7 +1029,7 @@ def downgrade(
                     f"registry {location.display} moved to revision {current!r} since the "
                     f"downgrade was planned at {expected!r}; plan it again"
                 )
-            command.downgrade(alembic_config(conn), revision)
+            _alembic_command().downgrade(alembic_config(conn), revision)
             _stamp_compat(conn)
     except (OperationalError, DatabaseError) as exc:
         raise translate_operational_error(exc, location, engine=engine) from None

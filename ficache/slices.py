@@ -113,7 +113,8 @@ def registry_state(reg: Registry) -> State:
 
 @functools.lru_cache(maxsize=1)
 def _head_revision() -> str:
-    return schema.head_revision()
+    # The migration files' own declaration first: Alembic stays unloaded on the warm path.
+    return schema.declared_head() or schema.head_revision()
 
 
 def cached_slices(

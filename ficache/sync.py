@@ -154,12 +154,11 @@ from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
-from ficache import schema
 from ficache.deadline import DEFAULT_REGISTRY_TIMEOUT_S, registry_deadline
 from ficache.errors import (
     FicacheError,
@@ -186,13 +185,15 @@ from ficache.messages import (
     TunedResults,
     TuningGroupCreated,
 )
-from ficache.records import NewRecord
-from ficache.registry import SHARED_SCOPE, NewEntry, Registry, rank_scope
 from ficache.retrying import retry_transient
-from ficache.slices import cached_slices, export_slices
+from ficache.scopes import SHARED_SCOPE, rank_scope
 from ficache.tuner import FlashInferTuner, Row, Tuner, row_value
-from ficache.usage import mark_served
-from ficache.values import WriteResult
+from ficache.values import NewEntry, NewRecord, WriteResult
+
+if TYPE_CHECKING:
+    # Only rank 0 reads or writes the registry: it imports these (SQLAlchemy,
+    # Alembic) where it opens one, so the other ranks never load them.
+    from ficache.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -724,11 +725,16 @@ class WarmStart:
 
     def _deadline(self) -> Any:
         """The bound on one phase of rank 0's work on the registry (``registry_timeout``)."""
+        from ficache import schema
+
         return registry_deadline(
             self.registry_timeout, f"registry {schema.resolve(self.db).display}"
         )
 
     def _registry(self) -> Registry:
+        from ficache import schema
+        from ficache.registry import Registry
+
         reg = Registry.open(self.db)
         try:
             schema.bound_busy_timeout(reg.engine, self.busy_timeout)
@@ -953,6 +959,10 @@ class WarmStart:
 
     def _export_payload(self, world: int, layout: str) -> SliceOffer:
         """Rank 0: what every rank needs to load its slice, or why there is nothing."""
+        from ficache import schema
+        from ficache.slices import cached_slices, export_slices
+        from ficache.usage import mark_served
+
         fp = self._enter.fp
         if fp is None:
             return SliceOffer(None, reason="rank 0 could not collect its fingerprint")
@@ -1272,6 +1282,8 @@ class WarmStart:
         is already served, so keeping it never changes a running server's
         tactic behind its back.
         """
+        from ficache.slices import export_slices
+
         report, world, layout = self.report, self.report.world_size, self.report.layout
         verdict = self._verdict
         result: dict[str, Any] = {

@@ -28,32 +28,13 @@ from typing import Any, NamedTuple
 
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
 from ficache.flashinfer_format import KeyFields
-from ficache.models import SHARED_SCOPE
+from ficache.scopes import SHARED_SCOPE, rank_scope, validate_scope
 
 #: ``write``'s ``expected``: (fingerprint, scope, key) -> commit id, or its pairs.
 Expected = (
     Mapping[tuple[Fingerprint, str, str], int | None]
     | Sequence[tuple[tuple[Fingerprint, str, str], int | None]]
 )
-
-
-def rank_scope(layout: str, rank: int) -> str:
-    """The scope of entries valid only on ``rank`` of ``layout`` (``tp4/rank1``)."""
-    if not layout or "/" in layout or len(layout) > 40:
-        raise ValueError(f"layout must be a short name without '/', got {layout!r}")
-    if rank < 0:
-        raise ValueError(f"rank must be >= 0, got {rank}")
-    return f"{layout}/rank{rank}"
-
-
-def validate_scope(scope: str) -> str:
-    """``scope`` itself when it is ``shared`` or ``<layout>/rank<N>``; else ``ValueError``."""
-    if scope == SHARED_SCOPE:
-        return scope
-    layout, sep, rank = scope.partition("/rank")
-    if sep and rank.isdigit() and layout:
-        return rank_scope(layout, int(rank))
-    raise ValueError(f"scope must be 'shared' or '<layout>/rank<N>', got {scope!r}")
 
 
 class NewEntry(NamedTuple):
