@@ -54,7 +54,7 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from sqlalchemy import (
     Connection,
@@ -72,8 +72,8 @@ from sqlalchemy import (
 from sqlalchemy import text as sql_text
 from sqlalchemy.exc import DatabaseError, OperationalError
 
+from ficache import commit_log, schema
 from ficache import records as rec
-from ficache import schema
 from ficache._gcpause import paused_gc
 from ficache._interrupts import HeldInterrupts
 from ficache.errors import (
@@ -404,6 +404,9 @@ class Registry:
         self.commit_listeners: list[Callable[[int], None]] = []
         #: True when ``open`` created this registry's SQLite file (``schema.is_new_sqlite_file``).
         self.created = False
+        #: ``(token, kind)`` of the ``write`` under way that lands at most once, else None
+        #: (``write(once_token=...)``); ``_write`` checks it under the write lock.
+        self._once: tuple[str, str] | None = None
 
     # -- opening ----------------------------------------------------------
 
@@ -645,35 +648,21 @@ class Registry:
         return render_cache(current.flashinfer_metadata(), rows.values(), records), len(rows)
 
     def log(self, limit: int | None = 20, *, commit_id: int | None = None) -> list[CommitInfo]:
-        query = select(C).order_by(C.c.id.desc())
-        if commit_id is not None:
-            query = query.where(C.c.id == commit_id)
-        if limit is not None:
-            query = query.limit(limit)
+        """The newest commits first (``ficache.commit_log``)."""
 
         def run() -> list[CommitInfo]:
             with self._read() as conn:
-                return [
-                    CommitInfo(
-                        r.id,
-                        r.created_at,
-                        r.kind,
-                        r.host,
-                        r.user,
-                        r.message,
-                        r.world_size,
-                        r.layout,
-                        r.added,
-                        r.replaced,
-                        r.removed,
-                        json.loads(r.provenance) if r.provenance else {},
-                        r.reverts_commit_id,
-                        r.records_added,
-                        r.records_replaced,
-                        r.records_removed,
-                    )
-                    for r in conn.execute(query)
-                ]
+                return commit_log.log(conn, limit, commit_id)
+
+        return self._guard(run)
+
+    def commit_with_token(self, token: str, *, kind: str = "startup") -> WriteResult | None:
+        """The commit of ``kind`` a write given ``once_token=token`` made, as its result, or None
+        (``ficache.commit_log``)."""
+
+        def run() -> WriteResult | None:
+            with self._read() as conn:
+                return commit_log.commit_with_token(conn, token, kind)
 
         return self._guard(run)
 
@@ -770,6 +759,8 @@ class Registry:
         the write waited, over how many attempts. Anything else, an
         ``IntegrityError`` first (a constraint the same write breaks again),
         is raised at once as one ``RegistryError`` line; nothing is written.
+        Under a ``write(once_token=...)``, a commit that token already made is
+        looked up first, under the lock, and returned in place of ``body``'s.
         """
         self.require_writable()
         delay = 0.05
@@ -778,7 +769,8 @@ class Registry:
             try:
                 with HeldInterrupts() as held:
                     with schema.write_transaction(self.engine) as conn:
-                        result = body(conn)
+                        landed = self._landed(conn)
+                        result = body(conn) if landed is None else cast(T, landed)
                         held.start()  # from here to the recorded commit id, SIGINT waits
                     self._made(getattr(result, "commit_id", None))
                 return result
@@ -795,6 +787,13 @@ class Registry:
                 time.sleep(delay)
                 delay *= 4
         raise AssertionError("unreachable")
+
+    def _landed(self, conn: Connection) -> WriteResult | None:
+        """Under the write lock: the commit the ``once_token`` write under way already made."""
+        if self._once is None:
+            return None
+        token, kind = self._once
+        return commit_log.commit_with_token(conn, token, kind)
 
     def _made(self, commit_id: int | None) -> None:
         """Tell the listeners of a commit just made (SIGINT is held)."""
@@ -855,6 +854,7 @@ class Registry:
         keep_existing: bool = False,
         records: rec.RecordWrite | Iterable[rec.NewRecord] = (),
         reverts_commit_id: int | None = None,
+        once_token: str | None = None,
     ) -> WriteResult:
         """Store ``entries`` (insert or replace) and delete ``removals`` as one commit.
 
@@ -876,25 +876,38 @@ class Registry:
         only records is a commit too. Invalid records raise ``RecordError``
         before anything is written. ``reverts_commit_id``: the commit a
         ``revert`` write undoes (``ficache.revert``).
+        ``once_token``: the write lands at most once for this token. The token
+        is stored in the commit's provenance (``commit_log.TOKEN_FIELD``), and
+        inside the transaction, under the write lock and before anything is
+        written, a commit of ``kind`` that already holds it is looked up: when
+        one exists (an earlier attempt landed although its caller never heard),
+        its result is returned and nothing is written. A retried write that
+        waits for the lock behind the attempt still landing so sees it.
         """
+        if once_token is not None:
+            provenance = {**(provenance or {}), commit_log.TOKEN_FIELD: once_token}
         record_write = (
             records if isinstance(records, rec.RecordWrite) else rec.RecordWrite(tuple(records))
         )
         record_write.validate()
-        with paused_gc():  # a large write allocates many small objects, no cycles
-            return self._write_entries(
-                entries,
-                kind=kind,
-                message=message,
-                world_size=world_size,
-                layout=layout,
-                provenance=provenance,
-                removals=removals,
-                expected=expected,
-                keep_existing=keep_existing,
-                record_write=record_write,
-                reverts_commit_id=reverts_commit_id,
-            )
+        self._once = None if once_token is None else (once_token, kind)
+        try:
+            with paused_gc():  # a large write allocates many small objects, no cycles
+                return self._write_entries(
+                    entries,
+                    kind=kind,
+                    message=message,
+                    world_size=world_size,
+                    layout=layout,
+                    provenance=provenance,
+                    removals=removals,
+                    expected=expected,
+                    keep_existing=keep_existing,
+                    record_write=record_write,
+                    reverts_commit_id=reverts_commit_id,
+                )
+        finally:
+            self._once = None
 
     def _write_entries(
         self,

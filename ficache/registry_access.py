@@ -56,6 +56,7 @@ class RegistryAccess(Protocol):
         keep_existing: bool = False,
         records: RecordWrite | Iterable[NewRecord] = (),
         reverts_commit_id: int | None = None,
+        once_token: str | None = None,
     ) -> WriteResult:
         """One commit (``Registry.write``)."""
         ...

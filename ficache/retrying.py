@@ -23,8 +23,8 @@ Invariants:
   not come back together.
 - An attempt must be safe to run again after a failure: a read is; a write
   must be idempotent or check, before it runs again, whether the failed
-  attempt landed (``before_retry``; the warm start's commit looks up its
-  start token).
+  attempt landed (``before_retry``, or, as the warm start's commit does,
+  ``Registry.write(once_token=...)``, which checks under the write lock).
 """
 
 from __future__ import annotations

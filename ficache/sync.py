@@ -77,8 +77,10 @@ Decisions:
   knows, and every rank keeps what it tuned. Within that limit, a server
   that refuses for now (too many clients, starting up or shutting down, a
   connection refused or reset, a serialization failure) is asked again with
-  jittered backoff (``ficache.retrying``); a commit retried so first looks up
-  its ``start_token`` (``landed_startup_commit``), so it never lands twice.
+  jittered backoff (``ficache.retrying``). The commit carries a token
+  (``Registry.write(once_token=...)``): a retried commit looks it up under the
+  registry's write lock, behind an earlier attempt still landing, and reports
+  that attempt's commit instead of writing again, so it never lands twice.
 - Concurrent servers: when two servers of one fingerprint commit the same
   key (and scope) with different values, the value committed first wins;
   the later one is not written and is counted in ``report.kept`` (see
@@ -229,47 +231,6 @@ def _collective_error(exc: BaseException) -> str:
         return _one_line(exc)
     cause = _COLLECTIVE_CAUSE.search(str(exc))
     return f"{type(exc).__name__}: {cause.group(0).strip()}" if cause else _one_line(exc)
-
-
-def landed_startup_commit(reg: Registry, token: str) -> WriteResult | None:
-    """The startup commit whose provenance holds ``token``, as its write's result, or None.
-
-    A commit whose connection was lost after the server received its COMMIT
-    may have landed; a retry asks this first, so it never lands twice. The
-    counts come from the commit row (``kept`` is not stored: reported 0).
-    """
-    from sqlalchemy import func, select  # only a retried commit needs them
-
-    from ficache.models import CommitRow, EntryRow
-
-    with reg.engine.connect() as conn:
-        rows = conn.execute(
-            select(
-                CommitRow.id,
-                CommitRow.provenance,
-                CommitRow.added,
-                CommitRow.replaced,
-                CommitRow.records_added,
-                CommitRow.records_replaced,
-            ).where(CommitRow.kind == "startup", CommitRow.provenance.contains(token))
-        ).all()
-        for commit_id, provenance, added, replaced, records_added, records_replaced in rows:
-            if json.loads(provenance or "{}").get("start_token") != token:
-                continue
-            shared = conn.execute(
-                select(func.count())
-                .select_from(EntryRow)
-                .where(EntryRow.commit_id == commit_id, EntryRow.scope == SHARED_SCOPE)
-            ).scalar_one()
-            return WriteResult(
-                commit_id,
-                added=added,
-                replaced=replaced,
-                shared_written=int(shared),
-                records_added=records_added,
-                records_replaced=records_replaced,
-            )
-    return None
 
 
 @dataclass
@@ -1356,9 +1317,8 @@ class WarmStart:
             if records:
                 provenance["records"] = len(records)
             # This start's commit is found by its token: a retry after a connection lost
-            # mid-COMMIT first looks whether that commit landed, so it never lands twice.
+            # mid-COMMIT finds, under the write lock, the commit that landed after all.
             token = uuid.uuid4().hex
-            provenance["start_token"] = token
 
             def write() -> WriteResult:
                 with self._registry() as reg:
@@ -1374,23 +1334,18 @@ class WarmStart:
                         message=f"warm start on {world} rank(s) ({layout}): {len(keys)} new keys"
                         + (f", {len(records)} new records" if records else ""),
                         keep_existing=True,
+                        once_token=token,
                         records=[
                             NewRecord(fp, ns, key, value, scope)
                             for scope, ns, key, value in records
                         ],
                     )
 
-            def landed() -> WriteResult | None:
-                with self._registry() as reg:
-                    return landed_startup_commit(reg, token)
-
             try:
                 with self._deadline():
-                    # A refusal for now is tried again; before each retry, the token says
-                    # whether the failed attempt's commit landed after all.
-                    written = retry_transient(
-                        write, within=self.registry_timeout, before_retry=landed
-                    )
+                    # A refusal for now is tried again; the token says, under the write
+                    # lock, whether the failed attempt's commit landed after all.
+                    written = retry_transient(write, within=self.registry_timeout)
                     result["committed"] = written.added + written.replaced
                     # What this start wrote: a key another server committed first is in neither.
                     result["shared"] = written.shared_written

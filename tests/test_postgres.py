@@ -858,3 +858,37 @@ def test_a_commit_retried_after_a_connection_reset_lands_once(
     assert commits == [(report.commit_id, 18)], report.reason
     assert (report.reason, report.committed) == (None, 18)
     assert sql(postgres_url, "SELECT count(*) FROM entries") == [(18,)]
+
+
+def test_a_commit_whose_answer_was_lost_while_it_was_still_landing_is_reported_once(
+    autotuner: Any, postgres_server: pg_server.PostgresServer, postgres_url: str
+) -> None:
+    """The server received the COMMIT, the client saw a reset, and the COMMIT is still being
+    made when the retry starts (a deferred trigger holds it 1.5 s): the retry's token check
+    must wait for the write lock, find the commit and report it, not write a second time."""
+    name = postgres_url.rsplit("/", 1)[1]
+    Registry.open(postgres_url).close()  # created at head, outside the proxy
+    sql(
+        postgres_url,
+        "CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS "
+        "$$ BEGIN PERFORM pg_sleep(1.5); RETURN NULL; END $$",
+    )
+    sql(
+        postgres_url,
+        "CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON commits "
+        "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION slow_commit()",
+    )
+    proxy = ResettingProxy("127.0.0.1", postgres_server.port, armed_by=COMMIT_INSERT, delay_s=0.1)
+    try:
+        with ficache.warm_start(db=proxy.url(name), registry_timeout=30) as ws:
+            standin_tune()
+    finally:
+        proxy.close()
+
+    assert proxy.resets == 1  # the COMMIT reached the server, its answer never came back
+    report = ws.report
+    commits = sql(postgres_url, "SELECT id, added FROM commits WHERE kind = 'startup'")
+    assert len(commits) == 1, commits
+    assert commits == [(report.commit_id, 18)], report.reason
+    assert (report.reason, report.committed) == (None, 18)
+    assert sql(postgres_url, "SELECT count(*) FROM entries") == [(18,)]

@@ -132,6 +132,28 @@ def test_writing_nothing_new_creates_no_commit(reg: Registry, registry_db: str, 
     assert len(reg.log()) == 1
 
 
+def test_a_write_with_a_token_lands_once_and_a_retry_reports_that_commit(
+    reg: Registry, registry_db: str, dump_db
+) -> None:
+    first = reg.write(
+        [entry(H200, 16, 1), entry(H200, 32, 2, scope="tp2/rank1")],
+        kind="startup",
+        provenance={"framework": "vllm"},
+        once_token="a1b2c3",
+    )
+    before = dump_db(registry_db)
+
+    # A retry of the same write (its first answer lost): the commit that landed, nothing more.
+    again = reg.write([entry(H200, 16, 9)], kind="startup", once_token="a1b2c3")
+    assert (again.commit_id, again.added, again.shared_written) == (first.commit_id, 2, 1)
+    assert dump_db(registry_db) == before
+    assert reg.commit_with_token("a1b2c3") == again
+    assert reg.log()[0].provenance == {"framework": "vllm", "start_token": "a1b2c3"}
+    # Another token, or a token only contained in another, is another write.
+    assert reg.commit_with_token("a1b2c") is None
+    assert reg.write([entry(H200, 16, 9)], kind="startup", once_token="a1b2c").replaced == 1
+
+
 class AnotherWriter:
     """Another writer holding the registry's write lock (plain driver SQL) until ``release``:
     SQLite's ``BEGIN IMMEDIATE``, or on PostgreSQL the advisory lock writers queue on."""
