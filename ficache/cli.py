@@ -26,7 +26,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -36,6 +36,7 @@ from ficache import __version__
 from ficache.errors import FicacheError, NotFoundError
 
 T = TypeVar("T")
+CommandT = TypeVar("CommandT", bound=Callable[..., Any])
 
 #: A commit id or row count as the CLI takes it: positive, and at most the largest
 #: integer SQLite stores (``ficache.registry.MAX_ROW_ID``; a larger one cannot be bound).
@@ -53,6 +54,23 @@ FORMAT = click.option(
 #: ``ficache.merge.POLICIES`` (merge's and import's ``--on-conflict``), repeated so
 #: that `--help` does not import the library.
 MERGE_POLICIES = ("keep", "theirs", "newest", "vote", "drop", "fail")
+
+
+def on_conflict_option(
+    conflict: str, *, keep: str, theirs: str, vote: str, drop: str, fail: str
+) -> Callable[[CommandT], CommandT]:
+    """``--on-conflict`` (``MERGE_POLICIES``, default keep), as ``import`` and ``merge`` take it:
+    one option, whose help names what ``keep``, ``theirs``, ``vote``, ``drop`` and ``fail``
+    mean for the command's ``conflict``."""
+    return click.option(
+        "--on-conflict",
+        "policy",
+        type=click.Choice(MERGE_POLICIES),
+        default="keep",
+        show_default=True,
+        help=f"Which value wins {conflict}: {keep} (keep), {theirs} (theirs), the most "
+        f"recently tuned (newest), {vote} (vote); or {drop} (drop), or {fail} (fail).",
+    )
 
 
 class _Context:
@@ -564,15 +582,13 @@ def _fingerprints_table(summaries: Sequence[Any], *, wide: bool) -> str:
     help="With --from-vllm: the layout that per-rank files are scoped to, as the vLLM "
     "plugin names it (tp4-pp1-dp1-ep4) [default: tp<files>-pp1-dp<D>-ep1].",
 )
-@click.option(
-    "--on-conflict",
-    "policy",
-    type=click.Choice(MERGE_POLICIES),
-    default="keep",
-    show_default=True,
-    help="Which value wins when two FILES hold one key with different values, as in merge: "
-    "the first file's (keep), the last's (theirs), the most recently tuned (newest), the "
-    "most files' (vote); or import none of them (drop), or import nothing and exit 1 (fail).",
+@on_conflict_option(
+    "when two FILES hold one key with different values, as in merge",
+    keep="the first file's",
+    theirs="the last's",
+    vote="the most files'",
+    drop="import none of them",
+    fail="import nothing and exit 1",
 )
 @click.option("--dry-run", is_flag=True, help="Show what the import would do and change nothing.")
 @FORMAT
@@ -1779,15 +1795,13 @@ def _conflict_values(target: Any, sources: Sequence[tuple[int, Any]], *, verbose
 
 @cli.command("merge")
 @click.argument("sources", nargs=-1, required=True, metavar="SOURCE...")
-@click.option(
-    "--on-conflict",
-    "policy",
-    type=click.Choice(MERGE_POLICIES),
-    default="keep",
-    show_default=True,
-    help="Which value wins a conflict: the registry's (keep), the last source's (theirs), "
-    "the most recently tuned (newest), the most sources' (vote); or remove the key (drop), "
-    "or change nothing and exit 1 (fail).",
+@on_conflict_option(
+    "a conflict",
+    keep="the registry's",
+    theirs="the last source's",
+    vote="the most sources'",
+    drop="remove the key",
+    fail="change nothing and exit 1",
 )
 @click.option("--dry-run", is_flag=True, help="Show the plan and change nothing.")
 @click.option(
