@@ -1,4 +1,4 @@
-"""The registry: queries, transactional commits, exports, prune (revert plans: ``ficache.revert``).
+"""The registry: a facade over its reads, and transactional commits, prune (revert plans: ``ficache.revert``).
 
 Invariants:
 - Every write is one transaction that adds exactly one ``commits`` row with
@@ -38,7 +38,17 @@ Invariants:
   (``ficache._interrupts``), so a Ctrl-C never lands between the
   database's COMMIT and the caller learning of it.
 
-Structure: the value types a write takes and returns (``NewEntry``,
+Structure: ``Registry`` is a facade. It owns opening and closing a registry,
+its connections, turning a database error into one line, and the write
+machinery (``write``, prune plans, revert). Each read concern lives in a
+module of its own that takes an open connection and never imports this one:
+``ficache.stored_fingerprints`` (``fingerprints``, ``fingerprint``,
+``serving``), ``ficache.stored_entries`` (``entries``, ``slice_rows``,
+``slice_records``, ``entry_values``), ``ficache.file_export``
+(``export_text``, ``export_for``), ``ficache.commit_log`` (``log``,
+``commit_with_token``) and ``ficache.registry_stats`` (``stats``); their
+value types (``FingerprintInfo``, ``StoredEntry``, ``Stats``) are re-exported
+here. The value types a write takes and returns (``NewEntry``,
 ``WriteResult``, ``CommitInfo``, scopes) live in ``ficache.values`` and are
 re-exported here. The modules this one's facade methods call
 (``import_cache``: ``ficache.importing``; ``revert``: ``ficache.revert``) take
@@ -60,7 +70,6 @@ from sqlalchemy import (
     Connection,
     Engine,
     bindparam,
-    case,
     delete,
     func,
     insert,
@@ -69,35 +78,42 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy import text as sql_text
 from sqlalchemy.exc import DatabaseError, OperationalError
 
-from ficache import commit_log, schema
+from ficache import (
+    commit_log,
+    file_export,
+    registry_stats,
+    schema,
+    stored_entries,
+    stored_fingerprints,
+)
 from ficache import records as rec
 from ficache._gcpause import paused_gc
 from ficache._interrupts import HeldInterrupts
 from ficache.errors import (
     ConflictError,
     FicacheError,
-    FingerprintError,
-    NotFoundError,
     RegistryBusyError,
     RegistryReadOnlyError,
     SchemaTooNewError,
     StalePlanError,
 )
 from ficache.fingerprint import Fingerprint
-from ficache.flashinfer_format import CacheFile, KeyFields, parse_key, render_cache
+from ficache.flashinfer_format import CacheFile, KeyFields, parse_key
 from ficache.models import COMMITS as C
 from ficache.models import ENTRIES as E
 from ficache.models import ENTRY_CHANGES as H
 from ficache.models import (
-    ENTRY_POLICY,
     ENTRY_VALUE_COLUMNS,
     SHARED_SCOPE,
 )
 from ficache.models import FINGERPRINTS as F
 from ficache.policies import policy_ids
+from ficache.registry_stats import Stats
+from ficache.stored_entries import StoredEntry
+from ficache.stored_fingerprints import MAX_ROW_ID as MAX_ROW_ID  # re-exported
+from ficache.stored_fingerprints import FingerprintInfo
 from ficache.values import (
     CommitInfo,
     Expected,
@@ -112,64 +128,9 @@ from ficache.values import (
 T = TypeVar("T")
 
 COMMIT_KINDS = ("import", "startup", "merge", "revert", "prune")
-#: The largest row id SQLite stores (a signed 64-bit integer).
-MAX_ROW_ID = 2**63 - 1
 
 WRITE_ATTEMPTS = 4
 _CHUNK = 500  # rows per IN (...) list
-
-
-@dataclass(frozen=True)
-class StoredEntry:
-    fingerprint_id: int
-    scope: str
-    key: str
-    op: str
-    runner: str
-    shapes: str
-    extras: str
-    tactic_json: str
-    policy_json: str | None
-    commit_id: int
-    updated_at: float
-    selection_json: str | None = None  # how FlashInfer chose the value, when known
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "fingerprint": self.fingerprint_id,
-            "scope": self.scope,
-            "op": self.op,
-            "runner": self.runner,
-            "shapes": json.loads(self.shapes),
-            "extras": self.extras,
-            "key": self.key,
-            "tactic": json.loads(self.tactic_json),
-            "policy": json.loads(self.policy_json) if self.policy_json is not None else None,
-            "commit": self.commit_id,
-            "updated_at": self.updated_at,
-            "selection": (
-                json.loads(self.selection_json) if self.selection_json is not None else None
-            ),
-        }
-
-
-@dataclass(frozen=True)
-class FingerprintInfo:
-    id: int
-    fingerprint: Fingerprint
-    entries: int
-    created_at: float
-    last_served_at: float | None = None  # when a warm start last served it; None: never
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "digest": self.fingerprint.digest,
-            **self.fingerprint.reported(),  # a missing field as null
-            "entries": self.entries,
-            "created_at": self.created_at,
-            "last_served_at": self.last_served_at,
-        }
 
 
 @dataclass(frozen=True)
@@ -213,35 +174,6 @@ class PrunePlan:
 
     def execute(self, registry: Registry) -> WriteResult:
         return registry._execute_prune(self)
-
-
-@dataclass(frozen=True)
-class Stats:
-    fingerprints: int
-    entries: int
-    shared_entries: int
-    scoped_entries: int
-    commits: int
-    ops: tuple[tuple[str, int], ...]
-    last_commit_at: float | None
-    revision: str | None
-    location: str
-    size_bytes: int | None
-    #: ``(fingerprint id, last served at)``; None: never served by a warm start.
-    last_served: tuple[tuple[int, float | None], ...] = ()
-    records: int = 0
-    #: ``(fingerprint id, namespace, records)`` of every stored record namespace.
-    record_namespaces: tuple[tuple[int, str, int], ...] = ()
-
-    def as_json(self) -> dict[str, Any]:
-        data = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        data["ops"] = dict(self.ops)
-        data["last_served"] = {str(fid): served for fid, served in self.last_served}
-        data["record_namespaces"] = [
-            {"fingerprint": fid, "namespace": ns, "records": n}
-            for fid, ns, n in self.record_namespaces
-        ]
-        return data
 
 
 class _NothingToWrite(Exception):
@@ -362,17 +294,6 @@ def _added_changes_from_entries() -> Any:
     return insert(H).from_select(list(values), rows)
 
 
-def _shapes_and_extras(key: str) -> tuple[str, str]:
-    """A stored key's shapes (JSON) and extras, as ``list`` shows them; a key
-    that does not parse (a damaged registry: ``ficache verify`` names it)
-    shows ``null`` shapes and no extras rather than failing the listing."""
-    try:
-        fields = parse_key(key)
-    except ValueError:
-        return "null", ""
-    return fields.shapes_json, fields.extras
-
-
 def _inserted_id(result: Any) -> int:
     key = result.inserted_primary_key
     assert key is not None, "INSERT returned no primary key"
@@ -453,67 +374,27 @@ class Registry:
                 exc, self.location, engine=self.engine
             ) from None
 
+    def _reading(self, query: Callable[..., T], *args: Any) -> T:
+        """``query(conn, *args)`` on one read connection, a database error as one line."""
+
+        def run() -> T:
+            with self._read() as conn:
+                return query(conn, *args)
+
+        return self._guard(run)
+
     def fingerprints(self, *, ids: Sequence[int] | None = None) -> list[FingerprintInfo]:
-        """Stored fingerprints (all, or those with ``ids``) with their entry counts.
-
-        Counting uses the entries index per fingerprint, so asking for a few
-        fingerprints of a large registry stays cheap.
-        """
-
-        def run() -> list[FingerprintInfo]:
-            fp_query = select(F).order_by(F.c.id)
-            count_query = select(E.c.fingerprint_id, func.count()).group_by(E.c.fingerprint_id)
-            if ids is not None:
-                fp_query = fp_query.where(F.c.id.in_(list(ids)))
-                count_query = count_query.where(E.c.fingerprint_id.in_(list(ids)))
-            with self._read() as conn:
-                counts = dict(conn.execute(count_query).all())
-                return [
-                    FingerprintInfo(
-                        row.id,
-                        fingerprint_from_row(row),
-                        counts.get(row.id, 0),
-                        row.created_at,
-                        row.last_served_at,
-                    )
-                    for row in conn.execute(fp_query)
-                ]
-
-        return self._guard(run)
-
-    def _fingerprint_ids(self) -> list[tuple[int, Fingerprint]]:
-        def run() -> list[tuple[int, Fingerprint]]:
-            with self._read() as conn:
-                return [(row.id, fingerprint_from_row(row)) for row in conn.execute(select(F))]
-
-        return self._guard(run)
+        """Stored fingerprints (all, or those with ``ids``) with their entry counts
+        (``ficache.stored_fingerprints``)."""
+        return self._reading(stored_fingerprints.fingerprints, ids)
 
     def fingerprint(self, ref: int | str) -> FingerprintInfo:
         """Find a stored fingerprint by id or (a prefix of at least 6 of) its digest."""
-        text = str(ref).strip()
-        if text.isascii() and text.isdigit():
-            # Past the largest id a database stores ("²" is a digit int() refuses): not found.
-            found = self.fingerprints(ids=[int(text)]) if int(text) <= MAX_ROW_ID else []
-            if found:
-                return found[0]
-        elif len(text) >= 6:
-            matches = [
-                fid for fid, fp in self._fingerprint_ids() if fp.digest.startswith(text.lower())
-            ]
-            if len(matches) == 1:
-                return self.fingerprints(ids=matches)[0]
-            if len(matches) > 1:
-                raise FingerprintError(
-                    f"fingerprint prefix {text!r} is ambiguous; give more characters or the id"
-                )
-        raise NotFoundError(f"no fingerprint {text!r} in the registry; see `ficache fingerprints`")
+        return self._reading(stored_fingerprints.fingerprint, ref)
 
     def serving(self, current: Fingerprint) -> list[FingerprintInfo]:
         """Stored fingerprints whose entries ``current`` may use, exact match first."""
-        ids = [fid for fid, fp in self._fingerprint_ids() if fp.serves(current)]
-        infos = self.fingerprints(ids=ids) if ids else []
-        infos.sort(key=lambda i: (i.fingerprint != current, -i.id))
-        return infos
+        return self._reading(stored_fingerprints.serving, current)
 
     def entries(
         self,
@@ -525,42 +406,18 @@ class Registry:
         scope: str | None = None,
         limit: int | None = None,
     ) -> Iterator[StoredEntry]:
-        query = select(
-            E.c.fingerprint_id,
-            E.c.scope,
-            E.c.key,
-            E.c.op,
-            E.c.runner,
-            E.c.tactic,
-            ENTRY_POLICY,
-            E.c.commit_id,
-            E.c.updated_at,
-            E.c.selection,
-        )
-        if gpu is not None or flashinfer_version is not None:
-            query = query.join(F, F.c.id == E.c.fingerprint_id)
-            if gpu is not None:
-                query = query.where(F.c.gpu == gpu)
-            if flashinfer_version is not None:
-                query = query.where(F.c.flashinfer_version == flashinfer_version)
-        if fingerprint_ids is not None:
-            query = query.where(E.c.fingerprint_id.in_(list(fingerprint_ids)))
-        if op is not None:
-            query = query.where(E.c.op == op)
-        if scope is not None:
-            query = query.where(E.c.scope == scope)
-        query = query.order_by(E.c.fingerprint_id, E.c.scope, E.c.key)
-        if limit is not None:
-            query = query.limit(limit)
+        """The stored entries matching every filter given (``ficache.stored_entries``)."""
         try:
             with self._read() as conn:
-                for fid, sc, key, op_, runner, tactic, pol, cid, updated, sel in conn.execute(
-                    query
-                ):
-                    shapes, extras = _shapes_and_extras(key)
-                    yield StoredEntry(
-                        fid, sc, key, op_, runner, shapes, extras, tactic, pol, cid, updated, sel
-                    )
+                yield from stored_entries.entries(
+                    conn,
+                    fingerprint_ids=fingerprint_ids,
+                    op=op,
+                    gpu=gpu,
+                    flashinfer_version=flashinfer_version,
+                    scope=scope,
+                    limit=limit,
+                )
         except (OperationalError, DatabaseError) as exc:
             raise schema.translate_operational_error(
                 exc, self.location, engine=self.engine
@@ -574,23 +431,7 @@ class Registry:
         Earlier fingerprints win over later ones; a later scope in ``scopes``
         wins over an earlier one (pass ``["shared", "tp2/rank1"]``).
         """
-
-        def run() -> dict[str, tuple[str, str, str, str | None, str | None]]:
-            result: dict[str, tuple[str, str, str, str | None, str | None]] = {}
-            # One indexed range per (fingerprint, scope), weakest first, so a
-            # stronger row simply overwrites a weaker one.
-            with self._read() as conn:
-                for fid in reversed(list(fingerprint_ids)):
-                    for scope in scopes:
-                        rows = conn.execute(
-                            select(
-                                E.c.key, E.c.runner, E.c.tactic, ENTRY_POLICY, E.c.selection
-                            ).where(E.c.fingerprint_id == fid, E.c.scope == scope)
-                        )
-                        result.update({row[0]: row for row in rows})
-            return result
-
-        return self._guard(run)
+        return self._reading(stored_entries.slice_rows, fingerprint_ids, scopes)
 
     def entry_values(
         self, fingerprint_ids: Sequence[int]
@@ -599,36 +440,15 @@ class Registry:
         of every entry of ``fingerprint_ids``: an entry's value with when it was
         tuned and how it was chosen, as bundles and merges copy it (``tuned_at``
         falls back to ``updated_at``)."""
-        query = (
-            select(*ENTRY_VALUE_COLUMNS)
-            .where(E.c.fingerprint_id.in_(list(fingerprint_ids)))
-            .order_by(E.c.fingerprint_id, E.c.scope, E.c.key)
-        )
-
-        def run() -> list[tuple[int, str, str, str, str, str | None, float, str | None]]:
-            with self._read() as conn:
-                return [tuple(row) for row in conn.execute(query)]
-
-        return self._guard(run)
+        return self._reading(stored_entries.entry_values, fingerprint_ids)
 
     def export_text(self, fingerprint_id: int, *, scope: str = SHARED_SCOPE) -> tuple[str, int]:
         """The FlashInfer cache file of one stored fingerprint's entries, and its size."""
-        info = self.fingerprint(fingerprint_id)
-        scopes = [SHARED_SCOPE] if scope == SHARED_SCOPE else [SHARED_SCOPE, scope]
-        rows = self.slice_rows([info.id], scopes)
-        records = self.slice_records([info.id], scopes)
-        return render_cache(info.fingerprint.flashinfer_metadata(), rows.values(), records), len(
-            rows
-        )
+        return self._reading(file_export.export_text, fingerprint_id, scope)
 
     def slice_records(self, fingerprint_ids: Sequence[int], scopes: Sequence[str]) -> rec.RecordMap:
         """``{namespace: {key: canonical JSON}}`` as one rank loads it (``slice_rows``'s order)."""
-
-        def run() -> rec.RecordMap:
-            with self._read() as conn:
-                return rec.slice_records(conn, fingerprint_ids, scopes)
-
-        return self._guard(run)
+        return self._reading(stored_entries.slice_records, fingerprint_ids, scopes)
 
     def export_for(self, current: Fingerprint, *, scope: str = SHARED_SCOPE) -> tuple[str, int]:
         """The cache file the environment ``current`` should load, and its size.
@@ -636,98 +456,22 @@ class Registry:
         Entries come from every stored fingerprint that serves ``current``;
         ``_metadata`` is ``current``'s own, so FlashInfer accepts the file.
         """
-        infos = self.serving(current)
-        if not infos:
-            raise NotFoundError(
-                "no stored fingerprint serves the current environment; "
-                "see `ficache fingerprints` and `ficache fingerprint`"
-            )
-        scopes = [SHARED_SCOPE] if scope == SHARED_SCOPE else [SHARED_SCOPE, scope]
-        rows = self.slice_rows([i.id for i in infos], scopes)
-        records = self.slice_records([i.id for i in infos], scopes)
-        return render_cache(current.flashinfer_metadata(), rows.values(), records), len(rows)
+        return self._reading(file_export.export_for, current, scope)
 
     def log(self, limit: int | None = 20, *, commit_id: int | None = None) -> list[CommitInfo]:
         """The newest commits first (``ficache.commit_log``)."""
 
-        def run() -> list[CommitInfo]:
-            with self._read() as conn:
-                return commit_log.log(conn, limit, commit_id)
-
-        return self._guard(run)
+        return self._reading(commit_log.log, limit, commit_id)
 
     def commit_with_token(self, token: str, *, kind: str = "startup") -> WriteResult | None:
         """The commit of ``kind`` a write given ``once_token=token`` made, as its result, or None
         (``ficache.commit_log``)."""
 
-        def run() -> WriteResult | None:
-            with self._read() as conn:
-                return commit_log.commit_with_token(conn, token, kind)
-
-        return self._guard(run)
+        return self._reading(commit_log.commit_with_token, token, kind)
 
     def stats(self) -> Stats:
-        def run() -> Stats:
-            with self._read() as conn:
-                n_fp = conn.execute(select(func.count()).select_from(F)).scalar_one()
-                # Counted with CASE: PostgreSQL will not group by an expression
-                # holding a bound parameter (each use binds a parameter of its own).
-                n_entries, n_shared = conn.execute(
-                    select(
-                        func.count(),
-                        func.coalesce(func.sum(case((E.c.scope == SHARED_SCOPE, 1), else_=0)), 0),
-                    ).select_from(E)
-                ).one()
-                last_served = tuple(
-                    (int(fid), served)
-                    for fid, served in conn.execute(
-                        select(F.c.id, F.c.last_served_at).order_by(F.c.id)
-                    )
-                )
-                ops = tuple(
-                    (op, n)
-                    for op, n in conn.execute(
-                        select(E.c.op, func.count())
-                        .group_by(E.c.op)
-                        .order_by(func.count().desc(), E.c.op)
-                    )
-                )
-                n_commits, last = conn.execute(select(func.count(), func.max(C.c.created_at))).one()
-                record_namespaces = rec.record_counts(conn)
-                revision = schema.current_revision(conn)
-                size = None
-                if conn.dialect.name == "postgresql":
-                    size = conn.execute(
-                        sql_text("SELECT pg_database_size(current_database())")
-                    ).scalar_one()
-            shared = int(n_shared)
-            scoped = int(n_entries) - shared
-            if self.location.path is not None and self.location.path.exists():
-                size = sum(
-                    p.stat().st_size
-                    for p in (
-                        self.location.path,
-                        self.location.path.with_name(self.location.path.name + "-wal"),
-                    )
-                    if p.exists()
-                )
-            return Stats(
-                n_fp,
-                shared + scoped,
-                shared,
-                scoped,
-                n_commits,
-                ops,
-                last,
-                revision,
-                self.location.display,
-                size,
-                last_served,
-                sum(n for _fid, _ns, n in record_namespaces),
-                record_namespaces,
-            )
-
-        return self._guard(run)
+        """The registry's totals (``ficache.registry_stats``)."""
+        return self._reading(registry_stats.stats, self.location)
 
     # -- writing ----------------------------------------------------------
 
