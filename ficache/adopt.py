@@ -126,8 +126,7 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,6 +136,14 @@ from ficache.deadline import DEFAULT_REGISTRY_TIMEOUT_S, registry_deadline
 from ficache.errors import CacheFileError, FingerprintError, V2StoreError, VllmCacheError
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
 from ficache.flashinfer_format import read_cache_file
+from ficache.ingest import (
+    AUTOTUNE_DIR,
+    RANK_FILE_PATTERN,
+    SINGLE_FILE_NAME,
+    VllmDeployment,
+    find_vllm_caches,
+)
+from ficache.ingest import import_hint as import_hint  # re-exported: its old home
 from ficache.models import SHARED_SCOPE
 from ficache.records import NewRecord
 from ficache.registry import NewEntry, Registry, WriteResult, rank_scope
@@ -147,21 +154,12 @@ from ficache.v2_store import (
     StoredEnvironment,
     StoreEnvironment,
     environments_provenance,
-    is_store_root,
     measurement_label,
     read_store,
 )
 
 #: ``source`` of the provenance an adoption commit records.
 PROVENANCE_SOURCE = "vllm-cache"
-#: The directory under ``VLLM_CACHE_ROOT`` that holds vLLM's autotune roots.
-AUTOTUNE_DIR = "flashinfer_autotune_cache"
-#: vLLM 0.27-0.31: one file per deployment, rank 0's, loaded by every rank.
-SINGLE_FILE_NAME = "autotune_configs.json"
-#: vLLM 0.32+: one file per rank (``flashinfer_autotune_filename(dp_rank, rank)``).
-RANK_FILE_NAME = re.compile(r"autotune_configs_dp(\d{1,6})_rank(\d{1,6})\.json")
-#: ``RANK_FILE_NAME`` as a report names it.
-RANK_FILE_PATTERN = "autotune_configs_dp<D>_rank<R>.json"
 #: Skipped items kept with their reasons (all are counted).
 MAX_REASONS = 20
 
@@ -417,76 +415,9 @@ class _Collector:
             self.skipped.append(Skipped(str(path), reason))
 
 
-def _subdirs(path: Path, found: _Collector) -> list[Path]:
-    try:
-        return sorted(p for p in path.iterdir() if p.is_dir())
-    except OSError as exc:
-        found.skip(path, f"cannot list ({exc.strerror})")
-        return []
-
-
-def _autotune_roots(root: Path, found: _Collector) -> Iterator[Path]:
-    """The root itself, and ``<root>/flashinfer_autotune_cache/<version>/<arch>``."""
-    yield root
-    base = root / AUTOTUNE_DIR
-    if base.is_dir():
-        for version in _subdirs(base, found):
-            yield from _subdirs(version, found)
-
-
-@dataclass(frozen=True)
-class _Deployment:
-    directory: Path
-    single: Path | None
-    ranks: tuple[tuple[int, int, Path], ...]  # (dp, rank, path), sorted
-
-
-def _deployment(directory: Path, found: _Collector) -> _Deployment | None:
-    try:
-        names = sorted(p.name for p in directory.iterdir())
-    except OSError as exc:
-        found.skip(directory, f"cannot list ({exc.strerror})")
-        return None
-    single = directory / SINGLE_FILE_NAME if SINGLE_FILE_NAME in names else None
-    ranks = []
-    for name in names:
-        m = RANK_FILE_NAME.fullmatch(name)
-        if m is not None:
-            ranks.append((int(m.group(1)), int(m.group(2)), directory / name))
-    if single is None and not ranks:
-        return None
-    return _Deployment(directory, single, tuple(sorted(ranks)))
-
-
-def _find(sources: Sources, found: _Collector) -> tuple[list[_Deployment], list[Path]]:
-    deployments: dict[Path, _Deployment] = {}
-    stores: dict[Path, Path] = {}
-
-    def key(path: Path) -> Path:
-        try:
-            return path.resolve()
-        except OSError:
-            return path
-
-    for root in sources.roots:
-        if not root.is_dir():
-            continue
-        for autotune_root in _autotune_roots(root, found):
-            if is_store_root(autotune_root):
-                stores.setdefault(key(autotune_root), autotune_root)
-            for directory in (autotune_root, *_subdirs(autotune_root, found)):
-                if key(directory) in deployments or directory.name == SCHEMA:
-                    continue
-                deployment = _deployment(directory, found)
-                if deployment is not None:
-                    deployments[key(directory)] = deployment
-    for v2_root in sources.v2_roots:
-        if is_store_root(v2_root):
-            stores.setdefault(key(v2_root), v2_root)
-    return (
-        sorted(deployments.values(), key=lambda d: str(d.directory)),
-        sorted(stores.values(), key=str),
-    )
+def _find(sources: Sources, found: _Collector) -> tuple[list[VllmDeployment], list[Path]]:
+    """vLLM's caches under ``sources``, found by ``ingest.find_vllm_caches``."""
+    return find_vllm_caches(sources.roots, sources.v2_roots, found.skip)
 
 
 @dataclass(frozen=True)
@@ -598,7 +529,7 @@ class _Records:
 
 
 def _adopt_single(
-    deployment: _Deployment, entries: _Entries, records: _Records, found: _Collector
+    deployment: VllmDeployment, entries: _Entries, records: _Records, found: _Collector
 ) -> AdoptedLayout:
     assert deployment.single is not None
     read = _read(deployment.single, found)
@@ -633,7 +564,7 @@ def _adopt_single(
 
 
 def _adopt_per_rank(
-    deployment: _Deployment,
+    deployment: VllmDeployment,
     entries: _Entries,
     records: _Records,
     found: _Collector,
@@ -780,28 +711,6 @@ def _adopt_store(root: Path, entries: _Entries, found: _Collector) -> list[Adopt
 def _one_policy(env: StoreEnvironment, entries: _Entries) -> bool:
     first = entries.measurements.setdefault(env.fingerprint, env.measurement)
     return first == env.measurement
-
-
-def import_hint(directory: Path) -> str:
-    """What to run for ``directory``, given to ``import`` but no v2 store: what it holds decides.
-
-    vLLM's caches (found as ``plan_adoption`` finds them) suggest ``--from-vllm``;
-    FlashInfer cache files in it, naming them (``DIR/*.json``); else both forms.
-    """
-    quoted = shlex.quote(str(directory))
-    deployments, stores = _find(Sources((directory,)), _Collector())
-    if deployments or stores:
-        return f"it holds vLLM's autotune caches: adopt them with `ficache import --from-vllm {quoted}`"
-    try:
-        files = sum(1 for p in directory.glob("*.json") if p.is_file())
-    except OSError:
-        files = 0
-    if files:
-        return f"to import the {files} cache file(s) in it, name them: `ficache import {quoted}/*.json`"
-    return (
-        "it holds no cache file (*.json) and no vLLM autotune cache; give cache files "
-        "(`ficache import DIR/*.json`) or vLLM's cache root (`ficache import --from-vllm DIR`)"
-    )
 
 
 def plan_adoption(sources: Sources, *, known: KnownLayout | None = None) -> AdoptionPlan:

@@ -971,14 +971,13 @@ def _import_v2_stores(
     fmt: str,
 ) -> None:
     """``import`` of FlashInfer v2 stores (``ingest.import_kind``): read every one, then one commit."""
-    from ficache.adopt import import_hint
     from ficache.importing import plan_store_import
     from ficache.ingest import read_stores
     from ficache.v2_store import measurement_label, stores_provenance
 
     if fingerprint_ref is not None:
         raise click.UsageError("a v2 store's manifest names its environments; drop --fingerprint")
-    stores = read_stores(dirs, hint=import_hint)
+    stores = read_stores(dirs)
     plan = plan_store_import(stores, scope=scope, policy=policy)
     plan.check()
     with _import_registry(obj, dry_run) as reg:

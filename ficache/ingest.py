@@ -1,9 +1,14 @@
-"""What a path given to ``import`` or ``merge`` is, and reading what it holds.
+"""What a path given to ``import``, ``merge`` or ``--from-vllm`` is, and reading what it holds.
 
 Owns recognising a source: ``recognise(spec)`` is the one place that says
 what a path or URL names (another registry, a bundle, a FlashInfer v2 store
-root or environment directory, another directory, or a FlashInfer cache
-file), and ``import_kind(paths)`` says which import a command's paths get.
+root or environment directory, a directory holding vLLM's autotune caches,
+another directory, or a FlashInfer cache file), and ``import_kind(paths)``
+says which import a command's paths get. It also owns finding vLLM's caches
+in a tree (``find_vllm_caches``: the deployment directories and v2 stores
+that ``ficache.adopt`` adopts; the layouts are described there) and what to
+tell a user who gave ``import`` a directory that is no v2 store
+(``import_hint``).
 ``read_files``, ``read_bundles`` and ``read_stores`` return an import's
 parsed inputs; ``merge.open_source`` reads a merge's sources by the same
 ``recognise``. It does not own the formats (``flashinfer_format``,
@@ -14,10 +19,13 @@ Invariants:
   that cannot be looked up or read is a FlashInfer file, whose reading then
   says in one line why it cannot be read.
 - A directory is never a file: it is a v2 store (its root, with ``v2/``, or
-  one environment directory, with ``manifest.json``) or another directory,
-  which reading as a store refuses, saying what to give instead
-  (the caller's hint, ``adopt.import_hint`` from the CLI: vLLM's caches suggest
-  ``--from-vllm``).
+  one environment directory, with ``manifest.json``), a vLLM tree (vLLM's
+  caches are found in it as an adoption finds them) or another directory;
+  reading either of the last two as a store refuses it, saying what to give
+  instead (``import_hint``: vLLM's caches suggest ``--from-vllm``).
+- Finding vLLM's caches reads directory listings only, to a fixed depth
+  (never a walk), follows no name it does not recognise, and never raises:
+  a directory that cannot be listed is reported to the caller's ``skip``.
 - One import takes one kind: v2 stores, bundles or FlashInfer files; a mix
   is a ``MixedSourcesError`` (the CLI's usage error) before anything is read.
 - What is read is dated by ``tuned_time.tuned_at``, the one rule of every
@@ -27,18 +35,30 @@ Invariants:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+import re
+import shlex
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from ficache import schema
 from ficache.bundle import Bundle, looks_like_bundle, read_bundle
 from ficache.flashinfer_format import CacheFile, read_cache_file
-from ficache.v2_store import StoreContents, is_environment_dir, is_store_root, read_store
+from ficache.v2_store import (
+    SCHEMA,
+    StoreContents,
+    is_environment_dir,
+    is_store_root,
+    read_store,
+)
 
 REGISTRY = "registry"  # a SQLAlchemy URL, or a SQLite file
 BUNDLE = "bundle"
 V2_STORE = "v2 store"  # a store root or one environment directory
+VLLM_TREE = "vllm tree"  # a directory holding vLLM's autotune caches (``--from-vllm``)
 DIRECTORY = "directory"  # any other directory
+#: The kinds that are directories: none is a file, none is a merge source.
+DIRECTORY_KINDS = (V2_STORE, VLLM_TREE, DIRECTORY)
 FLASHINFER = "flashinfer"  # any other file: reading it decides
 
 _HEAD_BYTES = 64  # enough for the SQLite and the bundle magic
@@ -55,7 +75,9 @@ def recognise(spec: str | os.PathLike[str]) -> str:
         return REGISTRY
     path = Path(text)
     if _is_dir(path):
-        return V2_STORE if is_store_root(path) or is_environment_dir(path) else DIRECTORY
+        if is_store_root(path) or is_environment_dir(path):
+            return V2_STORE
+        return VLLM_TREE if holds_vllm_caches(path) else DIRECTORY
     try:
         with path.open("rb") as handle:
             head = handle.read(_HEAD_BYTES)
@@ -77,8 +99,8 @@ def import_kind(paths: Sequence[str | os.PathLike[str]]) -> str:
     refused as not JSON). A mix raises ``MixedSourcesError``.
     """
     kinds = [recognise(p) for p in paths]
-    if any(k in (V2_STORE, DIRECTORY) for k in kinds):
-        if not all(k in (V2_STORE, DIRECTORY) for k in kinds):
+    if any(k in DIRECTORY_KINDS for k in kinds):
+        if not all(k in DIRECTORY_KINDS for k in kinds):
             raise MixedSourcesError("import v2 store directories and files in separate commands")
         return V2_STORE
     if BUNDLE in kinds:
@@ -104,9 +126,133 @@ def read_stores(
     paths: Sequence[Path], *, hint: Callable[[Path], str] | None = None
 ) -> list[StoreContents]:
     """Each v2 store (root or environment directory), in order; another directory is
-    refused, with ``hint(directory)`` saying what to give instead (the CLI passes
-    ``adopt.import_hint``; this module does not import the adoption, which writes)."""
-    return [read_store(p, hint=hint) for p in paths]
+    refused, with ``hint(directory)`` (default ``import_hint``) saying what to give instead."""
+    return [read_store(p, hint=hint or import_hint) for p in paths]
+
+
+# --------------------------------------------------------------------------
+# vLLM trees (the layouts: ``ficache.adopt``'s docstring).
+
+#: The directory under ``VLLM_CACHE_ROOT`` that holds vLLM's autotune roots.
+AUTOTUNE_DIR = "flashinfer_autotune_cache"
+#: vLLM 0.27-0.31: one file per deployment, rank 0's, loaded by every rank.
+SINGLE_FILE_NAME = "autotune_configs.json"
+#: vLLM 0.32+: one file per rank (``flashinfer_autotune_filename(dp_rank, rank)``).
+RANK_FILE_NAME = re.compile(r"autotune_configs_dp(\d{1,6})_rank(\d{1,6})\.json")
+#: ``RANK_FILE_NAME`` as a report names it.
+RANK_FILE_PATTERN = "autotune_configs_dp<D>_rank<R>.json"
+
+#: Where a directory that cannot be listed is reported: ``skip(path, reason)``.
+Skip = Callable[[Path, str], None]
+
+
+@dataclass(frozen=True)
+class VllmDeployment:
+    """One vLLM deployment directory: its single file and its per-rank files."""
+
+    directory: Path
+    single: Path | None
+    ranks: tuple[tuple[int, int, Path], ...]  # (dp, rank, path), sorted
+
+
+def _ignore(path: Path, reason: str) -> None:
+    pass
+
+
+def _subdirs(path: Path, skip: Skip) -> list[Path]:
+    try:
+        return sorted(p for p in path.iterdir() if p.is_dir())
+    except OSError as exc:
+        skip(path, f"cannot list ({exc.strerror})")
+        return []
+
+
+def _autotune_roots(root: Path, skip: Skip) -> Iterator[Path]:
+    """The root itself, and ``<root>/flashinfer_autotune_cache/<version>/<arch>``."""
+    yield root
+    base = root / AUTOTUNE_DIR
+    if base.is_dir():
+        for version in _subdirs(base, skip):
+            yield from _subdirs(version, skip)
+
+
+def _deployment(directory: Path, skip: Skip) -> VllmDeployment | None:
+    try:
+        names = sorted(p.name for p in directory.iterdir())
+    except OSError as exc:
+        skip(directory, f"cannot list ({exc.strerror})")
+        return None
+    single = directory / SINGLE_FILE_NAME if SINGLE_FILE_NAME in names else None
+    ranks = []
+    for name in names:
+        m = RANK_FILE_NAME.fullmatch(name)
+        if m is not None:
+            ranks.append((int(m.group(1)), int(m.group(2)), directory / name))
+    if single is None and not ranks:
+        return None
+    return VllmDeployment(directory, single, tuple(sorted(ranks)))
+
+
+def _resolved(path: Path) -> Path:
+    try:
+        return path.resolve()
+    except OSError:
+        return path
+
+
+def find_vllm_caches(
+    roots: Sequence[Path], v2_roots: Sequence[Path] = (), skip: Skip = _ignore
+) -> tuple[list[VllmDeployment], list[Path]]:
+    """vLLM's deployment directories and v2 store roots under ``roots`` (each a vLLM cache
+    root, an autotune root or a deployment directory) and ``v2_roots``, each once, by path."""
+    deployments: dict[Path, VllmDeployment] = {}
+    stores: dict[Path, Path] = {}
+    for root in roots:
+        if not _is_dir(root):
+            continue
+        for autotune_root in _autotune_roots(root, skip):
+            if is_store_root(autotune_root):
+                stores.setdefault(_resolved(autotune_root), autotune_root)
+            for directory in (autotune_root, *_subdirs(autotune_root, skip)):
+                if _resolved(directory) in deployments or directory.name == SCHEMA:
+                    continue
+                deployment = _deployment(directory, skip)
+                if deployment is not None:
+                    deployments[_resolved(directory)] = deployment
+    for v2_root in v2_roots:
+        if is_store_root(v2_root):
+            stores.setdefault(_resolved(v2_root), v2_root)
+    return (
+        sorted(deployments.values(), key=lambda d: str(d.directory)),
+        sorted(stores.values(), key=str),
+    )
+
+
+def holds_vllm_caches(directory: Path) -> bool:
+    """Whether an adoption of ``directory`` (``--from-vllm DIR``) would find vLLM's caches."""
+    deployments, stores = find_vllm_caches((directory,))
+    return bool(deployments or stores)
+
+
+def import_hint(directory: Path) -> str:
+    """What to run for ``directory``, given to ``import`` but no v2 store: what it holds decides.
+
+    vLLM's caches (found as an adoption finds them) suggest ``--from-vllm``;
+    FlashInfer cache files in it, naming them (``DIR/*.json``); else both forms.
+    """
+    quoted = shlex.quote(str(directory))
+    if holds_vllm_caches(directory):
+        return f"it holds vLLM's autotune caches: adopt them with `ficache import --from-vllm {quoted}`"
+    try:
+        files = sum(1 for p in directory.glob("*.json") if p.is_file())
+    except OSError:
+        files = 0
+    if files:
+        return f"to import the {files} cache file(s) in it, name them: `ficache import {quoted}/*.json`"
+    return (
+        "it holds no cache file (*.json) and no vLLM autotune cache; give cache files "
+        "(`ficache import DIR/*.json`) or vLLM's cache root (`ficache import --from-vllm DIR`)"
+    )
 
 
 def _is_dir(path: Path) -> bool:
@@ -118,12 +264,22 @@ def _is_dir(path: Path) -> bool:
 
 
 __all__ = [
+    "AUTOTUNE_DIR",
     "BUNDLE",
     "DIRECTORY",
+    "DIRECTORY_KINDS",
+    "RANK_FILE_NAME",
+    "RANK_FILE_PATTERN",
+    "SINGLE_FILE_NAME",
+    "VLLM_TREE",
     "FLASHINFER",
     "REGISTRY",
     "V2_STORE",
     "MixedSourcesError",
+    "VllmDeployment",
+    "find_vllm_caches",
+    "holds_vllm_caches",
+    "import_hint",
     "import_kind",
     "read_bundles",
     "read_files",

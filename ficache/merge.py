@@ -178,7 +178,7 @@ def _open_source(text: str) -> MergeSource:
     if kind == ingest.REGISTRY:
         return _registry_source(text)
     path = Path(text)
-    if kind in (ingest.V2_STORE, ingest.DIRECTORY):
+    if kind in ingest.DIRECTORY_KINDS:
         raise CacheFileError(
             f"{path}: is a directory, expected a registry, a FlashInfer cache file or a bundle"
         )

@@ -420,7 +420,7 @@ def read_store(
 
     Raises ``V2StoreError`` when ``path`` is neither, saying what it looked
     for and ending with ``hint(path)`` (what to give instead; the CLI's
-    ``ficache.adopt.import_hint``). Malformed entries and environments are
+    ``ficache.ingest.import_hint``). Malformed entries and environments are
     skipped and counted, never raised.
     """
     source = Path(path)

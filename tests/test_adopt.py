@@ -302,6 +302,29 @@ def test_each_root_kind_is_recognised(tmp_path: Path) -> None:
     assert plan_adoption(Sources((tmp_path / "missing",))).is_empty
 
 
+def test_the_one_recogniser_names_what_an_adoption_finds(tmp_path: Path) -> None:
+    """``ingest.recognise`` tells a vLLM tree from a v2 store and any other directory, by the
+    same search an adoption makes; ``import`` and ``merge`` read paths through it."""
+    from ficache import ingest
+
+    tree = vllm_tree(tmp_path)
+    for root in (tree["vllm"], autotune_root(tree["vllm"]), tree["tp2"], tree["one_gpu"]):
+        assert ingest.recognise(root) == ingest.VLLM_TREE, root
+        plan = plan_adoption(Sources((root,)))
+        assert not plan.is_empty, root
+    assert ingest.recognise(tree["env"]) == ingest.V2_STORE
+    (tmp_path / "plain").mkdir()
+    assert ingest.recognise(tmp_path / "plain") == ingest.DIRECTORY
+    # An import of a vLLM tree is an import of directories (refused with the hint); a merge
+    # refuses it as a directory.
+    assert ingest.import_kind([tree["vllm"]]) == ingest.V2_STORE
+    from ficache.errors import CacheFileError
+    from ficache.merge import open_source
+
+    with pytest.raises(CacheFileError, match="is a directory, expected a registry"):
+        open_source(tree["tp2"])
+
+
 def test_a_known_layout_scopes_by_the_rank_in_the_tuning_group(tmp_path: Path) -> None:
     """TP2 x PP2: vLLM's world ranks 0-3, the plugin's tuning group is one stage's TP group."""
     directory = autotune_root(tmp_path / "vllm") / HASH_TP2
