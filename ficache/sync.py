@@ -1178,19 +1178,7 @@ class WarmStart:
         t = self._phase("gather", t)
         outcome: CommitOutcome | None = None
         if report.rank == 0 and gathered is not None:
-            entries: list[dict[str, Row] | None] = []
-            records: list[dict[str, dict[str, str]] | None] = []
-            for r, data in enumerate(gathered):
-                try:
-                    results = TunedResults.decode(data)
-                except MalformedMessageError as exc:
-                    verdict.no_commit = verdict.no_commit or f"{exc} (from rank {r})"
-                    entries.append(None)
-                    records.append(None)
-                    continue
-                entries.append(results.entries)
-                records.append(results.records)
-            outcome = self._commit(entries, records)
+            outcome = self._commit(*self._decode_tuned(gathered))
             t = self._phase("commit", t)
         data = channel.broadcast(_encoded(outcome, "the outcome") if outcome is not None else None)
         mine: CommitOutcome | None = None
@@ -1223,6 +1211,26 @@ class WarmStart:
         self._phase("final", t)
         return mine
 
+    def _decode_tuned(
+        self, gathered: list[Any]
+    ) -> tuple[list[dict[str, Row] | None], list[dict[str, dict[str, str]] | None]]:
+        """Rank 0: every rank's ``TunedResults`` as (entries, records) per rank; a rank's that
+        does not decode is None in both, and the reason nothing may be committed."""
+        entries: list[dict[str, Row] | None] = []
+        records: list[dict[str, dict[str, str]] | None] = []
+        for r, data in enumerate(gathered):
+            try:
+                results = TunedResults.decode(data)
+            except MalformedMessageError as exc:
+                verdict = self._verdict
+                verdict.no_commit = verdict.no_commit or f"{exc} (from rank {r})"
+                entries.append(None)
+                records.append(None)
+                continue
+            entries.append(results.entries)
+            records.append(results.records)
+        return entries, records
+
     def _commit(
         self,
         gathered: list[dict[str, Row] | None],
@@ -1243,9 +1251,6 @@ class WarmStart:
         is already served, so keeping it never changes a running server's
         tactic behind its back.
         """
-        from ficache.slices import export_slices
-
-        report, world, layout = self.report, self.report.world_size, self.report.layout
         verdict = self._verdict
         result: dict[str, Any] = {
             "reason": verdict.no_commit,
@@ -1258,12 +1263,31 @@ class WarmStart:
             "warnings": [],
         }
         per_rank: list[dict[str, Row]] = [g if isinstance(g, dict) else {} for g in gathered]
-        keys = sorted(set().union(*per_rank))
-        synchronized = report.synchronized and verdict.no_commit is None
+        synchronized = self.report.synchronized and verdict.no_commit is None
+        shared, scoped = self._classify_entries(per_rank, synchronized, result)
+        records = self._classify_records(gathered_records or [], synchronized, result)
+        result["shared"], result["scoped"] = len(shared), len(scoped)
+        if verdict.no_commit is None and verdict.readonly:
+            verdict.no_commit = f"registry {self.report.registry} is read-only"
+        fp = self._enter.fp
+        if verdict.no_commit is None and fp is not None and (shared or scoped or records):
+            self._write_commit(fp, per_rank, shared, scoped, records, synchronized, result)
+        result["reason"] = verdict.no_commit
+        if verdict.no_commit is not None:
+            result["shared"] = result["scoped"] = 0
+        result["warnings"] = tuple(result["warnings"])
+        return CommitOutcome(**result)
+
+    def _classify_entries(
+        self, per_rank: list[dict[str, Row]], synchronized: bool, result: dict[str, Any]
+    ) -> tuple[list[tuple[str, Row]], list[tuple[int, str, Row]]]:
+        """Rank 0: the new entries as shared ``(key, row)`` and scoped ``(rank, key, row)``
+        (module docstring); counts disagreements, warns of keys or tactics it cannot store."""
+        world = self.report.world_size
         shared: list[tuple[str, Row]] = []
         scoped: list[tuple[int, str, Row]] = []
         invalid = 0
-        for key in keys:
+        for key in sorted(set().union(*per_rank)):
             values = [p.get(key) for p in per_rank]
             present = [v for v in values if v is not None]
             agree = len({row_value(v) for v in present}) <= 1  # selections differ per rank
@@ -1286,109 +1310,145 @@ class WarmStart:
             result["warnings"].append(
                 f"{invalid} tuned entries had keys or tactics ficache cannot store; skipped"
             )
-        records = self._classify_records(gathered_records or [], synchronized, result)
-        result["shared"], result["scoped"] = len(shared), len(scoped)
-        if verdict.no_commit is None and verdict.readonly:
-            verdict.no_commit = f"registry {report.registry} is read-only"
-        fp = self._enter.fp
-        if verdict.no_commit is None and fp is not None and (shared or scoped or records):
-            entries = [
-                NewEntry(fp, k, v[0], v[1], v[2], SHARED_SCOPE, selection_json=_selection(v))
-                for k, v in shared
-            ]
-            entries += [
-                NewEntry(
-                    fp, k, v[0], v[1], v[2], rank_scope(layout, r), selection_json=_selection(v)
-                )
-                for r, k, v in scoped
-            ]
-            provenance = {
-                **self.provenance,
-                "protocol": "ficache.warm_start",
-                "world_size": world,
-                "layout": layout,
-                "fingerprint": fp.digest,
-                "tuned_by_rank": [len(p) for p in per_rank],
-                "shared": len(shared),
-                "scoped": len(scoped),
-                "disagreements": result["disagreements"],
-                "synchronized": synchronized,
-            }
-            if records:
-                provenance["records"] = len(records)
-            # This start's commit is found by its token: a retry after a connection lost
-            # mid-COMMIT finds, under the write lock, the commit that landed after all.
-            token = uuid.uuid4().hex
+        return shared, scoped
 
-            def write() -> WriteResult:
-                with self._registry() as reg:
-                    if reg.readonly:
-                        raise RegistryReadOnlyError(f"registry {reg.location.display} is read-only")
-                    reg.require_writable()  # a newer schema only older readers may use
-                    return reg.write(
-                        entries,
-                        kind="startup",
-                        world_size=world,
-                        layout=layout,
-                        provenance=provenance,
-                        message=f"warm start on {world} rank(s) ({layout}): {len(keys)} new keys"
-                        + (f", {len(records)} new records" if records else ""),
-                        keep_existing=True,
-                        once_token=token,
-                        records=[
-                            NewRecord(fp, ns, key, value, scope)
-                            for scope, ns, key, value in records
-                        ],
-                    )
+    def _write_commit(
+        self,
+        fp: Fingerprint,
+        per_rank: list[dict[str, Row]],
+        shared: list[tuple[str, Row]],
+        scoped: list[tuple[int, str, Row]],
+        records: list[tuple[str, str, str, str]],
+        synchronized: bool,
+        result: dict[str, Any],
+    ) -> None:
+        """Rank 0: the one startup commit, retried after refusals for now within
+        ``registry_timeout`` and cut at it; its counts and the final slices go to ``result``,
+        a failure to ``verdict.no_commit``. The commit carries a fresh token
+        (``Registry.write(once_token=...)``): a retry after a connection lost mid-COMMIT
+        finds, under the write lock, the commit that landed after all, so it never lands twice."""
+        world, layout = self.report.world_size, self.report.layout
+        entries, provenance, message = self._commit_contents(
+            fp, per_rank, shared, scoped, records, synchronized, result["disagreements"]
+        )
+        token = uuid.uuid4().hex
 
-            try:
-                with self._deadline():
-                    # A refusal for now is tried again; the token says, under the write
-                    # lock, whether the failed attempt's commit landed after all.
-                    written = retry_transient(write, within=self.registry_timeout)
-                    result["committed"] = written.added + written.replaced
-                    # What this start wrote: a key another server committed first is in neither.
-                    result["shared"] = written.shared_written
-                    result["scoped"] = result["committed"] - written.shared_written
-                    result["records_committed"] = written.records_added + written.records_replaced
-                    if written.records_kept:
-                        result["warnings"].append(
-                            f"{written.records_kept} published records not stored: the registry "
-                            "holds other values for those keys; every rank loads the stored ones"
-                        )
-                    result["kept"] = written.kept + written.records_kept
-                    if written.kept:
-                        result["warnings"].append(
-                            f"{written.kept} tuned values not stored: another server committed "
-                            "other values for those keys first; every rank loads the stored ones"
-                        )
-                    result["commit_id"] = written.commit_id
-                    try:
-                        with self._registry() as reg:
-                            final = export_slices(
-                                reg, fp, layout, world, use_cache=self.slice_cache, for_tuning=False
-                            )
-                        result.update(base=final.base, overlays=tuple(final.overlays))
-                    except Exception as exc:  # noqa: BLE001 - ranks keep what they hold
-                        result["warnings"].append(
-                            f"could not export the final slices: {_one_line(exc)}"
-                        )
-            except RegistryTimeoutError as exc:
-                verdict.no_commit = (
-                    f"commit failed: {exc}; if the server had received the commit before it "
-                    "stopped answering, it lands when the server resumes, whole"
+        def write() -> WriteResult:
+            with self._registry() as reg:
+                if reg.readonly:
+                    raise RegistryReadOnlyError(f"registry {reg.location.display} is read-only")
+                reg.require_writable()  # a newer schema only older readers may use
+                return reg.write(
+                    entries,
+                    kind="startup",
+                    world_size=world,
+                    layout=layout,
+                    provenance=provenance,
+                    message=message,
+                    keep_existing=True,
+                    once_token=token,
+                    records=[
+                        NewRecord(fp, ns, key, value, scope) for scope, ns, key, value in records
+                    ],
                 )
-            except RegistryBusyError as exc:  # it says how long the commit waited
-                verdict.no_commit = f"commit failed: {exc}; nothing was written"
-            except FicacheError as exc:
-                verdict.no_commit = f"commit failed: {exc}"
-            except Exception as exc:  # noqa: BLE001 - a failed commit leaves the registry as it was
-                verdict.no_commit = f"commit failed: {_one_line(exc)}"
-        result["reason"] = verdict.no_commit
-        if verdict.no_commit is not None:
-            result["shared"] = result["scoped"] = 0
-        result["warnings"] = tuple(result["warnings"])
-        return CommitOutcome(**result)
+
+        verdict = self._verdict
+        try:
+            with self._deadline():
+                self._count_written(retry_transient(write, within=self.registry_timeout), result)
+                self._export_final(fp, result)
+        except RegistryTimeoutError as exc:
+            verdict.no_commit = (
+                f"commit failed: {exc}; if the server had received the commit before it "
+                "stopped answering, it lands when the server resumes, whole"
+            )
+        except RegistryBusyError as exc:  # it says how long the commit waited
+            verdict.no_commit = f"commit failed: {exc}; nothing was written"
+        except FicacheError as exc:
+            verdict.no_commit = f"commit failed: {exc}"
+        except Exception as exc:  # noqa: BLE001 - a failed commit leaves the registry as it was
+            verdict.no_commit = f"commit failed: {_one_line(exc)}"
+
+    def _commit_contents(
+        self,
+        fp: Fingerprint,
+        per_rank: list[dict[str, Row]],
+        shared: list[tuple[str, Row]],
+        scoped: list[tuple[int, str, Row]],
+        records: list[tuple[str, str, str, str]],
+        synchronized: bool,
+        disagreements: int,
+    ) -> tuple[list[NewEntry], dict[str, Any], str]:
+        """Rank 0: the startup commit's entries, provenance and message."""
+        world, layout = self.report.world_size, self.report.layout
+        entries = [
+            NewEntry(fp, k, v[0], v[1], v[2], SHARED_SCOPE, selection_json=_selection(v))
+            for k, v in shared
+        ]
+        entries += [
+            NewEntry(fp, k, v[0], v[1], v[2], rank_scope(layout, r), selection_json=_selection(v))
+            for r, k, v in scoped
+        ]
+        provenance = {
+            **self.provenance,
+            "protocol": "ficache.warm_start",
+            "world_size": world,
+            "layout": layout,
+            "fingerprint": fp.digest,
+            "tuned_by_rank": [len(p) for p in per_rank],
+            "shared": len(shared),
+            "scoped": len(scoped),
+            "disagreements": disagreements,
+            "synchronized": synchronized,
+        }
+        if records:
+            provenance["records"] = len(records)
+        keys = len(set().union(*per_rank))
+        message = f"warm start on {world} rank(s) ({layout}): {keys} new keys" + (
+            f", {len(records)} new records" if records else ""
+        )
+        return entries, provenance, message
+
+    @staticmethod
+    def _count_written(written: WriteResult, result: dict[str, Any]) -> None:
+        """What the commit wrote, into ``result``: a key another server committed first is
+        neither shared nor scoped, and is counted as kept, with a warning."""
+        result["committed"] = written.added + written.replaced
+        result["shared"] = written.shared_written
+        result["scoped"] = result["committed"] - written.shared_written
+        result["records_committed"] = written.records_added + written.records_replaced
+        if written.records_kept:
+            result["warnings"].append(
+                f"{written.records_kept} published records not stored: the registry "
+                "holds other values for those keys; every rank loads the stored ones"
+            )
+        result["kept"] = written.kept + written.records_kept
+        if written.kept:
+            result["warnings"].append(
+                f"{written.kept} tuned values not stored: another server committed "
+                "other values for those keys first; every rank loads the stored ones"
+            )
+        result["commit_id"] = written.commit_id
+
+    def _export_final(self, fp: Fingerprint, result: dict[str, Any]) -> None:
+        """Rank 0, after its commit: the final slices (the registry's state after it) into
+        ``result``; a failure is a warning, and every rank keeps what it holds."""
+        from ficache.slices import export_slices
+
+        report = self.report
+        try:
+            with self._registry() as reg:
+                final = export_slices(
+                    reg,
+                    fp,
+                    report.layout,
+                    report.world_size,
+                    use_cache=self.slice_cache,
+                    for_tuning=False,
+                )
+            result.update(base=final.base, overlays=tuple(final.overlays))
+        except Exception as exc:  # noqa: BLE001 - ranks keep what they hold
+            result["warnings"].append(f"could not export the final slices: {_one_line(exc)}")
 
     def _classify_records(
         self,
