@@ -85,9 +85,11 @@ Decisions:
   key (and scope) with different values, the value committed first wins;
   the later one is not written and is counted in ``report.kept`` (see
   ``WarmStart._commit``).
-- Shared or scoped: a new entry equal (runner, tactic, policy) on every rank
-  of a synchronized start is stored shared; every other new entry (tactics
-  that differ, or a key only some ranks produced) is stored once per rank
+- Shared or scoped (rank 0 applies these rules with ``ficache.startup_commit``,
+  which also builds the commit and counts what it wrote): a new entry equal
+  (runner, tactic, policy) on every rank of a synchronized start is stored
+  shared; every other new entry (tactics that differ, or a key only some
+  ranks produced) is stored once per rank
   that produced it, scoped to that rank of ``layout``. Entries of a start
   that was not synchronized (``synchronize=False``) are never stored shared.
   A selection (how FlashInfer chose the tactic, from each rank's own
@@ -161,6 +163,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from ficache import startup_commit
 from ficache.deadline import DEFAULT_REGISTRY_TIMEOUT_S, registry_deadline
 from ficache.errors import (
     FicacheError,
@@ -173,7 +176,6 @@ from ficache.fingerprint import ALL_FIELDS, Fingerprint, collect
 from ficache.flashinfer_format import (
     canonical_json,
     check_namespace,
-    parse_key,
     record_value_json,
 )
 from ficache.messages import (
@@ -188,9 +190,9 @@ from ficache.messages import (
     TuningGroupCreated,
 )
 from ficache.retrying import retry_transient
-from ficache.scopes import SHARED_SCOPE, rank_scope
+from ficache.scopes import rank_scope
 from ficache.tuner import FlashInferTuner, Row, Tuner, row_value
-from ficache.values import NewEntry, NewRecord, WriteResult
+from ficache.values import NewRecord, WriteResult
 
 if TYPE_CHECKING:
     # Only rank 0 reads or writes the registry: it imports these (SQLAlchemy,
@@ -406,11 +408,6 @@ def _encoded(message: Any, what: str) -> bytes:
     except Exception as exc:  # noqa: BLE001 - a rank never leaves the protocol early
         logger.error("ficache warm start: could not encode %s: %s", what, _one_line(exc))
         return b""
-
-
-def _selection(row: tuple[Any, ...]) -> str | None:
-    """A row's selection (a fourth element), or None: another tuner may give three."""
-    return row[3] if len(row) > 3 and isinstance(row[3], str) else None
 
 
 class _NoTuner:
@@ -1264,8 +1261,11 @@ class WarmStart:
         }
         per_rank: list[dict[str, Row]] = [g if isinstance(g, dict) else {} for g in gathered]
         synchronized = self.report.synchronized and verdict.no_commit is None
-        shared, scoped = self._classify_entries(per_rank, synchronized, result)
-        records = self._classify_records(gathered_records or [], synchronized, result)
+        world, layout = self.report.world_size, self.report.layout
+        shared, scoped = startup_commit.classify_entries(per_rank, world, synchronized, result)
+        records = startup_commit.classify_records(
+            gathered_records or [], world, layout, synchronized, result
+        )
         result["shared"], result["scoped"] = len(shared), len(scoped)
         if verdict.no_commit is None and verdict.readonly:
             verdict.no_commit = f"registry {self.report.registry} is read-only"
@@ -1277,40 +1277,6 @@ class WarmStart:
             result["shared"] = result["scoped"] = 0
         result["warnings"] = tuple(result["warnings"])
         return CommitOutcome(**result)
-
-    def _classify_entries(
-        self, per_rank: list[dict[str, Row]], synchronized: bool, result: dict[str, Any]
-    ) -> tuple[list[tuple[str, Row]], list[tuple[int, str, Row]]]:
-        """Rank 0: the new entries as shared ``(key, row)`` and scoped ``(rank, key, row)``
-        (module docstring); counts disagreements, warns of keys or tactics it cannot store."""
-        world = self.report.world_size
-        shared: list[tuple[str, Row]] = []
-        scoped: list[tuple[int, str, Row]] = []
-        invalid = 0
-        for key in sorted(set().union(*per_rank)):
-            values = [p.get(key) for p in per_rank]
-            present = [v for v in values if v is not None]
-            agree = len({row_value(v) for v in present}) <= 1  # selections differ per rank
-            if len(present) >= 2 and not agree:
-                result["disagreements"] += 1
-            try:
-                fields = parse_key(key)
-                if any(v[0] != fields.runner for v in present):
-                    raise ValueError("runner differs from the key's")
-                for v in present:
-                    json.loads(v[1])
-            except ValueError:
-                invalid += 1
-                continue
-            if synchronized and len(present) == world and agree:
-                shared.append((key, present[0]))  # rank 0's row, with rank 0's selection
-            else:
-                scoped.extend((r, key, v) for r, v in enumerate(values) if v is not None)
-        if invalid:
-            result["warnings"].append(
-                f"{invalid} tuned entries had keys or tactics ficache cannot store; skipped"
-            )
-        return shared, scoped
 
     def _write_commit(
         self,
@@ -1328,8 +1294,17 @@ class WarmStart:
         (``Registry.write(once_token=...)``): a retry after a connection lost mid-COMMIT
         finds, under the write lock, the commit that landed after all, so it never lands twice."""
         world, layout = self.report.world_size, self.report.layout
-        entries, provenance, message = self._commit_contents(
-            fp, per_rank, shared, scoped, records, synchronized, result["disagreements"]
+        entries, provenance, message = startup_commit.commit_contents(
+            fp,
+            per_rank,
+            shared,
+            scoped,
+            records,
+            world=world,
+            layout=layout,
+            synchronized=synchronized,
+            disagreements=result["disagreements"],
+            provenance=self.provenance,
         )
         token = uuid.uuid4().hex
 
@@ -1355,7 +1330,9 @@ class WarmStart:
         verdict = self._verdict
         try:
             with self._deadline():
-                self._count_written(retry_transient(write, within=self.registry_timeout), result)
+                startup_commit.count_written(
+                    retry_transient(write, within=self.registry_timeout), result
+                )
                 self._export_final(fp, result)
         except RegistryTimeoutError as exc:
             verdict.no_commit = (
@@ -1368,67 +1345,6 @@ class WarmStart:
             verdict.no_commit = f"commit failed: {exc}"
         except Exception as exc:  # noqa: BLE001 - a failed commit leaves the registry as it was
             verdict.no_commit = f"commit failed: {_one_line(exc)}"
-
-    def _commit_contents(
-        self,
-        fp: Fingerprint,
-        per_rank: list[dict[str, Row]],
-        shared: list[tuple[str, Row]],
-        scoped: list[tuple[int, str, Row]],
-        records: list[tuple[str, str, str, str]],
-        synchronized: bool,
-        disagreements: int,
-    ) -> tuple[list[NewEntry], dict[str, Any], str]:
-        """Rank 0: the startup commit's entries, provenance and message."""
-        world, layout = self.report.world_size, self.report.layout
-        entries = [
-            NewEntry(fp, k, v[0], v[1], v[2], SHARED_SCOPE, selection_json=_selection(v))
-            for k, v in shared
-        ]
-        entries += [
-            NewEntry(fp, k, v[0], v[1], v[2], rank_scope(layout, r), selection_json=_selection(v))
-            for r, k, v in scoped
-        ]
-        provenance = {
-            **self.provenance,
-            "protocol": "ficache.warm_start",
-            "world_size": world,
-            "layout": layout,
-            "fingerprint": fp.digest,
-            "tuned_by_rank": [len(p) for p in per_rank],
-            "shared": len(shared),
-            "scoped": len(scoped),
-            "disagreements": disagreements,
-            "synchronized": synchronized,
-        }
-        if records:
-            provenance["records"] = len(records)
-        keys = len(set().union(*per_rank))
-        message = f"warm start on {world} rank(s) ({layout}): {keys} new keys" + (
-            f", {len(records)} new records" if records else ""
-        )
-        return entries, provenance, message
-
-    @staticmethod
-    def _count_written(written: WriteResult, result: dict[str, Any]) -> None:
-        """What the commit wrote, into ``result``: a key another server committed first is
-        neither shared nor scoped, and is counted as kept, with a warning."""
-        result["committed"] = written.added + written.replaced
-        result["shared"] = written.shared_written
-        result["scoped"] = result["committed"] - written.shared_written
-        result["records_committed"] = written.records_added + written.records_replaced
-        if written.records_kept:
-            result["warnings"].append(
-                f"{written.records_kept} published records not stored: the registry "
-                "holds other values for those keys; every rank loads the stored ones"
-            )
-        result["kept"] = written.kept + written.records_kept
-        if written.kept:
-            result["warnings"].append(
-                f"{written.kept} tuned values not stored: another server committed "
-                "other values for those keys first; every rank loads the stored ones"
-            )
-        result["commit_id"] = written.commit_id
 
     def _export_final(self, fp: Fingerprint, result: dict[str, Any]) -> None:
         """Rank 0, after its commit: the final slices (the registry's state after it) into
@@ -1449,32 +1365,6 @@ class WarmStart:
             result.update(base=final.base, overlays=tuple(final.overlays))
         except Exception as exc:  # noqa: BLE001 - ranks keep what they hold
             result["warnings"].append(f"could not export the final slices: {_one_line(exc)}")
-
-    def _classify_records(
-        self,
-        gathered: list[dict[str, dict[str, str]] | None],
-        synchronized: bool,
-        result: dict[str, Any],
-    ) -> list[tuple[str, str, str, str]]:
-        """Rank 0: the new records as ``(scope, namespace, key, value)`` (module docstring)."""
-        world, layout = self.report.world_size, self.report.layout
-        per_rank = [g if isinstance(g, dict) else {} for g in gathered]
-        idents = sorted({(ns, key) for p in per_rank for ns, by in p.items() for key in by})
-        out: list[tuple[str, str, str, str]] = []
-        for ns, key in idents:
-            values = [p.get(ns, {}).get(key) for p in per_rank]
-            present = [v for v in values if v is not None]
-            if len(present) >= 2 and len(set(present)) > 1:
-                result["disagreements"] += 1
-            if synchronized and len(present) == world and len(set(present)) == 1:
-                out.append((SHARED_SCOPE, ns, key, present[0]))
-            else:
-                out.extend(
-                    (rank_scope(layout, r), ns, key, v)
-                    for r, v in enumerate(values)
-                    if v is not None
-                )
-        return out
 
     def _new_records(self) -> tuple[dict[str, dict[str, str]], int]:
         """Records the tuner holds that differ from what it held after the load, as
