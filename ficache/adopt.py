@@ -394,6 +394,17 @@ class AdoptionPlan:
             records=self.records,
         )
 
+    def preview(self, registry: Registry | None) -> WriteResult:
+        """The counts ``execute`` would return on ``registry``'s current state; writes nothing.
+
+        Previewed as an import of one input (``ficache.importing``); ``registry``
+        None: a registry that does not exist yet (everything is added).
+        """
+        from ficache.importing import ImportInput, plan_import
+
+        adopted = ImportInput(self.sources.display, tuple(self.entries), tuple(self.records))
+        return plan_import([adopted]).preview(registry)
+
 
 # --------------------------------------------------------------------------
 # Finding and reading.

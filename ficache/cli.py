@@ -834,8 +834,8 @@ def _import_from_vllm(
 ) -> None:
     """``import --from-vllm``: find and read vLLM's caches, then one commit (if any).
 
-    ``dry_run``: the adoption previewed as an import plan of one input
-    (``ficache.importing``), reading the registry only.
+    ``dry_run``: the adoption previewed (``AdoptionPlan.preview``), reading the
+    registry only.
     """
     from ficache.adopt import (
         V2_STORE,
@@ -858,13 +858,7 @@ def _import_from_vllm(
     result = None
     if not plan.is_empty:
         with _import_registry(obj, dry_run) as reg:
-            if dry_run:
-                from ficache.importing import ImportInput, plan_import
-
-                adopted = ImportInput(sources.display, tuple(plan.entries), tuple(plan.records))
-                result = plan_import([adopted]).preview(reg)
-            else:
-                result = plan.execute(reg)
+            result = plan.preview(reg) if dry_run else plan.execute(reg)
     if fmt == "json":
         _dump_json(
             {
