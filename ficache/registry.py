@@ -599,6 +599,7 @@ class Registry:
         records: rec.RecordWrite | Iterable[rec.NewRecord] = (),
         reverts_commit_id: int | None = None,
         once_token: str | None = None,
+        token_is_new: bool = False,
     ) -> WriteResult:
         """Store ``entries`` (insert or replace) and delete ``removals`` as one commit.
 
@@ -627,6 +628,9 @@ class Registry:
         one exists (an earlier attempt landed although its caller never heard),
         its result is returned and nothing is written. A retried write that
         waits for the lock behind the attempt still landing so sees it.
+        The lookup scans the commits of ``kind``; ``token_is_new=True`` (a first
+        attempt with a token never given to a write before, which no commit can
+        hold) stores the token without it.
         """
         if once_token is not None:
             provenance = {**(provenance or {}), commit_log.TOKEN_FIELD: once_token}
@@ -634,7 +638,7 @@ class Registry:
             records if isinstance(records, rec.RecordWrite) else rec.RecordWrite(tuple(records))
         )
         record_write.validate()
-        self._once = None if once_token is None else (once_token, kind)
+        self._once = None if once_token is None or token_is_new else (once_token, kind)
         try:
             with paused_gc():  # a large write allocates many small objects, no cycles
                 return self._write_entries(

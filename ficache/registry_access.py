@@ -57,6 +57,7 @@ class RegistryAccess(Protocol):
         records: RecordWrite | Iterable[NewRecord] = (),
         reverts_commit_id: int | None = None,
         once_token: str | None = None,
+        token_is_new: bool = False,
     ) -> WriteResult:
         """One commit (``Registry.write``)."""
         ...

@@ -1307,8 +1307,11 @@ class WarmStart:
             provenance=self.provenance,
         )
         token = uuid.uuid4().hex
+        attempts = 0
 
         def write() -> WriteResult:
+            nonlocal attempts
+            attempts += 1
             with self._registry() as reg:
                 if reg.readonly:
                     raise RegistryReadOnlyError(f"registry {reg.location.display} is read-only")
@@ -1322,6 +1325,7 @@ class WarmStart:
                     message=message,
                     keep_existing=True,
                     once_token=token,
+                    token_is_new=attempts == 1,  # a retry looks the token up first
                     records=[
                         NewRecord(fp, ns, key, value, scope) for scope, ns, key, value in records
                     ],
