@@ -82,6 +82,11 @@ Invariants:
   nothing is patched and vLLM behaves exactly as without ficache.
 - ``FICACHE_VLLM`` is also read at every call: set to ``0`` after the patch,
   the wrapper calls vLLM's function as is.
+- ``FICACHE_MODE`` (``ficache.engine_env.start_mode``, read at every call):
+  ``replay`` runs vLLM's dummy runs with FlashInfer's profiling off
+  (``warm_start(mode="replay")``): every key comes from the registry or is
+  FlashInfer's fallback tactic, counted as missed in the start's log line;
+  nothing is committed. A value it does not know is one warning, and tune.
 - If the running vLLM lacks anything the wrapper relies on, or the warm
   start cannot begin (both are found before any collective, alike on every
   rank), the original function runs unchanged and one warning says why. A
@@ -384,6 +389,7 @@ def _run(
         _adopt_vllm_caches(plan, runner)  # before rank 0 exports: every rank loads the same
     stack = contextlib.ExitStack()
     try:
+        from ficache.engine_env import start_mode
         from ficache.sync import warm_start
 
         ws = stack.enter_context(
@@ -393,6 +399,7 @@ def _run(
                 layout=plan.layout,
                 provenance=plan.provenance,
                 registry_timeout=registry_timeout(),
+                mode=start_mode(),
             )
         )
     except Exception as exc:  # noqa: BLE001 - fails before any collective, alike on every rank
@@ -498,8 +505,8 @@ def _log_report(report: WarmStartReport, layout: str) -> None:
     global _last_report
     _last_report = report
     logger.info(
-        "ficache: %s start on rank %d/%d (%s): loaded %d, tuned %d, committed %d%s in %.2f s%s",
-        report.status.split(":")[0],
+        "ficache: %s start on rank %d/%d (%s): loaded %d, tuned %d, committed %d%s%s in %.2f s%s",
+        report.status.split(":")[0] + (" replay" if report.mode == "replay" else ""),
         report.rank,
         report.world_size,
         layout,
@@ -507,6 +514,7 @@ def _log_report(report: WarmStartReport, layout: str) -> None:
         report.tuned,
         report.committed,
         f" (commit {report.commit_id})" if report.commit_id is not None else "",
+        f", missed {report.missed}" if report.mode == "replay" else "",
         report.total_seconds,
         f"; {report.reason}" if report.reason else "",
     )
