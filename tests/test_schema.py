@@ -853,7 +853,9 @@ def _revisions_with_parent_commit() -> list[tuple[str, str]]:
 def test_the_previous_release_refuses_the_newer_frozen_registry_and_leaves_it(
     rev: str, parent: str, tmp_path: Path
 ) -> None:
-    """The code before each migration predates ``schema_compat``: it refuses any newer revision.
+    """The code before each migration up to ``0007_compat`` predates ``schema_compat``: it
+    refuses any newer revision. From then on, the previous release reads the revision's
+    ``schema_compat`` row; a revision readable from it (``readable_from``) is served.
 
     One CLI call (``stats``) per revision, from a ``git archive`` of that commit.
     """
@@ -880,6 +882,17 @@ def test_the_previous_release_refuses_the_newer_frozen_registry_and_leaves_it(
         timeout=120,
     )
 
+    if rev > "0007_compat":  # that release reads schema_compat: this revision lets it read
+        assert (result.returncode, result.stderr) == (0, ""), result.stderr
+        assert f"schema revision  {rev}" in result.stdout
+        # Its read switched the file to WAL (a header byte): every row is as it was.
+        frozen = DATA / f"registry-{rev}.db"
+        with (
+            closing(sqlite3.connect(path)) as now,
+            closing(sqlite3.connect(f"{frozen.as_uri()}?mode=ro", uri=True)) as then,
+        ):
+            assert list(now.iterdump()) == list(then.iterdump())
+        return
     assert (result.returncode, result.stdout) == (1, "")
     assert result.stderr.startswith(
         f"error: registry {path} has schema revision {rev!r}, newer than this ficache knows"
