@@ -501,12 +501,19 @@ def _adopt_vllm_caches(plan: _Plan, runner: Any) -> None:
     )
 
 
+def _start_kind(report: WarmStartReport) -> str:
+    """The log line's first word: the start's status, or ``replay`` for a replay start that
+    used the registry (an uncached one says ``uncached``, as in tune mode)."""
+    kind = report.status.split(":")[0]
+    return "replay" if report.mode == "replay" and kind != "uncached" else kind
+
+
 def _log_report(report: WarmStartReport, layout: str) -> None:
     global _last_report
     _last_report = report
     logger.info(
         "ficache: %s start on rank %d/%d (%s): loaded %d, tuned %d, committed %d%s%s in %.2f s%s",
-        report.status.split(":")[0] + (" replay" if report.mode == "replay" else ""),
+        _start_kind(report),
         report.rank,
         report.world_size,
         layout,
