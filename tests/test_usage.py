@@ -384,3 +384,41 @@ def test_a_start_that_cannot_mark_still_serves(registry_db: str, autotuner: Any,
 
     assert (warm.status, warm.loaded, warm.tuned, warm.reason) == ("warm", 18, 0, None)
     assert dump_db(registry_db) == before
+
+
+@both_backends
+def test_stats_show_how_many_starts_each_fingerprint_served_and_what_replays_missed(
+    cli, registry_db: str, autotuner: Any
+) -> None:
+    from ficache.standin_timing import real_loop_serve
+
+    def serve(mode: str) -> Any:
+        with ficache.warm_start(db=registry_db, mode=mode) as ws:
+            real_loop_serve()  # FlashInfer's real choose_one for all 18 keys
+        return ws.report
+
+    cold = serve("tune")
+    engine = create_engine(schema.resolve(registry_db).url, poolclass=NullPool)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("DELETE FROM entries WHERE id % 2 = 0"))  # 9 keys lost
+    finally:
+        engine.dispose()
+    replays = [serve("replay"), serve("replay")]
+    tuned = serve("tune")  # tunes the 9 again; marks at its export
+
+    assert (cold.status, cold.committed) == ("cold", 18)  # served nothing: not counted
+    assert [(r.mode, r.missed, r.committed) for r in replays] == [("replay", 9, 0)] * 2
+    assert (tuned.mode, tuned.status, tuned.committed) == ("tune", "partial", 9)
+    [served] = served_times(registry_db).values()
+    assert served is not None
+    stats = cli("stats")
+    assert stats.exit_code == 0, stats.stderr
+    assert stats.stdout.splitlines()[-2:] == [
+        "fingerprint  last served          starts  replay starts  replay misses",
+        f"1            {when(served)}  3       2              18",
+    ]
+    as_json = json.loads(cli("stats", "--format", "json").stdout)
+    assert as_json["start_counts"] == {
+        "1": {"served_starts": 3, "replay_starts": 2, "replay_misses": 18}
+    }
