@@ -56,6 +56,19 @@ On exit, also when the block raised:
 
 Decisions:
 
+- Replay mode (``mode="replay"``): the steps are the same, with the same
+  collectives, and rank 0's mode travels in the ``SliceOffer`` (step 3), so
+  every rank follows it: one rank never profiles where another only looks
+  up. After enter, each rank opens its tuner's replay block
+  (``FlashInferTuner.replay``): FlashInfer never profiles in it, even under an
+  engine's own ``autotune(True)``, and a key the loaded slice lacks gets
+  FlashInfer's fallback tactic. Every rank loaded the same broadcast slice
+  and nobody times anything, so every rank of every server gets the same
+  tactics on every boot of one registry state. Step 7 closes the block:
+  ``report.missed`` is the distinct keys this rank looked up and missed. A
+  replay start never commits (step 9 never runs: nothing counts as new), and
+  rank 0 leaves its served mark after the block instead of at step 2, with
+  the misses (``ficache.usage``): still one UPDATE per start.
 - Heterogeneous ranks (fingerprints differ): nothing is loaded and nothing is
   committed, because no single fingerprint describes what they tune. The
   tuning group is still set: they start from the same (empty) cache, so they
@@ -657,7 +670,11 @@ class WarmStart:
     rank 0's export and its commit, each, on a registry server that stops
     answering (PostgreSQL; None: no bound). ``slice_cache=False``
     bypasses the on-disk cache of rendered slices. ``provenance`` (rank 0's)
-    is added to the commit's provenance (framework, model, ...).
+    is added to the commit's provenance (framework, model, ...). ``mode`` is
+    ``"tune"`` (the default: FlashInfer profiles what the registry lacks, and
+    rank 0 commits it) or ``"replay"`` (serve the registry, never profile,
+    count the misses in ``report.missed``, commit nothing; rank 0's mode is
+    every rank's); any other value raises ``ValueError`` before any collective.
 
     After the ``with`` block, ``.report`` is this rank's ``WarmStartReport``.
 
@@ -1133,9 +1150,11 @@ class WarmStart:
         self._finish(state.outcome, exc)
 
     def _step_read_tuner(self, state: _ExitState) -> None:
-        """7. Every rank, alone: clear the tuning group (release it at once if the block
-        raised), then read what it holds that is new. No collective; a tuner that cannot
-        be read is a value (``tuner_error``) for the exchange."""
+        """7. Every rank, alone: close the replay block (replay mode: ``report.missed``),
+        clear the tuning group (release it at once if the block raised), then read what it
+        holds that is new (in replay mode, reported and then dropped: nothing is gathered
+        or committed). No collective; a tuner that cannot be read is a value
+        (``tuner_error``) for the exchange."""
         rank = self.report.rank
         self._close_replay()
         with suppress(Exception):
