@@ -86,7 +86,9 @@ Invariants:
   ``replay`` runs vLLM's dummy runs with FlashInfer's profiling off
   (``warm_start(mode="replay")``): every key comes from the registry or is
   FlashInfer's fallback tactic, counted as missed in the start's log line;
-  nothing is committed. A value it does not know is one warning, and tune.
+  nothing is committed, so a replay start adopts nothing either (import
+  vLLM's caches with ``ficache import --from-vllm``). A value it does not
+  know is one warning, and tune.
 - If the running vLLM lacks anything the wrapper relies on, or the warm
   start cannot begin (both are found before any collective, alike on every
   rank), the original function runs unchanged and one warning says why. A
@@ -384,12 +386,14 @@ def _run(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
+    from ficache.engine_env import start_mode
+
     coordinator = plan.coordinator
-    if coordinator.rank_in_group == 0 and adopt_enabled():
+    mode = start_mode()
+    if coordinator.rank_in_group == 0 and adopt_enabled() and mode != "replay":
         _adopt_vllm_caches(plan, runner)  # before rank 0 exports: every rank loads the same
     stack = contextlib.ExitStack()
     try:
-        from ficache.engine_env import start_mode
         from ficache.sync import warm_start
 
         ws = stack.enter_context(
@@ -399,7 +403,7 @@ def _run(
                 layout=plan.layout,
                 provenance=plan.provenance,
                 registry_timeout=registry_timeout(),
-                mode=start_mode(),
+                mode=mode,
             )
         )
     except Exception as exc:  # noqa: BLE001 - fails before any collective, alike on every rank

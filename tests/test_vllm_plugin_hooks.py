@@ -492,3 +492,30 @@ def test_a_replay_worker_start_serves_profiles_nothing_and_counts_its_misses(
     ]
     assert (typo.mode, typo.status, typo.tuned, typo.committed) == ("tune", "partial", 9, 9)
     assert typo_served.profiled == 9
+
+
+def test_a_replay_start_adopts_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, autotuner: Any
+) -> None:
+    name = install_standin(tmp_path, monkeypatch, STANDIN_KERNEL_WARMUP_SERVE, "_adopt")
+    module = importlib.import_module(name)
+    monkeypatch.setenv("FICACHE_DB", str(tmp_path / "registry.db"))
+    monkeypatch.delenv("FICACHE_ADOPT", raising=False)  # adoption on, as by default
+    adopted: list[str] = []
+    monkeypatch.setattr(plugin, "_adopt_vllm_caches", lambda plan, runner: adopted.append("x"))
+    config = StandInVllmConfig()
+    plan = plugin._Plan(
+        ONE_PROCESS_GROUP, plugin.layout_of(config.parallel_config), plugin.provenance_of(config)
+    )
+    try:
+        monkeypatch.setenv("FICACHE_MODE", "replay")
+        plugin._run(plan, module.flashinfer_autotune, module, object(), (), {})
+        replay = plugin.last_report()
+        monkeypatch.setenv("FICACHE_MODE", "tune")
+        plugin._run(plan, module.flashinfer_autotune, module, object(), (), {})
+    finally:
+        sys.modules.pop(name, None)
+
+    assert replay is not None
+    assert (replay.mode, replay.missed, replay.committed) == ("replay", 18, 0)
+    assert adopted == ["x"]  # only the tune start adopted: a replay start commits nothing
