@@ -7,8 +7,13 @@ Runs, on the bundled tunable op (``ficache.tunable_matmul``, 52 entries):
 2. a synchronized cold start on another fresh registry: commits every entry,
    0 disagreements;
 3. a second start: loads every entry, profiles nothing, commits nothing;
-4. half the entries deleted from the registry, then a third start: tunes
-   exactly the missing half, synchronized, and commits it.
+4. half the entries deleted from the registry, then two replay starts
+   (``mode="replay"``) asking for every bucket of every weight under
+   ``autotune(True)``: each profiles nothing, reports exactly the deleted half
+   as missed (FlashInfer's fallback tactic), commits nothing, and both boots
+   and both ranks pick the same tactic for every key;
+5. then a start in the default mode: tunes exactly the missing half,
+   synchronized, and commits it.
 
 Prints the figures as JSON (rank 0's view plus per-rank counts). Needs two
 CUDA GPUs; on a machine without a package index, ``source .gpu/activate.sh``
@@ -58,6 +63,56 @@ def _start(db: Path, **kwargs: Any) -> dict[str, Any]:
     }
 
 
+def _serve_every_bucket() -> dict[str, Any]:
+    """Ask FlashInfer for every bucket of every default weight, as a server's warmup would
+    (``autotune(True)``), running each chosen kernel; ``file_key -> tactic`` chosen."""
+    import torch
+    from flashinfer.autotuner import AutoTuner, autotune
+
+    from ficache.tunable_matmul import BUCKETS, CONFIG, DEFAULT_WEIGHTS, OP, RUNNER
+
+    tuner = AutoTuner.get()
+    device = torch.device("cuda", torch.cuda.current_device())
+    chosen: dict[str, Any] = {}
+    with torch.inference_mode(), autotune(True):
+        for k, n in DEFAULT_WEIGHTS:
+            b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
+            for m in BUCKETS:
+                a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+                runner, tactic = tuner.choose_one(OP, [RUNNER], CONFIG, [a, b])
+                runner([a, b], tactic=tactic)
+                key = tuner._get_cache_key(
+                    OP, RUNNER, ((m, k), (k, n)), CONFIG, RUNNER.get_cache_key_extras([a, b])
+                )
+                chosen[key.file_key] = tactic
+    torch.cuda.synchronize(device)
+    return chosen
+
+
+def _replay(db: Path) -> dict[str, Any]:
+    """One replay start (``mode="replay"``) whose block serves every bucket."""
+    from flashinfer.autotuner import AutoTuner
+
+    from ficache.sync import warm_start
+    from ficache.tunable_matmul import OP
+
+    tuner = AutoTuner.get()
+    started = time.perf_counter()
+    with warm_start(None, db=str(db), timeout=600, mode="replay") as ws:
+        tuner.reset_statistics()
+        block = time.perf_counter()
+        chosen = _serve_every_bucket()
+        block = time.perf_counter() - block
+        profiled = tuner.stats.tuned_op_successful_configs.get(OP, 0)
+    return {
+        "seconds": time.perf_counter() - started,
+        "block_seconds": block,
+        "profiled": profiled,
+        "chosen": chosen,
+        "report": ws.report.as_json(),
+    }
+
+
 def proof_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     import logging
 
@@ -87,6 +142,8 @@ def proof_rank(rank: int, world: int, root: str) -> dict[str, Any]:
         conn.close()
     dist.barrier()
     out["deleted"] = deleted
+    out["replay1"] = _replay(db)
+    out["replay2"] = _replay(db)
     out["half"] = _start(db)
     return out
 
@@ -133,9 +190,34 @@ def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
                 p["half"]["profiled_keys"] == zero["deleted"] for p in per_rank
             ),
         },
+        "replay": _replay_summary(per_rank),
         "final_caches_identical_on_every_rank": all(
             p["half"]["held"] == zero["half"]["held"] for p in per_rank
         ),
+    }
+
+
+def _replay_summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """The two replay boots (step 4): what they missed, profiled and picked, on every rank."""
+    zero = per_rank[0]
+    boots = [p[name] for p in per_rank for name in ("replay1", "replay2")]
+    fell_back = [sorted(k for k, t in b["chosen"].items() if t == -1) for b in boots]
+    return {
+        "status": zero["replay1"]["report"]["status"],
+        "loaded": zero["replay1"]["report"]["loaded"],
+        "missed_by_rank_and_boot": [b["report"]["missed"] for b in boots],
+        "profiled_by_rank_and_boot": [b["profiled"] for b in boots],
+        "committed": [b["report"]["committed"] for b in boots],
+        "reason": zero["replay1"]["report"]["reason"],
+        "fell_back_on_exactly_the_deleted_keys": all(
+            f == sorted(zero["deleted"]) for f in fell_back
+        ),
+        "identical_tactics_on_every_boot_and_rank": all(
+            b["chosen"] == boots[0]["chosen"] for b in boots
+        ),
+        "keys_asked": len(zero["replay1"]["chosen"]),
+        "seconds_by_rank_and_boot": [round(b["seconds"], 3) for b in boots],
+        "block_seconds_by_rank_and_boot": [round(b["block_seconds"], 3) for b in boots],
     }
 
 

@@ -1478,7 +1478,8 @@ def _list_records(
 @FORMAT
 @pass_ctx
 def stats_cmd(obj: _Context, fmt: str) -> None:
-    """Summarise the registry: fingerprints, entries, ops, commits, last served times."""
+    """Summarise the registry: fingerprints, entries, ops, commits, and per fingerprint when a
+    start last served it, how many starts it served, and the misses of its replay starts."""
     with obj.registry(create=False, write=False) as reg:
         stats = reg.stats()
     if fmt == "json":
@@ -1509,11 +1510,15 @@ def stats_cmd(obj: _Context, fmt: str) -> None:
         click.echo()
         click.echo(_table(["fingerprint", "namespace", "records"], stats.record_namespaces))
     if stats.last_served:
+        counts = {fid: rest for fid, *rest in stats.start_counts}
         click.echo()
         click.echo(
             _table(
-                ["fingerprint", "last served"],
-                [(fid, _served(served)) for fid, served in stats.last_served],
+                ["fingerprint", "last served", "starts", "replay starts", "replay misses"],
+                [
+                    (fid, _served(served), *counts.get(fid, (0, 0, 0)))
+                    for fid, served in stats.last_served
+                ],
             )
         )
 

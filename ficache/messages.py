@@ -190,7 +190,8 @@ class SliceOffer(_ByteMessage):
 
     ``base`` is what every rank loads, ``overlays[r]`` what rank ``r`` loads
     on top (its scoped entries), ``record_counts[r]`` the records rank ``r``
-    then holds; ``reason`` set means every rank tunes uncached.
+    then holds; ``reason`` set means every rank tunes uncached. ``mode`` is
+    rank 0's start mode (``tune`` or ``replay``), which every rank follows.
     """
 
     KIND: ClassVar[int] = 1
@@ -203,9 +204,11 @@ class SliceOffer(_ByteMessage):
     cache: str = "off"
     warnings: tuple[str, ...] = ()
     record_counts: tuple[int, ...] = ()
+    mode: str = "tune"  # rank 0's ``warm_start`` mode: every rank takes it
 
     def _validate(self) -> None:
         name = type(self).__name__
+        _check(name, self.mode, (str,), "mode")
         _optional_str(name, self.fingerprint, "fingerprint")
         _optional_str(name, self.registry, "registry")
         _check(name, self.readonly, (bool,), "readonly")

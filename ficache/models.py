@@ -53,6 +53,9 @@ Invariants:
   travels with it through merges and bundles (the ``newest`` merge policy
   compares it). ``fingerprints.last_served_at`` is when a warm start last
   served the fingerprint (``prune --unused-for``); NULL means never.
+  ``served_starts``, ``replay_starts`` and ``replay_misses`` (from
+  ``0008_start_counts``) count the starts that served it, those in replay
+  mode, and the keys those replay starts missed (``ficache.usage``).
 - ``selection`` is not part of an entry's value: two values are the same
   when their (runner, tactic, policy) are, whatever their selections. It
   travels with the value as ``tuned_at`` does: written when the value is
@@ -104,6 +107,10 @@ class FingerprintRow(Base):
     torch_version: Mapped[str] = mapped_column(Text, nullable=False)
     created_at: Mapped[float] = mapped_column(Float, nullable=False)
     last_served_at: Mapped[float | None] = mapped_column(Float)
+    # From 0008_start_counts: incremented by the served mark (``ficache.usage``).
+    served_starts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    replay_starts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    replay_misses: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
 
 
 class PolicyRow(Base):

@@ -46,11 +46,18 @@ class Stats:
     records: int = 0
     #: ``(fingerprint id, namespace, records)`` of every stored record namespace.
     record_namespaces: tuple[tuple[int, str, int], ...] = ()
+    #: ``(fingerprint id, starts served, replay starts, keys those replay starts missed)``
+    #: (``ficache.usage``: counted by the served mark, a lower bound).
+    start_counts: tuple[tuple[int, int, int, int], ...] = ()
 
     def as_json(self) -> dict[str, Any]:
         data = {k: getattr(self, k) for k in self.__dataclass_fields__}
         data["ops"] = dict(self.ops)
         data["last_served"] = {str(fid): served for fid, served in self.last_served}
+        data["start_counts"] = {
+            str(fid): {"served_starts": n, "replay_starts": replays, "replay_misses": misses}
+            for fid, n, replays, misses in self.start_counts
+        }
         data["record_namespaces"] = [
             {"fingerprint": fid, "namespace": ns, "records": n}
             for fid, ns, n in self.record_namespaces
@@ -69,9 +76,15 @@ def stats(conn: Connection, location: schema.Location) -> Stats:
             func.coalesce(func.sum(case((E.c.scope == SHARED_SCOPE, 1), else_=0)), 0),
         ).select_from(E)
     ).one()
-    last_served = tuple(
-        (int(fid), served)
-        for fid, served in conn.execute(select(F.c.id, F.c.last_served_at).order_by(F.c.id))
+    served_rows = conn.execute(
+        select(
+            F.c.id, F.c.last_served_at, F.c.served_starts, F.c.replay_starts, F.c.replay_misses
+        ).order_by(F.c.id)
+    ).all()
+    last_served = tuple((int(row.id), row.last_served_at) for row in served_rows)
+    start_counts = tuple(
+        (int(row.id), int(row.served_starts), int(row.replay_starts), int(row.replay_misses))
+        for row in served_rows
     )
     ops = tuple(
         (op, n)
@@ -97,6 +110,7 @@ def stats(conn: Connection, location: schema.Location) -> Stats:
         last_served,
         sum(n for _fid, _ns, n in record_namespaces),
         record_namespaces,
+        start_counts,
     )
 
 

@@ -11,16 +11,19 @@ environment holds entries (``ficache.adopt``), and the served mark
 What it may do:
 - Read, over a read-only connection (``mode=ro``): ``alembic_version``,
   ``commits``, ``entries``, ``records`` (``state``), ``fingerprints`` and
-  ``entries`` (``fingerprints_with_entries``, ``stale_served_marks``).
-- Write exactly one thing: ``fingerprints.last_served_at`` of some
-  fingerprints (``write_served_marks``), in one autocommit UPDATE. Never an
-  entry, a record or a commit; no history.
+  ``entries`` (``fingerprints_with_entries``).
+- Write exactly one thing: the served mark of some fingerprints
+  (``write_served_marks``: ``last_served_at`` and, from ``0008_start_counts``,
+  the start counters), in one autocommit UPDATE. Never an entry, a record or a
+  commit; no history.
 
 Schema revisions it assumes, and how it stays in step with the models:
 - Table names are the models' (``ficache.models``, ``__tablename__``) and
   fingerprint columns are ``Fingerprint``'s (``ALL_FIELDS``); the columns it
   names (``id``, ``created_at``, ``updated_at``, ``fingerprint_id``,
-  ``last_served_at``) exist from revision 0003 (``records``) on.
+  ``last_served_at``) exist from revision 0003 (``records``) on; the start
+  counters from ``COUNTS_REVISION`` on, and the mark names them only on a
+  file at that revision or later.
 - It never decides what a revision means: ``state`` returns the revision
   it read and ``slices.cached_slices`` trusts a state only at this code's
   head; an older, newer or foreign file raises ``sqlite3.Error`` (or reads a
@@ -84,44 +87,53 @@ def fingerprints_with_entries(path: Path) -> list[tuple[Any, ...]]:
         conn.close()
 
 
-def _stale_sql(ids: list[int]) -> str:
-    """``WHERE`` of the fingerprints among ``ids`` whose mark needs writing (qmark style)."""
-    return f"id IN ({','.join('?' * len(ids))}) AND (last_served_at IS NULL OR last_served_at < ?)"
+#: The first revision whose fingerprints hold the start counters (``0008_start_counts``).
+COUNTS_REVISION = "0008_start_counts"
 
 
-def stale_served_marks(path: Path, ids: list[int], stale_before: float, timeout: float) -> int:
-    """How many of ``ids`` hold no served mark, or one older than ``stale_before``.
+def served_mark_sql(placeholders: int, *, counts: bool) -> str:
+    """The served mark's one UPDATE (qmark style; parameters: ``when, stale_before,
+    replay_starts, replay_misses, *ids`` with ``counts``, else ``when, stale_before, *ids``).
 
-    Read without a lock (WAL): a fresh mark costs no write and no wait.
+    ``last_served_at`` is rewritten only where absent or older than ``stale_before``
+    (its resolution); the counters, from ``COUNTS_REVISION`` on, grow at every mark.
     """
-    reader = _read_only(path, timeout)
-    try:
-        return int(
-            reader.execute(
-                f"SELECT count(*) FROM {_FINGERPRINTS} WHERE {_stale_sql(ids)}",
-                [*ids, stale_before],
-            ).fetchone()[0]
+    fresh = "CASE WHEN last_served_at IS NULL OR last_served_at < ? THEN ? ELSE last_served_at END"
+    sets = f"last_served_at = {fresh}"
+    if counts:
+        sets += (
+            ", served_starts = served_starts + 1, replay_starts = replay_starts + ?, "
+            "replay_misses = replay_misses + ?"
         )
-    finally:
-        reader.close()
+    return f"UPDATE {_FINGERPRINTS} SET {sets} WHERE id IN ({','.join('?' * placeholders)})"
 
 
 def write_served_marks(
-    path: Path, ids: list[int], when: float, stale_before: float, timeout: float
+    path: Path,
+    ids: list[int],
+    when: float,
+    stale_before: float,
+    timeout: float,
+    *,
+    replay_misses: int | None = None,
 ) -> str | None:
-    """Set ``last_served_at = when`` of the stale marks among ``ids``, in one UPDATE.
+    """The served mark of ``ids`` (``served_mark_sql``), in one autocommit UPDATE: a replay
+    start (``replay_misses`` not None) also counts itself and its misses.
 
-    Waits at most ``timeout`` for the lock; returns why it did not write (the
-    ``sqlite3`` error), None when written.
+    On a file before ``COUNTS_REVISION`` only the time is marked. Waits at most
+    ``timeout`` for the lock; returns why it did not write (the ``sqlite3``
+    error), None when written.
     """
     conn = sqlite3.connect(path, timeout=timeout, isolation_level=None)
     try:
         conn.execute("PRAGMA synchronous = NORMAL")  # WAL: no fsync for this small write
-        conn.execute(
-            f"UPDATE {_FINGERPRINTS} SET last_served_at = ? WHERE {_stale_sql(ids)}",
-            [when, *ids, stale_before],
-        )
-    except sqlite3.Error as exc:
+        [(revision,)] = conn.execute("SELECT max(version_num) FROM alembic_version").fetchall()
+        counts = isinstance(revision, str) and revision >= COUNTS_REVISION
+        params: list[Any] = [stale_before, when]
+        if counts:
+            params += [int(replay_misses is not None), int(replay_misses or 0)]
+        conn.execute(served_mark_sql(len(ids), counts=counts), [*params, *ids])
+    except (sqlite3.Error, ValueError) as exc:
         return str(exc)
     finally:
         conn.close()
@@ -129,9 +141,10 @@ def write_served_marks(
 
 
 __all__ = [
+    "COUNTS_REVISION",
     "STATE_SQL",
     "fingerprints_with_entries",
-    "stale_served_marks",
+    "served_mark_sql",
     "state",
     "write_served_marks",
 ]

@@ -352,3 +352,60 @@ def real_loop_tune(
         fallbacks=fallbacks,
         seconds=time.perf_counter() - started,
     )
+
+
+@dataclass(frozen=True)
+class ServeResult:
+    """What one ``real_loop_serve`` call did on this rank."""
+
+    tactics: dict[str, Any]  # file_key -> the tactic choose_one returned (-1: the fallback)
+    profiled: int  # keys FlashInfer's loop profiled and cached (new in profiling_cache)
+    reduces: int  # all-reduces FlashInfer issued
+    fallbacks: int  # choose_one calls that returned the fallback (runners[0], -1)
+    seconds: float
+
+
+def real_loop_serve(
+    shapes: Sequence[tuple[int, int]] = DEFAULT_SHAPES,
+    buckets: Sequence[int] = DEFAULT_BUCKETS,
+) -> ServeResult:
+    """Ask FlashInfer's real ``choose_one`` for every ``(M, K, N)`` of ``buckets`` x ``shapes``.
+
+    One call per key, each with an ``M`` of its bucket, all under
+    ``autotune(True)`` as an engine's warmup runs them: on a tuner that may
+    profile, a key it does not hold is profiled; under ``ficache``'s replay
+    mode (``FlashInferTuner.replay``) it is FlashInfer's fallback instead.
+    ``tactics`` is what each key got, keyed by the entry's ``file_key``.
+    """
+    if tuple(buckets) != DEFAULT_BUCKETS:
+        raise ValueError(f"the real loop serves every bucket of {DEFAULT_BUCKETS}")
+    started = time.perf_counter()
+    tuner = AutoTuner.get()
+    generator = torch.Generator().manual_seed(0)
+    before = set(tuner.profiling_cache)
+    tactics: dict[str, Any] = {}
+    fallbacks = 0
+    with cpu_timing() as count, autotune(True):
+        for k, n in shapes:
+            runner = HookedStandInRunner()
+            b = torch.randn(k, n, generator=generator)
+            for m in buckets:
+                inputs = [torch.randn(m, k, generator=generator), b]
+                chosen, tactic = tuner.choose_one(STANDIN_OP, [runner], CONFIG, inputs)
+                key = tuner._get_cache_key(
+                    STANDIN_OP,
+                    runner,
+                    ((m, k), (k, n)),
+                    CONFIG,
+                    runner.get_cache_key_extras(inputs),
+                )
+                tactics[key.file_key] = tactic
+                fallbacks += tactic == -1
+                del chosen
+    return ServeResult(
+        tactics=tactics,
+        profiled=len(set(tuner.profiling_cache) - before),
+        reduces=count.all_reduces,
+        fallbacks=fallbacks,
+        seconds=time.perf_counter() - started,
+    )

@@ -56,6 +56,19 @@ On exit, also when the block raised:
 
 Decisions:
 
+- Replay mode (``mode="replay"``): the steps are the same, with the same
+  collectives, and rank 0's mode travels in the ``SliceOffer`` (step 3), so
+  every rank follows it: one rank never profiles where another only looks
+  up. After enter, each rank opens its tuner's replay block
+  (``FlashInferTuner.replay``): FlashInfer never profiles in it, even under an
+  engine's own ``autotune(True)``, and a key the loaded slice lacks gets
+  FlashInfer's fallback tactic. Every rank loaded the same broadcast slice
+  and nobody times anything, so every rank of every server gets the same
+  tactics on every boot of one registry state. Step 7 closes the block:
+  ``report.missed`` is the distinct keys this rank looked up and missed. A
+  replay start never commits (step 9 never runs: nothing counts as new), and
+  rank 0 leaves its served mark after the block instead of at step 2, with
+  the misses (``ficache.usage``): still one UPDATE per start.
 - Heterogeneous ranks (fingerprints differ): nothing is loaded and nothing is
   committed, because no single fingerprint describes what they tune. The
   tuning group is still set: they start from the same (empty) cache, so they
@@ -165,6 +178,7 @@ import torch.distributed as dist
 
 from ficache import startup_commit
 from ficache.deadline import DEFAULT_REGISTRY_TIMEOUT_S, registry_deadline
+from ficache.engine_env import MODES
 from ficache.errors import (
     FicacheError,
     RegistryBusyError,
@@ -259,6 +273,8 @@ class WarmStartReport:
     records_committed: int = 0  # record rows this start added or replaced (all ranks)
     synchronized: bool = False  # tuning all-reduced over every rank, from matching caches
     slice_cache: str = "off"  # rank 0's slice cache: "hit", "miss" or "off"
+    mode: str = "tune"  # "tune", or "replay": served the registry, never profiled
+    missed: int = 0  # replay: distinct keys this rank looked up and the registry lacked
     loaded_by_rank: list[int] = field(default_factory=list)
     tuned_by_rank: list[int] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -553,6 +569,15 @@ class _Verdict:
 
 
 @dataclass
+class _Replay:
+    """Replay mode (rank 0's mode, which every rank takes at step 3): the tuner's replay
+    block, open from the end of enter to step 7, and what it looked up."""
+
+    guard: Any = None  # the tuner's ``replay()`` context manager; None: it has none
+    lookups: Any = None  # ``ficache.tuner.ReplayLookups``
+
+
+@dataclass
 class _ExitState:
     """What exit's steps learn (steps 7-9)."""
 
@@ -603,7 +628,11 @@ class WarmStart:
     rank 0's export and its commit, each, on a registry server that stops
     answering (PostgreSQL; None: no bound). ``slice_cache=False``
     bypasses the on-disk cache of rendered slices. ``provenance`` (rank 0's)
-    is added to the commit's provenance (framework, model, ...).
+    is added to the commit's provenance (framework, model, ...). ``mode`` is
+    ``"tune"`` (the default: FlashInfer profiles what the registry lacks, and
+    rank 0 commits it) or ``"replay"`` (serve the registry, never profile,
+    count the misses in ``report.missed``, commit nothing; rank 0's mode is
+    every rank's); any other value raises ``ValueError`` before any collective.
 
     After the ``with`` block, ``.report`` is this rank's ``WarmStartReport``.
 
@@ -648,7 +677,11 @@ class WarmStart:
         registry_timeout: float | None = DEFAULT_REGISTRY_TIMEOUT_S,
         slice_cache: bool = True,
         provenance: dict[str, Any] | None = None,
+        mode: str = "tune",
     ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"warm_start mode must be one of {', '.join(MODES)}, not {mode!r}")
+        self.mode = mode
         self.group = group
         self.db = os.fspath(db) if db is not None else None
         self._layout = layout
@@ -669,6 +702,8 @@ class WarmStart:
         self._loaded = _Loaded()
         self._tuning = _TuningGroupState()
         self._verdict = _Verdict()
+        self._replay: _Replay | None = None
+        self._served_ids: tuple[int, ...] = ()  # rank 0: the fingerprints its slices came from
 
     # -- helpers ----------------------------------------------------------
 
@@ -724,6 +759,8 @@ class WarmStart:
         for phase, step in self.ENTER_STEPS:
             getattr(self, step)()
             t = self._phase(phase, t)
+        if report.mode == "replay":
+            self._open_replay()
         if self._verdict.uncached is not None:
             logger.warning(
                 "ficache warm start rank %d/%d: tuning uncached: %s",
@@ -761,7 +798,9 @@ class WarmStart:
         bounds its registry work by ``registry_timeout``); the other ranks go straight to
         the broadcast, where they wait for rank 0."""
         state = self._enter
-        state.offer = self._export_payload(state.world, state.layout) if state.rank == 0 else None
+        if state.rank == 0:
+            offer = self._export_payload(state.world, state.layout)
+            state.offer = dataclasses.replace(offer, mode=self.mode)
 
     def _step_distribute(self) -> None:
         """3. One broadcast of rank 0's ``SliceOffer``. Every rank makes it, whatever step 1
@@ -782,6 +821,8 @@ class WarmStart:
             except MalformedMessageError as exc:
                 offer = SliceOffer(fingerprint=None, reason=str(exc))
         state.offer = offer
+        # Rank 0's mode, so that no rank profiles where another only looks up.
+        self.report.mode = offer.mode if data is not None and offer.mode in MODES else self.mode
         self.report.registry = offer.registry
         self.report.slice_cache = offer.cache
         self._verdict.readonly = offer.readonly
@@ -932,7 +973,8 @@ class WarmStart:
             # The warm path opened no registry: mark the SQLite file directly,
             # and tell a read-only file as ``Registry.open`` would.
             location = schema.resolve(self.db)
-            mark_served(location, slices.fingerprint_ids)
+            if self.mode != "replay":  # a replay start marks at exit, with its misses
+                mark_served(location, slices.fingerprint_ids)
             with suppress(OSError):
                 path = location.path
                 readonly = path is not None and schema.is_read_only_file(path)
@@ -941,7 +983,8 @@ class WarmStart:
             def read() -> tuple[bool, Any]:
                 with self._registry() as reg:
                     exported = export_slices(reg, fp, layout, world, use_cache=self.slice_cache)
-                    mark_served(reg, exported.fingerprint_ids)  # never raises, bounded wait
+                    if self.mode != "replay":  # a replay start marks at exit, with its misses
+                        mark_served(reg, exported.fingerprint_ids)  # never raises, bounded wait
                     return reg.readonly, exported
 
             try:
@@ -958,6 +1001,7 @@ class WarmStart:
                     readonly=readonly,
                     reason=f"registry could not be read: {_one_line(exc)}",
                 )
+        self._served_ids = tuple(int(i) for i in slices.fingerprint_ids)
         warnings = list(slices.warnings)
         if readonly:
             warnings.append(f"registry {registry} is read-only: this start commits nothing")
@@ -1059,13 +1103,18 @@ class WarmStart:
             getattr(self, step)(state)
             if phase is not None:
                 t = self._phase(phase, t)
+        if self._replay is not None:
+            self._mark_replay_start()
         self._finish(state.outcome, exc)
 
     def _step_read_tuner(self, state: _ExitState) -> None:
-        """7. Every rank, alone: clear the tuning group (release it at once if the block
-        raised), then read what it holds that is new. No collective; a tuner that cannot
-        be read is a value (``tuner_error``) for the exchange."""
+        """7. Every rank, alone: close the replay block (replay mode: ``report.missed``),
+        clear the tuning group (release it at once if the block raised), then read what it
+        holds that is new (in replay mode, reported and then dropped: nothing is gathered
+        or committed). No collective; a tuner that cannot be read is a value
+        (``tuner_error``) for the exchange."""
         rank = self.report.rank
+        self._close_replay()
         with suppress(Exception):
             self.tuner.set_process_group(None)
         if state.exc is not None:
@@ -1084,6 +1133,65 @@ class WarmStart:
             state.tuner_error = f"rank {rank} could not read its tuner: {_one_line(exc2)}"
         self.report.tuned = len(state.new)
         self.report.records_tuned = sum(len(by_key) for by_key in state.new_records.values())
+        if self._replay is not None:
+            if state.new or state.new_records:
+                self._warn(
+                    f"rank {rank}: replay mode: {len(state.new)} entries and "
+                    f"{self.report.records_tuned} records produced in the block are not committed"
+                )
+            state.new, state.new_records = {}, {}  # replay commits nothing (no step 9)
+
+    # -- replay mode ------------------------------------------------------
+
+    def _open_replay(self) -> None:
+        """End of enter, every rank in replay mode, alone: open the tuner's replay block
+        (``Tuner.replay``: FlashInfer never profiles in it, misses are recorded). A tuner
+        without one, or one that fails to open, is a warning: it may profile, and replay
+        commits nothing anyway (step 7)."""
+        self._replay = _Replay()
+        replay = getattr(self.tuner, "replay", None)
+        if replay is None:
+            self._warn(
+                "replay mode: this tuner cannot replay, so it may profile; nothing is committed"
+            )
+            return
+        try:
+            guard = replay()
+            self._replay = _Replay(guard, guard.__enter__())
+        except Exception as exc:  # noqa: BLE001 - the start goes on, committing nothing
+            self._warn(f"replay mode: could not enter it ({_one_line(exc)}); nothing is committed")
+
+    def _close_replay(self) -> None:
+        """Step 7, replay mode: close the replay block; ``report.missed`` is its misses."""
+        replay = self._replay
+        if replay is None or replay.guard is None:
+            return
+        guard, replay.guard = replay.guard, None
+        try:
+            guard.__exit__(None, None, None)
+        except Exception as exc:  # noqa: BLE001
+            self._warn(f"replay mode: could not leave it cleanly: {_one_line(exc)}")
+        self.report.missed = len(getattr(replay.lookups, "missed", ()))
+
+    def _mark_replay_start(self) -> None:
+        """After step 9, rank 0 in replay mode: the served mark, counting this start and its
+        misses (``ficache.usage.mark_served``), now that the block ran. In tune mode the
+        export (step 2) marks; a replay start marks here instead: still one UPDATE per
+        start, bounded and never raising, and only when the ranks used their slices."""
+        if self.report.rank != 0 or not self._served_ids or self._verdict.uncached is not None:
+            return
+        from ficache import schema
+        from ficache.usage import mark_served
+
+        try:
+            location = schema.resolve(self.db)
+            if location.path is not None:
+                mark_served(location, self._served_ids, missed=self.report.missed)
+                return
+            with self._deadline(), self._registry() as reg:
+                mark_served(reg, self._served_ids, missed=self.report.missed)
+        except Exception as exc:  # noqa: BLE001 - the mark never fails a start
+            logger.debug("ficache: the replay start's mark was skipped: %s", _one_line(exc))
 
     def _step_exchange(self, state: _ExitState) -> None:
         """8. One all-gather of every rank's ``StatusReport`` (the status exchange), made by
@@ -1448,7 +1556,7 @@ class WarmStart:
             )
         logger.info(
             "ficache warm start rank %d/%d (%s): %s; loaded %d, tuned %d, committed %d (commit %s), "
-            "%d disagreements, %.3f s",
+            "%d disagreements%s, %.3f s",
             report.rank,
             report.world_size,
             report.layout,
@@ -1458,6 +1566,7 @@ class WarmStart:
             report.committed,
             report.commit_id,
             report.disagreements,
+            f", replay: missed {report.missed}" if report.mode == "replay" else "",
             report.total_seconds,
         )
 

@@ -44,6 +44,22 @@ Invariants:
 - ``set_process_group`` is ``set_autotune_process_group``: while a group is
   set, FlashInfer all-reduces every per-tactic timing over it, so every rank
   of the group must profile the same sequence (see ``ficache.sync``).
+- ``replay`` (optional for other tuners; ``ficache.sync``'s replay mode) is a
+  context manager: while it is open FlashInfer never profiles and every
+  lookup that misses is recorded. FlashInfer 0.7.2.post1 and 0.7.4 decide
+  "profile or look up" on ``AutoTuner.is_tuning_mode``, which ``autotune()``
+  recomputes on entry and exit as ``_active_tuning_contexts > 0`` (a
+  reference count). ``replay`` lowers that count by ``_REPLAY_OFFSET`` for the
+  block and sets ``is_tuning_mode`` False, so an engine's own
+  ``autotune(True)`` inside the block leaves it False: ``choose_one`` takes
+  its lookup path (``search_cache``: the cached tactic, or the fallback
+  ``runners[0], -1`` on a miss, as FlashInfer does at inference). On exit it
+  adds the offset back and recomputes ``is_tuning_mode`` as ``autotune()``
+  would, so contexts opened or closed inside the block stay balanced. The
+  misses are read from ``search_cache`` (its first element says hit or
+  miss), wrapped on the instance for the block and restored afterwards;
+  each distinct ``file_key`` (of the fallback runner ``runners[0]``, the key
+  a tuned entry would have had) is one miss, however often it is asked.
 """
 
 from __future__ import annotations
@@ -53,6 +69,8 @@ import gc
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ficache.errors import CacheFileError, TunerError
@@ -87,6 +105,20 @@ class Tuner(Protocol):
 
     def set_process_group(self, group: Any | None) -> None:
         """Set (or clear, with None) the group timings are all-reduced over."""
+
+
+#: How far ``FlashInferTuner.replay`` lowers ``AutoTuner._active_tuning_contexts``: far
+#: more ``autotune(True)`` contexts than any process opens, so the count stays below 1.
+_REPLAY_OFFSET = 1 << 40
+
+
+@dataclass
+class ReplayLookups:
+    """What a replay block looked up: the ``file_key`` of every distinct miss, and how
+    many lookups hit."""
+
+    missed: set[str] = field(default_factory=set)
+    hits: int = 0
 
 
 def _one_line(exc: BaseException) -> str:
@@ -215,3 +247,57 @@ class FlashInferTuner:
         from flashinfer.autotuner import set_autotune_process_group
 
         set_autotune_process_group(group)
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[ReplayLookups]:
+        """Never profile in the block; record each lookup that misses (module docstring)."""
+        tuner = self.autotuner
+        lookups = ReplayLookups()
+        search = tuner.search_cache
+        own = "search_cache" in vars(tuner)
+
+        def search_cache(
+            custom_op: str,
+            runners: Any,
+            input_shapes: Any,
+            tuning_config: Any,
+            inputs: Any = None,
+            **kwargs: Any,
+        ) -> Any:
+            found = search(custom_op, runners, input_shapes, tuning_config, inputs, **kwargs)
+            if found[0]:
+                lookups.hits += 1
+            else:
+                lookups.missed.add(
+                    _miss_key(tuner, custom_op, runners, input_shapes, tuning_config, inputs)
+                )
+            return found
+
+        with tuner._lock:
+            tuner._active_tuning_contexts -= _REPLAY_OFFSET
+            tuner.is_tuning_mode = False
+        tuner.search_cache = search_cache
+        try:
+            yield lookups
+        finally:
+            if own:
+                tuner.search_cache = search
+            else:
+                with contextlib.suppress(AttributeError):
+                    del tuner.search_cache
+            with tuner._lock:
+                tuner._active_tuning_contexts += _REPLAY_OFFSET
+                tuner.is_tuning_mode = tuner._active_tuning_contexts > 0
+
+
+def _miss_key(
+    tuner: Any, custom_op: str, runners: Any, input_shapes: Any, tuning_config: Any, inputs: Any
+) -> str:
+    """The ``file_key`` a tuned entry for this lookup would have (its fallback runner's)."""
+    try:
+        runner = runners[0]
+        extras = runner.get_cache_key_extras(inputs) if inputs is not None else ()
+        key = tuner._get_cache_key(custom_op, runner, input_shapes, tuning_config, extras)
+        return str(key.file_key)
+    except Exception:  # noqa: BLE001 - still one miss, named by what was asked
+        return str((custom_op, tuple(map(tuple, input_shapes))))

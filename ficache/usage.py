@@ -1,21 +1,33 @@
-"""When each fingerprint was last served: the mark a warm start leaves, and what it means.
+"""When each fingerprint was last served, and how often: the mark a warm start leaves.
 
 A warm start *serves* a fingerprint when rank 0 exports the slices its ranks
 load from that fingerprint's entries (every stored fingerprint that serves
 the running environment, ``Registry.serving``). Rank 0 then records it with
-``mark_served``: ``fingerprints.last_served_at = now`` for those
-fingerprints, in one statement. ``ficache prune --unused-for AGE`` removes
-the entries of fingerprints no start has served for ``AGE``
-(``Registry.plan_prune(unused_for_seconds=...)``), and ``ficache
-fingerprints`` / ``ficache stats`` show the marks.
+``mark_served``, in one statement over those fingerprints: the time
+(``fingerprints.last_served_at = now``) and, from revision
+``0008_start_counts`` on, the counts (``served_starts + 1``; a replay start
+also ``replay_starts + 1`` and ``replay_misses + N``, its misses). A start
+in tune mode marks at the export; a start in replay mode marks once its
+block ran (``ficache.sync``), because only then does it know its misses.
+``ficache prune --unused-for AGE`` removes the entries of fingerprints no
+start has served for ``AGE`` (``Registry.plan_prune(unused_for_seconds=...)``),
+and ``ficache fingerprints`` / ``ficache stats`` show the marks and counts.
+
+How counts are kept: counters on the fingerprint's row, incremented in the
+mark's one UPDATE (no row per start, so the registry does not grow with
+starts). A start served by several fingerprints counts once on each, with
+all its misses. The counts are a lower bound: a mark that is skipped (see
+below) is not counted, and is never retried or made up later; the start
+itself still served. A start that served nothing (a cold or uncached one)
+counts nowhere.
 
 Invariants:
 - At most one UPDATE per start, never one per entry, outside the registry's
   write lock, and it is not a commit: it changes no entry, adds no history,
-  and leaves the state the slice cache is keyed by unchanged. A mark younger
-  than ``SERVED_MARK_RESOLUTION_S`` (an hour) is not written again, so
-  servers restarting often write nothing (on SQLite a lock-free read finds
-  that out first).
+  and leaves the state the slice cache is keyed by unchanged. Every mark
+  writes (the counters grow); the time keeps a resolution of
+  ``SERVED_MARK_RESOLUTION_S`` (an hour): a time younger than that is left
+  as it is, so ages of days (``--unused-for 30d``) lose nothing.
 - The mark never fails or stalls a start: it waits at most ``timeout``
   (``SERVED_MARK_TIMEOUT_S``) for a lock, is never retried, and any problem
   (a read-only registry, a writer holding the lock, a lost connection) only
@@ -34,8 +46,9 @@ import stat
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from sqlalchemy import Engine, or_, text, update
+from sqlalchemy import Engine, case, or_, text, update
 
 from ficache import schema, sqlite_fast
 from ficache.models import FINGERPRINTS as F
@@ -57,21 +70,23 @@ def mark_served(
     now: float | None = None,
     timeout: float = SERVED_MARK_TIMEOUT_S,
     resolution: float = SERVED_MARK_RESOLUTION_S,
+    missed: int | None = None,
 ) -> bool:
-    """Mark ``fingerprint_ids`` served at ``now``; True when each holds a mark at most
-    ``resolution`` old afterwards (written now, or already fresh).
+    """Mark ``fingerprint_ids`` served by one start at ``now``; True when the mark was written.
 
-    Only marks older than ``resolution`` (or absent) are written, in one
-    UPDATE. ``target`` is an open registry, or the location of a SQLite
-    registry file (the warm path reads its slices without opening the
-    registry). Never raises: a registry that cannot take the mark within
-    ``timeout`` is left as it was.
+    One UPDATE: the time where older than ``resolution`` (or absent), and the
+    counts (``missed`` not None: a replay start that missed that many keys).
+    ``target`` is an open registry, or the location of a SQLite registry file
+    (the warm path reads its slices without opening the registry). Never
+    raises: a registry that cannot take the mark within ``timeout`` is left
+    as it was.
     """
     ids = sorted({int(i) for i in fingerprint_ids})
     if not ids:
         return False
     when = time.time() if now is None else now
     stale_before = when - resolution
+    misses = None if missed is None else max(int(missed), 0)
     location = target.location if isinstance(target, Registry) else target
     reason: str | None
     try:
@@ -80,35 +95,39 @@ def mark_served(
         elif isinstance(target, Registry) and target.write_refusal is not None:
             reason = target.write_refusal
         elif location.path is not None:
-            reason = _mark_sqlite_file(location.path, ids, when, stale_before, timeout)
+            reason = _mark_sqlite_file(location.path, ids, when, stale_before, timeout, misses)
         elif isinstance(target, Registry):
-            reason = _mark_through_engine(target.engine, ids, when, stale_before, timeout)
+            reason = _mark_through_engine(target.engine, ids, when, stale_before, timeout, misses)
         else:
             reason = "no open registry"
     except Exception as exc:  # noqa: BLE001 - the mark never fails a start
         reason = " ".join(str(exc).split())[:200] or type(exc).__name__
     if reason is not None:
-        logger.debug("ficache: last served time of %s not recorded: %s", location.display, reason)
+        logger.debug("ficache: served mark of %s not recorded: %s", location.display, reason)
         return False
     return True
 
 
 def _mark_sqlite_file(
-    path: Path, ids: list[int], when: float, stale_before: float, timeout: float
+    path: Path, ids: list[int], when: float, stale_before: float, timeout: float, missed: int | None
 ) -> str | None:
     # A file nobody may write (chmod a-w) is read-only for ficache, root included.
     if not path.stat().st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):
         return "the registry is read-only"
     if not os.access(path, os.W_OK) or not os.access(path.parent, os.W_OK):
         return "the registry is read-only"
-    # Read first, without a lock (WAL): a fresh mark costs no write and no wait.
-    if not sqlite_fast.stale_served_marks(path, ids, stale_before, timeout):
-        return None
-    return sqlite_fast.write_served_marks(path, ids, when, stale_before, timeout)
+    return sqlite_fast.write_served_marks(
+        path, ids, when, stale_before, timeout, replay_misses=missed
+    )
 
 
 def _mark_through_engine(
-    engine: Engine, ids: list[int], when: float, stale_before: float, timeout: float
+    engine: Engine,
+    ids: list[int],
+    when: float,
+    stale_before: float,
+    timeout: float,
+    missed: int | None,
 ) -> str | None:
     milliseconds = max(int(timeout * 1000), 1)
     with engine.connect() as conn, conn.begin():
@@ -117,12 +136,17 @@ def _mark_through_engine(
             conn.execute(text(f"SET LOCAL statement_timeout = {4 * milliseconds}"))
         elif conn.dialect.name == "sqlite":
             conn.exec_driver_sql(f"PRAGMA busy_timeout = {milliseconds}")
-        conn.execute(
-            update(F)
-            .where(
-                F.c.id.in_(ids),
-                or_(F.c.last_served_at.is_(None), F.c.last_served_at < stale_before),
-            )
-            .values(last_served_at=when)
-        )
+        # An open registry is at this code's head or a newer one it may write, which keeps
+        # these columns (``Registry.open`` refuses older schemas).
+        values: dict[str, Any] = {
+            "last_served_at": case(
+                (or_(F.c.last_served_at.is_(None), F.c.last_served_at < stale_before), when),
+                else_=F.c.last_served_at,
+            ),
+            "served_starts": F.c.served_starts + 1,
+        }
+        if missed is not None:
+            values["replay_starts"] = F.c.replay_starts + 1
+            values["replay_misses"] = F.c.replay_misses + missed
+        conn.execute(update(F).where(F.c.id.in_(ids)).values(**values))
     return None

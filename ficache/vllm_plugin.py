@@ -82,6 +82,13 @@ Invariants:
   nothing is patched and vLLM behaves exactly as without ficache.
 - ``FICACHE_VLLM`` is also read at every call: set to ``0`` after the patch,
   the wrapper calls vLLM's function as is.
+- ``FICACHE_MODE`` (``ficache.engine_env.start_mode``, read at every call):
+  ``replay`` runs vLLM's dummy runs with FlashInfer's profiling off
+  (``warm_start(mode="replay")``): every key comes from the registry or is
+  FlashInfer's fallback tactic, counted as missed in the start's log line;
+  nothing is committed, so a replay start adopts nothing either (import
+  vLLM's caches with ``ficache import --from-vllm``). A value it does not
+  know is one warning, and tune.
 - If the running vLLM lacks anything the wrapper relies on, or the warm
   start cannot begin (both are found before any collective, alike on every
   rank), the original function runs unchanged and one warning says why. A
@@ -379,8 +386,11 @@ def _run(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
+    from ficache.engine_env import start_mode
+
     coordinator = plan.coordinator
-    if coordinator.rank_in_group == 0 and adopt_enabled():
+    mode = start_mode()
+    if coordinator.rank_in_group == 0 and adopt_enabled() and mode != "replay":
         _adopt_vllm_caches(plan, runner)  # before rank 0 exports: every rank loads the same
     stack = contextlib.ExitStack()
     try:
@@ -393,6 +403,7 @@ def _run(
                 layout=plan.layout,
                 provenance=plan.provenance,
                 registry_timeout=registry_timeout(),
+                mode=mode,
             )
         )
     except Exception as exc:  # noqa: BLE001 - fails before any collective, alike on every rank
@@ -494,12 +505,19 @@ def _adopt_vllm_caches(plan: _Plan, runner: Any) -> None:
     )
 
 
+def _start_kind(report: WarmStartReport) -> str:
+    """The log line's first word: the start's status, or ``replay`` for a replay start that
+    used the registry (an uncached one says ``uncached``, as in tune mode)."""
+    kind = report.status.split(":")[0]
+    return "replay" if report.mode == "replay" and kind != "uncached" else kind
+
+
 def _log_report(report: WarmStartReport, layout: str) -> None:
     global _last_report
     _last_report = report
     logger.info(
-        "ficache: %s start on rank %d/%d (%s): loaded %d, tuned %d, committed %d%s in %.2f s%s",
-        report.status.split(":")[0],
+        "ficache: %s start on rank %d/%d (%s): loaded %d, tuned %d, committed %d%s%s in %.2f s%s",
+        _start_kind(report),
         report.rank,
         report.world_size,
         layout,
@@ -507,6 +525,7 @@ def _log_report(report: WarmStartReport, layout: str) -> None:
         report.tuned,
         report.committed,
         f" (commit {report.commit_id})" if report.commit_id is not None else "",
+        f", missed {report.missed}" if report.mode == "replay" else "",
         report.total_seconds,
         f"; {report.reason}" if report.reason else "",
     )

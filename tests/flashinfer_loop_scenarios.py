@@ -16,11 +16,20 @@ loop) or one below, which only FlashInfer's loop can express:
   the other 12 keys are tuned and committed, the 6 of that shape on no rank.
 - ``oom_then_warm``: ``oom_one_rank``'s registry started again without the
   fault: every rank loads the 12 and tunes exactly the missing 6.
+- ``replay``: a cold start tunes the 18 keys; half of them are deleted behind
+  the registry's back; then two replay boots (``warm_start(mode="replay")``)
+  ask FlashInfer's ``choose_one`` for every key under ``autotune(True)``, as
+  an engine's warmup does (``real_loop_serve``); a third, on rank 0 only in
+  tune mode and rank 1 in replay mode, shows that rank 0's mode wins. Each
+  records the tactics every key got, what FlashInfer profiled and the
+  registry's rows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import sqlite3
 import time
 import traceback
 from pathlib import Path
@@ -28,7 +37,9 @@ from typing import Any
 
 import gloo_scenarios
 import torch.distributed as dist
-from gloo_scenarios import registry_summary, start
+from gloo_scenarios import GROUP_TIMEOUT, registry_summary, start
+
+from ficache.sync import warm_start
 
 
 def tactic_fails(rank: int, world: int, tmp: Path) -> dict[str, Any]:
@@ -47,7 +58,49 @@ def oom_one_rank(rank: int, world: int, tmp: Path) -> dict[str, Any]:
     return out
 
 
-OWN = {f.__name__: f for f in (tactic_fails, oom_one_rank)}
+def _serve(db: Path, **kwargs: Any) -> dict[str, Any]:
+    """One start whose block asks FlashInfer for every key (``real_loop_serve``)."""
+    from ficache.standin_timing import real_loop_serve
+
+    with warm_start(None, db=str(db), timeout=GROUP_TIMEOUT, **kwargs) as ws:
+        served = real_loop_serve()
+    return {"report": ws.report.as_json(), "serve": dataclasses.asdict(served)}
+
+
+def _rows(db: Path) -> dict[str, Any]:
+    """Every stored entry's tactic, the commits and the start counts, read with plain SQL."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return {
+            "entries": dict(conn.execute("SELECT key, tactic FROM entries")),
+            "commits": conn.execute("SELECT count(*) FROM commits").fetchone()[0],
+            "counts": conn.execute(
+                "SELECT served_starts, replay_starts, replay_misses FROM fingerprints"
+            ).fetchall(),
+        }
+    finally:
+        conn.close()
+
+
+def replay(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    db = tmp / "registry.db"
+    out: dict[str, Any] = {"cold": start(db)}
+    if rank == 0:
+        with sqlite3.connect(db) as conn:
+            conn.execute("DELETE FROM entries WHERE id % 2 = 0")  # half the keys lost
+        conn.close()
+    dist.barrier()
+    out["before"] = _rows(db)
+    out["boot1"] = _serve(db, mode="replay")
+    out["boot2"] = _serve(db, mode="replay")
+    out["after"] = _rows(db)
+    dist.barrier()
+    out["mixed"] = _serve(db, mode="tune" if rank == 0 else "replay")  # rank 0's mode wins
+    out["after_mixed"] = _rows(db)
+    return out
+
+
+OWN = {f.__name__: f for f in (tactic_fails, oom_one_rank, replay)}
 
 
 def run_plan(rank: int, world: int, root: str, names: list[str]) -> dict[str, dict[str, Any]]:

@@ -1,10 +1,10 @@
 """A synthetic future schema revision, for the rolling-upgrade tests.
 
 The previous release of ficache, relative to a future one, is this code: a
-future additive revision ``0008_future`` (a new table ``future_notes`` with
-one row, and a nullable column ``entries.future_note``) declares, as every
-revision does, the oldest schema heads that read and write it: both
-``0007_compat``. ``write_future_migrations`` copies this checkout's
+future additive revision ``0098_future`` (a new table ``future_notes`` with
+one row, and a nullable column ``entries.future_note``) on top of this
+checkout's head declares, as every revision does, the oldest schema heads
+that read and write it: both that head. ``write_future_migrations`` copies this checkout's
 migrations and adds that revision; ``upgrade_to_future`` runs the future
 code's upgrade (this ``ficache.schema`` pointed at those migrations for the
 duration of the call) on a registry; ``future_state`` reads back what the
@@ -22,23 +22,23 @@ from sqlalchemy.pool import NullPool
 
 from ficache import schema
 
-REVISION = "0008_future"
+REVISION = "0098_future"
 
 _MIGRATION = '''"""A future ficache (tests only): a table and a nullable column, nothing else.
 
-Revision ID: 0008_future
-Revises: 0007_compat
+Revision ID: 0098_future
+Revises: HEAD_REVISION
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0008_future"
-down_revision = "0007_compat"
+revision = "0098_future"
+down_revision = "HEAD_REVISION"
 branch_labels = None
 depends_on = None
-readable_from: str = "0007_compat"
-writable_from: str = "0007_compat"
+readable_from: str = "HEAD_REVISION"
+writable_from: str = "HEAD_REVISION"
 
 
 def lost_on_downgrade(conn):
@@ -62,15 +62,16 @@ def downgrade() -> None:
 
 
 def write_future_migrations(dest: Path) -> Path:
-    """This checkout's migrations plus ``0008_future``, under ``dest``; returns the directory."""
+    """This checkout's migrations plus ``0098_future``, under ``dest``; returns the directory."""
     target = dest / "migrations"
     shutil.copytree(schema.migrations_dir(), target, ignore=shutil.ignore_patterns("__pycache__"))
-    (target / "versions" / f"{REVISION}.py").write_text(_MIGRATION)
+    head = schema.head_revision()  # this checkout's head, before the future one is added
+    (target / "versions" / f"{REVISION}.py").write_text(_MIGRATION.replace("HEAD_REVISION", head))
     return target
 
 
 def upgrade_to_future(db: str | Path, migrations: Path) -> None:
-    """Upgrade the registry ``db`` to ``0008_future`` as the future ficache would."""
+    """Upgrade the registry ``db`` to ``0098_future`` as the future ficache would."""
     saved = schema.migrations_dir
     schema.migrations_dir = lambda: migrations  # type: ignore[assignment]
     schema.script_directory.cache_clear()
@@ -87,7 +88,7 @@ def upgrade_to_future(db: str | Path, migrations: Path) -> None:
 
 
 def future_state(db: str | Path) -> dict[str, Any]:
-    """The revision, the compatibility row and what ``0008_future`` added, as stored."""
+    """The revision, the compatibility row and what ``0098_future`` added, as stored."""
     location = schema.resolve(str(db))
     engine = create_engine(location.url, poolclass=NullPool)
     try:

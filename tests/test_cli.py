@@ -598,7 +598,7 @@ def test_stats(cli, populated: str) -> None:
 
     assert result.stdout.splitlines() == [
         f"registry         {schema.resolve(str(populated)).display}",
-        "schema revision  0007_compat",
+        "schema revision  0008_start_counts",
         f"size             {stats.size_bytes} bytes",
         "fingerprints     1",
         "entries          2 (2 shared, 0 rank-scoped)",
@@ -608,11 +608,14 @@ def test_stats(cli, populated: str) -> None:
         "op  entries",
         "mm  2",
         "",
-        "fingerprint  last served",
-        "1            never",
+        "fingerprint  last served  starts  replay starts  replay misses",
+        "1            never        0       0              0",
     ]
     as_json = json.loads(cli("stats", "--format", "json").stdout)
     assert (as_json["ops"], as_json["last_served"]) == ({"mm": 2}, {"1": None})
+    assert as_json["start_counts"] == {
+        "1": {"served_starts": 0, "replay_starts": 0, "replay_misses": 0}
+    }
 
 
 @both_backends
@@ -1164,7 +1167,9 @@ def test_revert_plan_shows_the_first_conflicts(cli, cache_file, registry_db: str
 
 @both_backends
 def test_db_commands(cli, populated: str, tmp_path: Path) -> None:
-    assert cli("db", "current").stdout == ("0007_compat (head 0007_compat: up to date)\n")
+    assert cli("db", "current").stdout == (
+        "0008_start_counts (head 0008_start_counts: up to date)\n"
+    )
     assert cli("db", "history", db=None).stdout.splitlines() == [
         "revision            down                title",
         "0001_registry                           ficache 0.1: fingerprints, entries, commits and the entry change log.",
@@ -1177,11 +1182,14 @@ def test_db_commands(cli, populated: str, tmp_path: Path) -> None:
         "their key holds.",
         "0007_compat         0006_policies       ficache 0.7: the registry says which older ficache may "
         "still read and write it.",
+        "0008_start_counts   0007_compat         ficache 0.8: how many starts each fingerprint served, and "
+        "what replay starts missed.",
     ]
     dry = cli("db", "downgrade", "base", "--dry-run")
     assert dry.stdout.splitlines() == [
-        f"downgrade plan: {schema.resolve(str(populated)).display} from 0007_compat to base "
+        f"downgrade plan: {schema.resolve(str(populated)).display} from 0008_start_counts to base "
         "(drops all stored entries)",
+        "  0008_start_counts -> 0007_compat: keeps every stored value",
         "  0007_compat -> 0006_policies: keeps every stored value",
         "  0006_policies -> 0005_drop_op_index: keeps every stored value",
         "  0005_drop_op_index -> 0004_selection: keeps every stored value",
@@ -1254,7 +1262,7 @@ def test_db_is_taken_after_the_subcommand_and_wins_there(
         assert before.exit_code == 0
         after = cli(*args, "--db", populated, db=None)
         assert (after.exit_code, after.stdout, after.stderr) == (0, before.stdout, "")
-    assert cli("db", "current", "--db", populated, db=None).stdout.startswith("0007_compat")
+    assert cli("db", "current", "--db", populated, db=None).stdout.startswith("0008_start_counts")
 
     other = tmp_path / "other.db"
     data = cache_file("b.json", {K64: ["Runner", 5]}, metadata=META)
@@ -1488,7 +1496,7 @@ def test_a_newer_schema_is_refused(cli, populated: Path, cache_file) -> None:
     one_error_line(
         result,
         f"registry {populated} has schema revision '0099_future', newer than this ficache knows "
-        "(head '0007_compat'); upgrade ficache (pip install -U ficache)",
+        "(head '0008_start_counts'); upgrade ficache (pip install -U ficache)",
     )
     assert populated.read_bytes() == before
 

@@ -103,6 +103,7 @@ def test_down_to_base_and_up_again_through_the_cli(cli, cache_file, registry_pat
     assert (down.exit_code, down.stdout) == (
         0,
         f"downgrade plan: {where} from {HEAD} to base (drops all stored entries)\n"
+        "  0008_start_counts -> 0007_compat: keeps every stored value\n"
         "  0007_compat -> 0006_policies: keeps every stored value\n"
         "  0006_policies -> 0005_drop_op_index: keeps every stored value\n"
         "  0005_drop_op_index -> 0004_selection: keeps every stored value\n"
@@ -366,6 +367,12 @@ def test_a_frozen_registry_upgrades_to_head_and_keeps_its_data(
         ]
     else:  # older registries upgrade with no selections (FlashInfer 0.7.2 wrote none)
         assert selections == []
+    with Registry.open(str(path)) as reg:
+        counts = {fid: rest for fid, *rest in reg.stats().start_counts}
+    if frozen.name >= "registry-0008":  # start counts are frozen from 0008_start_counts on
+        assert counts == {infos[h200].id: [5, 2, 3], infos[b200].id: [0, 0, 0]}
+    else:  # older registries upgrade with every count at 0
+        assert counts == {infos[h200].id: [0, 0, 0], infos[b200].id: [0, 0, 0]}
 
 
 def test_downgrading_below_0003_drops_records_and_their_commits_only(
@@ -480,6 +487,36 @@ def test_downgrading_below_0006_puts_policies_and_key_columns_back(
     assert cli("revert", "2", "--yes").exit_code == 0  # the old policy comes back by its id
     restored = json.loads(cli("export", "--fingerprint", "1").stdout)
     assert restored[key(16)] == ["CutlassRunner", 1, hot]
+
+
+def test_downgrading_below_0008_drops_the_start_counts_and_keeps_everything_else(
+    cli, cache_file, registry_path: Path
+) -> None:
+    assert cli("import", entry_file(cache_file)).exit_code == 0
+    assert cli("import", entry_file(cache_file, "b.json", m=32)).exit_code == 0
+    with closing(sqlite3.connect(registry_path)) as conn, conn:
+        conn.execute(
+            "UPDATE fingerprints SET served_starts = 4, replay_starts = 1, replay_misses = 2"
+        )
+    entries_before = query(registry_path, "SELECT key, tactic, commit_id FROM entries ORDER BY key")
+
+    plan = cli("db", "downgrade", "0007_compat", "--dry-run")
+    down = cli("db", "downgrade", "0007_compat", "--yes")
+
+    assert "  0008_start_counts -> 0007_compat: the start counts of 1 fingerprints\n" in plan.stdout
+    assert down.exit_code == 0, down.stderr
+    assert revision(registry_path) == [("0007_compat",)]
+    columns = {row[1] for row in query(registry_path, "PRAGMA table_info(fingerprints)")}
+    assert not columns & {"served_starts", "replay_starts", "replay_misses"}
+    assert "last_served_at" in columns
+    assert query(registry_path, "SELECT key, tactic, commit_id FROM entries ORDER BY key") == (
+        entries_before
+    )
+    assert cli("db", "upgrade").exit_code == 0
+    assert cli("verify").stdout.endswith("ok: no problems\n")
+    assert query(
+        registry_path, "SELECT served_starts, replay_starts, replay_misses FROM fingerprints"
+    ) == [(0, 0, 0)]
 
 
 _FROZEN_FIELDS = {
@@ -645,6 +682,7 @@ def test_a_downgrade_plan_counts_what_each_step_drops(
     assert (dry.exit_code, dry.stdout) == (
         0,
         f"downgrade plan: {schema.resolve(registry_db).display} from {HEAD} to 0002_fleet\n"
+        "  0008_start_counts -> 0007_compat: keeps every stored value\n"
         "  0007_compat -> 0006_policies: keeps every stored value\n"
         "  0006_policies -> 0005_drop_op_index: keeps every stored value\n"
         "  0005_drop_op_index -> 0004_selection: keeps every stored value\n"
@@ -815,7 +853,9 @@ def _revisions_with_parent_commit() -> list[tuple[str, str]]:
 def test_the_previous_release_refuses_the_newer_frozen_registry_and_leaves_it(
     rev: str, parent: str, tmp_path: Path
 ) -> None:
-    """The code before each migration predates ``schema_compat``: it refuses any newer revision.
+    """The code before each migration up to ``0007_compat`` predates ``schema_compat``: it
+    refuses any newer revision. From then on, the previous release reads the revision's
+    ``schema_compat`` row; a revision readable from it (``readable_from``) is served.
 
     One CLI call (``stats``) per revision, from a ``git archive`` of that commit.
     """
@@ -842,6 +882,17 @@ def test_the_previous_release_refuses_the_newer_frozen_registry_and_leaves_it(
         timeout=120,
     )
 
+    if rev > "0007_compat":  # that release reads schema_compat: this revision lets it read
+        assert (result.returncode, result.stderr) == (0, ""), result.stderr
+        assert f"schema revision  {rev}" in result.stdout
+        # Its read switched the file to WAL (a header byte): every row is as it was.
+        frozen = DATA / f"registry-{rev}.db"
+        with (
+            closing(sqlite3.connect(path)) as now,
+            closing(sqlite3.connect(f"{frozen.as_uri()}?mode=ro", uri=True)) as then,
+        ):
+            assert list(now.iterdump()) == list(then.iterdump())
+        return
     assert (result.returncode, result.stdout) == (1, "")
     assert result.stderr.startswith(
         f"error: registry {path} has schema revision {rev!r}, newer than this ficache knows"

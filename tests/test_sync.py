@@ -413,6 +413,7 @@ def _message_samples() -> list[Any]:
             cache="hit",
             warnings=("w1", "w2"),
             record_counts=(3, 4),
+            mode="replay",
         ),
         m.LoadConfirmation(1, 12, 0, m.LoadConfirmation.digest_words("cd" * 32)),
         m.LoadTrouble({"gpu": "H200", "cuda_version": "12.9"}, "rank 1 could not load"),
@@ -498,11 +499,13 @@ def test_a_message_carries_data_never_code_and_fields_of_the_right_type() -> Non
     from ficache import messages as m
 
     header = m.MAGIC + bytes([m.VERSION, m.SliceOffer.KIND])
-    hostile = header + pickle.dumps((os.system, None, False, None, None, (), "off", (), ()))
+    hostile = header + pickle.dumps((os.system, None, False, None, None, (), "off", (), (), "tune"))
     assert "refused a global" in _assert_one_clear_error(m.SliceOffer, hostile, "unreadable")
     # Right count, wrong types: a base that is not text, counts that are not integers.
-    bad_base = header + pickle.dumps(("ab", None, False, None, 5, (), "off", (), ()))
+    bad_base = header + pickle.dumps(("ab", None, False, None, 5, (), "off", (), (), "tune"))
     _assert_one_clear_error(m.SliceOffer, bad_base, "base is int")
+    bad_mode = header + pickle.dumps(("ab", None, False, None, None, (), "off", (), (), 1))
+    _assert_one_clear_error(m.SliceOffer, bad_mode, "mode is int")
     bad_counts = dataclasses.replace(_message_samples()[0], record_counts=("3",))
     _assert_one_clear_error(m.SliceOffer, bad_counts.encode(), "record count is str")
     bad_row = m.TunedResults({"k": ("RunnerA", 1, None)}, {}).encode()  # type: ignore[dict-item]

@@ -212,11 +212,11 @@ def test_cli_fingerprints_and_stats_show_when_each_was_served(
     ]
     assert stats[-6:] == [
         "",
-        "fingerprint  last served",
-        f"1            {when(used - 40 * DAY)}",
-        f"2            {when(used - DAY)}",
-        "3            never",
-        "4            never",
+        "fingerprint  last served          starts  replay starts  replay misses",
+        f"1            {when(used - 40 * DAY)}  0       0              0",
+        f"2            {when(used - DAY)}  0       0              0",
+        "3            never                0       0              0",
+        "4            never                0       0              0",
     ]
 
 
@@ -239,19 +239,36 @@ def test_mark_served_sets_the_given_fingerprints_only(registry_db: str, used: fl
     }
 
 
+def start_counts(db: str) -> dict[str, tuple[int, int, int]]:
+    """gpu -> (starts served, replay starts, replay misses), as ``stats`` counts them."""
+    with Registry.open(db) as reg:
+        gpus = {i.id: i.fingerprint.gpu for i in reg.fingerprints()}
+        return {gpus[f]: (n, r, m) for f, n, r, m in reg.stats().start_counts}
+
+
 @both_backends
-def test_a_fresh_mark_is_not_written_again(registry_db: str, used: float, dump_db) -> None:
+def test_a_fresh_mark_keeps_its_time_and_every_mark_counts(registry_db: str, used: float) -> None:
     with Registry.open(registry_db) as reg:
         ids = [fid(reg, NEVER_NEW)]
         assert mark_served(reg, ids, now=used) is True
-        before = dump_db(registry_db)
 
-        # Within the resolution (an hour): already fresh, nothing written.
+        # Within the resolution (an hour): the time is fresh and stays; the start counts.
         assert mark_served(reg, ids, now=used + 60) is True
-        assert dump_db(registry_db) == before
+        assert served_times(registry_db)["NVIDIA L40S"] == used
+        assert mark_served(reg, ids, now=used + 120, missed=3) is True  # a replay start
+        assert mark_served(location_of(reg), ids, now=used + 180, missed=0) is True  # SQLite fast
 
         assert mark_served(reg, ids, now=used + 2 * 3600) is True
         assert served_times(registry_db)["NVIDIA L40S"] == used + 2 * 3600
+        assert len(reg.log()) == 1  # marks are no commits
+    counts = start_counts(registry_db)
+    assert counts["NVIDIA L40S"] == (5, 2, 3)
+    assert counts["NVIDIA A100"] == (0, 0, 0)
+
+
+def location_of(reg: Registry) -> Any:
+    """The SQLite file a warm path marks without opening it; the registry itself elsewhere."""
+    return reg.location if reg.location.path is not None else reg
 
 
 @contextmanager
@@ -287,9 +304,10 @@ def test_a_busy_registry_skips_the_mark_and_changes_nothing(
         location = schema.resolve(registry_db)
         with another_writer_holding_the_lock(registry_db):
             assert mark_served(reg, ids, now=used, timeout=0.05) is False
+            assert mark_served(reg, ids, now=used, timeout=0.05, missed=2) is False
             if location.path is not None:  # the SQLite warm path marks the file itself
                 assert mark_served(location, ids, now=used, timeout=0.05) is False
-        assert dump_db(registry_db) == before
+        assert dump_db(registry_db) == before  # a skipped mark is not counted either
         assert mark_served(reg, ids, now=used) is True  # free again
 
 
@@ -366,3 +384,41 @@ def test_a_start_that_cannot_mark_still_serves(registry_db: str, autotuner: Any,
 
     assert (warm.status, warm.loaded, warm.tuned, warm.reason) == ("warm", 18, 0, None)
     assert dump_db(registry_db) == before
+
+
+@both_backends
+def test_stats_show_how_many_starts_each_fingerprint_served_and_what_replays_missed(
+    cli, registry_db: str, autotuner: Any
+) -> None:
+    from ficache.standin_timing import real_loop_serve
+
+    def serve(mode: str) -> Any:
+        with ficache.warm_start(db=registry_db, mode=mode) as ws:
+            real_loop_serve()  # FlashInfer's real choose_one for all 18 keys
+        return ws.report
+
+    cold = serve("tune")
+    engine = create_engine(schema.resolve(registry_db).url, poolclass=NullPool)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("DELETE FROM entries WHERE id % 2 = 0"))  # 9 keys lost
+    finally:
+        engine.dispose()
+    replays = [serve("replay"), serve("replay")]
+    tuned = serve("tune")  # tunes the 9 again; marks at its export
+
+    assert (cold.status, cold.committed) == ("cold", 18)  # served nothing: not counted
+    assert [(r.mode, r.missed, r.committed) for r in replays] == [("replay", 9, 0)] * 2
+    assert (tuned.mode, tuned.status, tuned.committed) == ("tune", "partial", 9)
+    [served] = served_times(registry_db).values()
+    assert served is not None
+    stats = cli("stats")
+    assert stats.exit_code == 0, stats.stderr
+    assert stats.stdout.splitlines()[-2:] == [
+        "fingerprint  last served          starts  replay starts  replay misses",
+        f"1            {when(served)}  3       2              18",
+    ]
+    as_json = json.loads(cli("stats", "--format", "json").stdout)
+    assert as_json["start_counts"] == {
+        "1": {"served_starts": 3, "replay_starts": 2, "replay_misses": 18}
+    }

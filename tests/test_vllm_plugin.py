@@ -154,6 +154,13 @@ def off_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, An
     return run_scenario("off", tmp, {"FICACHE_DB": str(registry), "FICACHE_VLLM": "0"}), tmp
 
 
+@pytest.fixture(scope="module")
+def replay_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
+    tmp = tmp_path_factory.mktemp("vllm-replay")
+    registry = tmp / "registry.db"
+    return run_scenario("replay", tmp, {"FICACHE_DB": str(registry), "FICACHE_MODE": None}), tmp
+
+
 def steps(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return [r["steps"][name] for r in results]
 
@@ -513,3 +520,53 @@ def test_pp2_each_tp_group_warm_starts_with_its_own_leader(
         ok=True,
         figures={"wall_s": results[0]["wall_seconds"]},
     )
+
+
+# --------------------------------------------------------------------------
+# FICACHE_MODE=replay: vLLM's real flashinfer_autotune, FlashInfer's real choose_one
+
+
+def test_replay_mode_serves_the_registry_profiles_nothing_and_commits_nothing(
+    replay_run: tuple[list[dict[str, Any]], Path],
+) -> None:
+    # vLLM's own autotune() sets its tuning buckets: start1 tunes more keys than the 18
+    # the dummy run asks for; half of what it committed is deleted.
+    results, _ = replay_run
+    kept = {k: json.loads(t) for k, t in results[0]["kept"].items()}
+    committed = results[0]["steps"]["start1"]["report"]["committed"]
+    assert len(kept) == committed - committed // 2
+    for rank, result in enumerate(results):
+        start1 = result["steps"]["start1"]
+        assert (start1["report"]["mode"], start1["exception"]) == ("tune", None)
+        asked = set(start1["tactics"])
+        assert len(asked) == N
+        lost = asked - set(kept)
+        assert 0 < len(lost) < N
+        for name in ("replay1", "replay2"):
+            step = result["steps"][name]
+            report = step["report"]
+            assert step["exception"] is None, step["exception"]
+            assert (report["mode"], report["loaded"], report["tuned"]) == ("replay", len(kept), 0)
+            assert (report["missed"], report["committed"]) == (len(lost), 0)
+            assert (step["profiled"], step["reduces"]) == (0, 0), rank
+            tactics = step["tactics"]
+            # Each asked key the registry holds got its tactic; each lost one the fallback.
+            assert {k: t for k, t in tactics.items() if k in kept} == {
+                k: kept[k] for k in asked & set(kept)
+            }
+            assert {k for k, t in tactics.items() if t == -1} == lost
+            lines = [
+                r["message"]
+                for r in step["records"]
+                if r["logger"] == "ficache.vllm" and r["level"] == "INFO"
+            ]
+            assert any(
+                f"replay start on rank {rank}/2" in line and f"missed {len(lost)}" in line
+                for line in lines
+            ), lines
+        # Both boots, both ranks: the same tactic for every key.
+        assert result["steps"]["replay1"]["tactics"] == result["steps"]["replay2"]["tactics"]
+        assert result["steps"]["replay1"]["tactics"] == results[0]["steps"]["replay1"]["tactics"]
+    assert results[0]["commits"] == 1
+    lost0 = set(results[0]["steps"]["start1"]["tactics"]) - set(kept)
+    assert [tuple(c) for c in results[0]["counts"]] == [(2, 2, 2 * len(lost0))]

@@ -234,8 +234,9 @@ def test_layout_of_a_parallel_config(config: dict[str, Any], layout: str) -> Non
 
 #: The per-worker line as the README documents it (its example lines must match it too).
 LOG_LINE = re.compile(
-    r"ficache: (cold|warm|partial|uncached) start on rank \d+/\d+ \(tp\d+-pp\d+-dp\d+-ep\d+\): "
-    r"loaded \d+, tuned \d+, committed \d+( \(commit \d+\))? in \d+\.\d\d s(; .+)?"
+    r"ficache: (cold|warm|partial|uncached|replay) start on rank \d+/\d+ "
+    r"\(tp\d+-pp\d+-dp\d+-ep\d+\): loaded \d+, tuned \d+, committed \d+( \(commit \d+\))?"
+    r"(, missed \d+)? in \d+\.\d\d s(; .+)?"
 )
 README = Path(__file__).resolve().parent.parent / "README.md"
 MODEL = "Qwen/Qwen3-30B-A3B-FP8"
@@ -276,6 +277,7 @@ def test_the_readme_log_lines_follow_the_documented_format() -> None:
         "ficache: cold",
         "ficache: warm",
         "ficache: uncached",
+        "ficache: replay",
     ]
     for line in lines:
         assert LOG_LINE.fullmatch(line), line
@@ -347,3 +349,173 @@ def test_a_worker_start_logs_the_readme_line_and_commits_the_model_in_its_proven
         "vllm_config_hash": "standin-config-hash",
         "layout": "tp1-pp1-dp1-ep1",
     }
+
+
+# -- FICACHE_MODE=replay ------------------------------------------------------------------
+
+#: A stand-in for vLLM 0.33's kernel_warmup whose ``flashinfer_autotune`` asks FlashInfer's
+#: REAL ``choose_one`` for every key of the CPU stand-in op under ``autotune(True)``, as
+#: vLLM's dummy runs ask for FlashInfer's ops (only CUDA timing stood in:
+#: ``ficache.standin_timing``).
+STANDIN_KERNEL_WARMUP_SERVE = """
+from ficache.standin_timing import real_loop_serve
+
+calls = []
+
+
+def resolve_rank_flashinfer_autotune_file(runner):
+    return "vllm's own per-rank file"
+
+
+def use_flashinfer_autotune_v2(runner):
+    return True
+
+
+def flashinfer_autotune(runner):
+    calls.append(real_loop_serve())
+    return "vllm's result"
+"""
+
+
+@pytest.mark.parametrize(
+    ("value", "expected", "warned"),
+    [
+        (None, "tune", False),
+        ("", "tune", False),
+        ("tune", "tune", False),
+        ("replay", "replay", False),
+        (" Replay ", "replay", False),
+        ("replays", "tune", True),
+        ("off", "tune", True),
+    ],
+)
+def test_ficache_mode(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    value: str | None,
+    expected: str,
+    warned: bool,
+) -> None:
+    from ficache import engine_env
+
+    monkeypatch.setattr(engine_env, "_warned", set())
+    if value is None:
+        monkeypatch.delenv("FICACHE_MODE", raising=False)
+    else:
+        monkeypatch.setenv("FICACHE_MODE", value)
+    with caplog.at_level(logging.WARNING, logger="ficache.engine"):
+        assert engine_env.start_mode() == expected
+        assert engine_env.start_mode() == expected
+    assert [r.getMessage() for r in caplog.records] == (
+        [f"ficache: FICACHE_MODE={value!r} is not one of tune, replay; starting in tune mode"]
+        if warned
+        else []
+    )
+
+
+def test_a_replay_worker_start_serves_profiles_nothing_and_counts_its_misses(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    autotuner: Any,
+    dump_db: Any,
+) -> None:
+    from ficache import engine_env
+    from ficache.registry import Registry
+
+    name = install_standin(tmp_path, monkeypatch, STANDIN_KERNEL_WARMUP_SERVE, "_serve")
+    monkeypatch.setattr(engine_env, "_warned", set())
+    module = importlib.import_module(name)
+    registry = tmp_path / "registry.db"
+    monkeypatch.setenv("FICACHE_DB", str(registry))
+    monkeypatch.setenv("FICACHE_ADOPT", "0")
+    monkeypatch.delenv("FICACHE_MODE", raising=False)
+    config = StandInVllmConfig()
+    plan = plugin._Plan(
+        ONE_PROCESS_GROUP, plugin.layout_of(config.parallel_config), plugin.provenance_of(config)
+    )
+    original = module.flashinfer_autotune
+
+    def worker_start() -> Any:
+        autotuner.clear_cache()  # a restarted server holds nothing yet
+        assert plugin._run(plan, original, module, object(), (), {}) == "vllm's result"
+        return plugin.last_report(), module.calls[-1]
+
+    try:
+        cold, _ = worker_start()  # tune mode: vLLM's dummy runs tune all 18 keys
+        assert (cold.mode, cold.committed) == ("tune", 18)
+        with closing(sqlite3.connect(registry)) as conn, conn:
+            conn.execute("DELETE FROM entries WHERE id % 2 = 0")  # half the keys lost
+            kept = dict(conn.execute("SELECT key, tactic FROM entries"))
+        before = dump_db(str(registry))
+        monkeypatch.setenv("FICACHE_MODE", "replay")
+
+        with caplog.at_level(logging.INFO, logger="ficache"):
+            replay, served = worker_start()
+        lines = [r.getMessage() for r in caplog.records if r.name == "ficache.vllm"]
+        after_replay = dump_db(str(registry))
+
+        monkeypatch.setenv("FICACHE_MODE", "replay-please")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ficache"):
+            typo, typo_served = worker_start()
+            worker_start()  # the warning comes once per process
+        warnings = [r.getMessage() for r in caplog.records]
+    finally:
+        sys.modules.pop(name, None)
+
+    where = "rank 0/1 (tp1-pp1-dp1-ep1)"
+    assert lines == [
+        f"ficache: replay start on {where}: loaded 9, tuned 0, committed 0, missed 9 "
+        f"in {replay.total_seconds:.2f} s",
+    ]
+    assert LOG_LINE.fullmatch(lines[0])
+    assert (replay.mode, replay.status, replay.missed, replay.tuned) == ("replay", "warm", 9, 0)
+    assert (served.profiled, served.reduces, served.fallbacks) == (0, 0, 9)
+    # Each kept key got the registry's tactic; each lost key FlashInfer's fallback.
+    assert {k: t for k, t in served.tactics.items() if t != -1} == {
+        k: json.loads(t) for k, t in kept.items()
+    }
+    assert len(served.tactics) == 18
+    # Nothing committed: the only change is the fingerprint's served mark and counts.
+    assert [t for t in after_replay if "fingerprints" not in t] == [
+        t for t in before if "fingerprints" not in t
+    ]
+    assert after_replay != before
+    with Registry.open(str(registry)) as reg:
+        assert len(reg.log()) == 2  # the cold start's commit, then the typo's (tune) one
+        [(_fid, starts, replays, misses)] = reg.stats().start_counts
+    assert (starts, replays, misses) == (3, 1, 9)  # the replay and the two typo starts
+    # A mode it does not know: one warning, and a normal (tune) start that tunes the 9.
+    assert warnings == [
+        "ficache: FICACHE_MODE='replay-please' is not one of tune, replay; starting in tune mode"
+    ]
+    assert (typo.mode, typo.status, typo.tuned, typo.committed) == ("tune", "partial", 9, 9)
+    assert typo_served.profiled == 9
+
+
+def test_a_replay_start_adopts_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, autotuner: Any
+) -> None:
+    name = install_standin(tmp_path, monkeypatch, STANDIN_KERNEL_WARMUP_SERVE, "_adopt")
+    module = importlib.import_module(name)
+    monkeypatch.setenv("FICACHE_DB", str(tmp_path / "registry.db"))
+    monkeypatch.delenv("FICACHE_ADOPT", raising=False)  # adoption on, as by default
+    adopted: list[str] = []
+    monkeypatch.setattr(plugin, "_adopt_vllm_caches", lambda plan, runner: adopted.append("x"))
+    config = StandInVllmConfig()
+    plan = plugin._Plan(
+        ONE_PROCESS_GROUP, plugin.layout_of(config.parallel_config), plugin.provenance_of(config)
+    )
+    try:
+        monkeypatch.setenv("FICACHE_MODE", "replay")
+        plugin._run(plan, module.flashinfer_autotune, module, object(), (), {})
+        replay = plugin.last_report()
+        monkeypatch.setenv("FICACHE_MODE", "tune")
+        plugin._run(plan, module.flashinfer_autotune, module, object(), (), {})
+    finally:
+        sys.modules.pop(name, None)
+
+    assert replay is not None
+    assert (replay.mode, replay.missed, replay.committed) == ("replay", 18, 0)
+    assert adopted == ["x"]  # only the tune start adopted: a replay start commits nothing

@@ -111,6 +111,10 @@ class StandInModelRunner:
         self.profiled = 0
         self.hits = 0
         self.reduces = 0
+        # ``replay``: the dummy run asks FlashInfer's real ``choose_one`` for every key
+        # (``real_loop_serve``) instead of the stand-in's loop; ``tactics`` is what each got.
+        self.serve = False
+        self.tactics: dict[str, Any] = {}
 
     def get_model(self) -> Any:
         return self.model
@@ -126,6 +130,21 @@ class StandInModelRunner:
         tuner = AutoTuner.get()
         before = set(tuner.profiling_cache)
         group = get_autotune_process_group()
+        if self.serve:
+            from ficache.standin_timing import real_loop_serve
+
+            served = real_loop_serve()
+            self.profiled += served.profiled
+            self.reduces += served.reduces
+            self.tactics = {k: v for k, v in served.tactics.items()}
+            self.dummy_runs.append(
+                {
+                    "num_tokens": num_tokens,
+                    "profiled": served.profiled,
+                    "fallbacks": served.fallbacks,
+                }
+            )
+            return
         if self.fail_after_first_shape:
             # Fault injection: tune one shape (its all-reduces included), then fail
             # while the other rank still tunes the next shapes.
@@ -341,6 +360,9 @@ class Rank:
         if self.scenario == "pp2":
             self.pipeline_parallel(kw, runner, config)
             return
+        if self.scenario == "replay":
+            self.replay(kw, runner, config)
+            return
         if self.scenario != "plugin":
             raise SystemExit(f"unknown scenario {self.scenario}")
         if self.rank == 0:  # unusable registries for the last two starts
@@ -412,6 +434,40 @@ class Rank:
         self.start("start1", kw, runner, config)
         self.result["start1_met"] = len(list(together.iterdir())) == self.world
         self.start("start2", kw, runner, config)
+
+    def replay(self, kw: Any, runner: StandInModelRunner, config: Any) -> None:
+        """``replay``: ``start1`` tunes (FICACHE_MODE unset), half the entries are deleted,
+        then ``replay1`` and ``replay2`` with ``FICACHE_MODE=replay``; every dummy run asks
+        FlashInfer's real ``choose_one`` for every key (``runner.serve``)."""
+        import sqlite3
+
+        import torch.distributed as dist
+        from vllm.distributed.parallel_state import get_world_group
+
+        runner.serve = True
+        self.start("start1", kw, runner, config)
+        self.result["steps"]["start1"]["tactics"] = runner.tactics
+        if self.rank == 0:
+            conn = sqlite3.connect(os.environ["FICACHE_DB"])
+            with conn:
+                conn.execute("DELETE FROM entries WHERE id % 2 = 0")
+            self.result["kept"] = dict(conn.execute("SELECT key, tactic FROM entries"))
+            conn.close()
+        dist.barrier(group=get_world_group().cpu_group)
+        os.environ["FICACHE_MODE"] = "replay"
+        try:
+            for name in ("replay1", "replay2"):
+                self.start(name, kw, runner, config)
+                self.result["steps"][name]["tactics"] = runner.tactics
+        finally:
+            os.environ.pop("FICACHE_MODE")
+        if self.rank == 0:
+            conn = sqlite3.connect(os.environ["FICACHE_DB"])
+            self.result["commits"] = conn.execute("SELECT count(*) FROM commits").fetchone()[0]
+            self.result["counts"] = conn.execute(
+                "SELECT served_starts, replay_starts, replay_misses FROM fingerprints"
+            ).fetchall()
+            conn.close()
 
     def adoption(self, kw: Any, runner: StandInModelRunner, config: Any) -> None:
         """Steps ``adopt``, ``adopt_again`` and ``adopt_off`` over vLLM's own per-rank files."""

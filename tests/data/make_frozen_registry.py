@@ -7,7 +7,7 @@ Run once per schema revision, with the ficache release that adds it:
 It writes ``tests/data/registry-<revision>.db`` through the public API (two
 fingerprints, shared and rank-scoped entries, policies, nested tactics,
 namespaced records from 0003 on, a FlashInfer 0.7.4 selection (a value's fourth element)
-from 0004 on, and import, replace and prune commits), then pins times and hosts so the file is
+from 0004 on, start counts from 0008 on, and import, replace and prune commits), then pins times and hosts so the file is
 reproducible, and leaves it as one self-contained file (no WAL).
 ``tests/test_schema.py`` copies each frozen file, opens it with the current
 code (which upgrades it to head) and reads its data back through the API.
@@ -124,6 +124,11 @@ def build(path: Path) -> None:
                 "tuned_at = 1767225600 + commit_id"
             )
         conn.execute("UPDATE fingerprints SET created_at = 1767225600")
+        if head_has_start_counts():  # the H200 fingerprint served 5 starts, 2 of them replays
+            conn.execute(
+                "UPDATE fingerprints SET last_served_at = 1767225610, served_starts = 5, "
+                "replay_starts = 2, replay_misses = 3 WHERE gpu = 'NVIDIA H200'"
+            )
     conn.execute("PRAGMA journal_mode = DELETE")
     conn.execute("VACUUM")
     conn.close()
@@ -135,6 +140,10 @@ def head_has_records() -> bool:
 
 def head_has_selection() -> bool:
     return any(rev == "0004_selection" for rev, _down, _title in schema.history())
+
+
+def head_has_start_counts() -> bool:
+    return any(rev == "0008_start_counts" for rev, _down, _title in schema.history())
 
 
 def main() -> None:
