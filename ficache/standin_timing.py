@@ -288,11 +288,22 @@ def _held(
     return held
 
 
+def _winners(tuner: Any) -> set[Any]:
+    """The winners the AutoTuner cached by profiling, under every identity: ``profiling_cache``
+    (v1) and, where FlashInfer keeps them, the provenance of its winner partitions (under
+    ``autotune_v2`` new winners go to a partition of the managed store, not to
+    ``profiling_cache``)."""
+    policies = getattr(tuner, "_profiling_cache_policies", None)
+    if isinstance(policies, dict):
+        return set(policies) | {(None, key) for key in tuner.profiling_cache}
+    return {(None, key) for key in tuner.profiling_cache}
+
+
 @dataclass(frozen=True)
 class LoopResult:
     """What one ``real_loop_tune`` call did on this rank."""
 
-    profiled: int  # keys FlashInfer's loop profiled and cached (new in profiling_cache)
+    profiled: int  # keys FlashInfer's loop profiled and cached (v1 or v2: see ``_winners``)
     hits: int  # keys the AutoTuner held before (loaded or tuned), of those asked for
     reduces: int  # all-reduces FlashInfer issued (OOM flags, timings, agreement gates)
     fallbacks: int  # choose_one calls that returned the fallback (runners[0], -1)
@@ -323,7 +334,7 @@ def real_loop_tune(
     tuner = AutoTuner.get()
     generator = torch.Generator().manual_seed(0)
     group = get_autotune_process_group()
-    before = set(tuner.profiling_cache)
+    before = _winners(tuner)
     hits = fallbacks = 0
     if not sync:
         set_autotune_process_group(None)
@@ -346,7 +357,7 @@ def real_loop_tune(
             set_autotune_process_group(group)
         del group  # keep no reference to the tuning group (see ficache.sync)
     return LoopResult(
-        profiled=len(set(tuner.profiling_cache) - before),
+        profiled=len(_winners(tuner) - before),
         hits=hits,
         reduces=count.all_reduces,
         fallbacks=fallbacks,

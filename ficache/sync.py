@@ -153,6 +153,7 @@ import uuid
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -194,6 +195,7 @@ if TYPE_CHECKING:
     # Only rank 0 reads or writes the registry: it imports these (SQLAlchemy,
     # Alembic) where it opens one, so the other ranks never load them.
     from ficache.registry import Registry
+    from ficache.v2_mode import V2Mode
 
 logger = logging.getLogger(__name__)
 
@@ -300,6 +302,8 @@ class WarmStartReport:
     tuned_by_rank: list[int] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+    #: v2 mode (``ficache.v2_mode``): the store this rank served and read back, else None.
+    v2: dict[str, Any] | None = None
 
     @property
     def total_seconds(self) -> float:
@@ -663,6 +667,7 @@ class WarmStart:
         ("distribute", "_step_distribute"),  # 3. broadcast SliceOffer
         ("load", "_step_load"),  # 4. local: load this rank's slice
         ("confirm", "_step_confirm"),  # 5. all-gather LoadConfirmation [+ LoadTrouble]
+        ("v2", "_step_v2_serve"),  # 5b. local, v2 mode only: attach the slice's store
         ("group", "_step_tuning_group"),  # 6. [new_group, all-gather TuningGroupCreated]
     )
     #: Exit, also when the block raised. Collectives: exchange = one all-gather; failures =
@@ -690,6 +695,9 @@ class WarmStart:
         registry_timeout: float | None = DEFAULT_REGISTRY_TIMEOUT_S,
         slice_cache: bool = True,
         provenance: dict[str, Any] | None = None,
+        v2: bool | None = None,
+        measurement_policy: Any = None,
+        v2_root: str | os.PathLike[str] | None = None,
     ) -> None:
         self.group = group
         self.db = os.fspath(db) if db is not None else None
@@ -703,6 +711,10 @@ class WarmStart:
         self.registry_timeout = registry_timeout
         self.slice_cache = slice_cache
         self.provenance = dict(provenance or {})
+        self.v2 = v2
+        self.measurement_policy = measurement_policy
+        self.v2_root = Path(v2_root) if v2_root is not None else None
+        self._v2: V2Mode | None = None
         self.report = WarmStartReport()
         self.tuner: Tuner
         self._channel: _Channel
@@ -797,6 +809,57 @@ class WarmStart:
             )
             if not hasattr(self, "tuner"):
                 self.tuner = _NoTuner()
+        if state.local_error is None:
+            self._setup_v2()
+
+    def _setup_v2(self) -> None:
+        """Step 1, v2 mode (``ficache.v2_mode``): wrap the tuner so its loads are also served
+        as a managed store. On with ``v2=True``; by default (``v2=None``) on when FlashInfer
+        already has a managed store attached (it would be consulted, and receive what is
+        tuned, behind the start's back). Never raises: a failure is one warning."""
+        from ficache import v2_mode
+
+        rank = self._enter.rank
+        ambient = v2_mode.attached_store()
+        if self.v2 is None and not isinstance(self.tuner, FlashInferTuner):
+            return  # another tuner: v2 mode only when asked for
+        if self.v2 is False or (self.v2 is None and ambient is None):
+            if ambient is not None:
+                self._warn(
+                    f"a FlashInfer managed store is attached ({getattr(ambient, 'root', ambient)}) "
+                    "and v2=False: it is consulted, and receives what is tuned, so this start "
+                    "may commit nothing of it; start with v2=None or True"
+                )
+            return
+        why: str | None = None
+        if not v2_mode.available():
+            why = "this FlashInfer has no managed store (autotune_v2)"
+        elif v2_mode.open_context_store() is not None:
+            why = (
+                "the start was entered inside an open autotune_v2 context, whose store is "
+                "consulted and receives what is tuned; enter warm_start outside it"
+            )
+        if why is None:
+            try:
+                policy = self.measurement_policy
+                fields = (
+                    v2_mode.measurement_fields(policy)
+                    if policy is not None or ambient is None
+                    else v2_mode.store_measurement(ambient)
+                )
+                root = self.v2_root or v2_mode.process_root(rank)
+                mode = v2_mode.V2Mode(root, fields)
+                tuner = v2_mode.V2ModeTuner(self.tuner, mode)
+                tuner.clear()
+            except Exception as exc:  # noqa: BLE001 - the start goes on in v1 mode
+                why = f"could not set up its v2 store: {_one_line(exc)}"
+            else:
+                self.tuner, self._v2 = tuner, mode
+                self.report.v2 = mode.report.as_json()
+                return
+        self._warn(
+            f"rank {rank}: v2 mode off: {why}; what the block tunes into a store is not committed"
+        )
 
     def _step_export(self) -> None:
         """2. Rank 0 alone exports every rank's slice (``_export_payload`` never raises, and
@@ -928,6 +991,30 @@ class WarmStart:
             return [decode(item) for item in received]
         except MalformedMessageError as exc:
             return str(exc)
+
+    def _step_v2_serve(self) -> None:
+        """5b. v2 mode only, every rank alone: attach this rank's store (its slice, written by
+        the load, or empty) and redirect ``autotune_v2`` to it for the block. No collective;
+        a failure is a value: the start goes on, and commits nothing."""
+        mode = self._v2
+        if mode is None:
+            return
+        try:
+            mode.serve()
+        except Exception as exc:  # noqa: BLE001 - a v2 problem never stops the server
+            mode.end_block()
+            why = f"rank {self._enter.rank} could not serve its v2 store: {_one_line(exc)}"
+            self._warn(why)
+            self._verdict.no_commit = self._verdict.no_commit or why
+        for warning in mode.warnings:
+            self._warn(warning)
+        self.report.v2 = mode.report.as_json()
+
+    @property
+    def v2_cache_root(self) -> Path | None:
+        """This rank's v2 store root in v2 mode (give it to ``autotune_v2(cache_root=...)``;
+        any other root is sent there for the block anyway), else None."""
+        return self._v2.root if self._v2 is not None else None
 
     def _step_tuning_group(self) -> None:
         """6. Set the tuning group (``_set_tuning_group``): when a dedicated group is created,
@@ -1110,6 +1197,8 @@ class WarmStart:
         rank = self.report.rank
         with suppress(Exception):
             self.tuner.set_process_group(None)
+        if self._v2 is not None:
+            self._v2.end_block()
         if state.exc is not None:
             tuning = self._tuning
             _drop_frame_references(state.exc, tuning.group if tuning.dedicated else None)
@@ -1126,6 +1215,10 @@ class WarmStart:
             state.tuner_error = f"rank {rank} could not read its tuner: {_one_line(exc2)}"
         self.report.tuned = len(state.new)
         self.report.records_tuned = sum(len(by_key) for by_key in state.new_records.values())
+        if self._v2 is not None:
+            for warning in self._v2.warnings:
+                self._warn(warning)
+            self.report.v2 = self._v2.report.as_json()
 
     def _step_exchange(self, state: _ExitState) -> None:
         """8. One all-gather of every rank's ``StatusReport`` (the status exchange), made by
@@ -1355,6 +1448,8 @@ class WarmStart:
             }
             if records:
                 provenance["records"] = len(records)
+            if self._v2 is not None:
+                provenance["v2_mode"] = self._v2.report.as_json()
             # This start's commit is found by its token: a retry after a connection lost
             # mid-COMMIT first looks whether that commit landed, so it never lands twice.
             token = uuid.uuid4().hex
