@@ -715,6 +715,7 @@ class WarmStart:
         self.measurement_policy = measurement_policy
         self.v2_root = Path(v2_root) if v2_root is not None else None
         self._v2: V2Mode | None = None
+        self._v2_eager = False
         self.report = WarmStartReport()
         self.tuner: Tuner
         self._channel: _Channel
@@ -813,17 +814,20 @@ class WarmStart:
             self._setup_v2()
 
     def _setup_v2(self) -> None:
-        """Step 1, v2 mode (``ficache.v2_mode``): wrap the tuner so its loads are also served
-        as a managed store. On with ``v2=True``; by default (``v2=None``) on when FlashInfer
-        already has a managed store attached (it would be consulted, and receive what is
-        tuned, behind the start's back). Never raises: a failure is one warning."""
+        """Step 1, v2 mode (``ficache.v2_mode``): wrap the tuner so its loads can be served as
+        a managed store. ``v2=True``: the store is written and attached at step 5b. Default
+        (``v2=None``, where FlashInfer has ``autotune_v2``): at step 5b when FlashInfer already
+        has a managed store attached (it would be consulted, and receive what is tuned,
+        behind the start's back), else at the block's first ``autotune_v2`` call; a block
+        that never calls it pays nothing. ``v2=False``: off. Never raises: a failure is
+        one warning."""
         from ficache import v2_mode
 
         rank = self._enter.rank
         ambient = v2_mode.attached_store()
         if self.v2 is None and not isinstance(self.tuner, FlashInferTuner):
             return  # another tuner: v2 mode only when asked for
-        if self.v2 is False or (self.v2 is None and ambient is None):
+        if self.v2 is False:
             if ambient is not None:
                 self._warn(
                     f"a FlashInfer managed store is attached ({getattr(ambient, 'root', ambient)}) "
@@ -833,6 +837,8 @@ class WarmStart:
             return
         why: str | None = None
         if not v2_mode.available():
+            if self.v2 is None:
+                return  # no managed store in this FlashInfer: nothing can bypass the start
             why = "this FlashInfer has no managed store (autotune_v2)"
         elif v2_mode.open_context_store() is not None:
             why = (
@@ -855,7 +861,7 @@ class WarmStart:
                 why = f"could not set up its v2 store: {_one_line(exc)}"
             else:
                 self.tuner, self._v2 = tuner, mode
-                self.report.v2 = mode.report.as_json()
+                self._v2_eager = self.v2 is True or ambient is not None
                 return
         self._warn(
             f"rank {rank}: v2 mode off: {why}; what the block tunes into a store is not committed"
@@ -1000,7 +1006,7 @@ class WarmStart:
         if mode is None:
             return
         try:
-            mode.serve()
+            mode.serve(eager=self._v2_eager)
         except Exception as exc:  # noqa: BLE001 - a v2 problem never stops the server
             mode.end_block()
             why = f"rank {self._enter.rank} could not serve its v2 store: {_one_line(exc)}"
@@ -1008,7 +1014,8 @@ class WarmStart:
             self._verdict.no_commit = self._verdict.no_commit or why
         for warning in mode.warnings:
             self._warn(warning)
-        self.report.v2 = mode.report.as_json()
+        if mode.active:
+            self.report.v2 = mode.report.as_json()
 
     @property
     def v2_cache_root(self) -> Path | None:
@@ -1215,7 +1222,7 @@ class WarmStart:
             state.tuner_error = f"rank {rank} could not read its tuner: {_one_line(exc2)}"
         self.report.tuned = len(state.new)
         self.report.records_tuned = sum(len(by_key) for by_key in state.new_records.values())
-        if self._v2 is not None:
+        if self._v2 is not None and self._v2.active:
             for warning in self._v2.warnings:
                 self._warn(warning)
             self.report.v2 = self._v2.report.as_json()
@@ -1448,7 +1455,7 @@ class WarmStart:
             }
             if records:
                 provenance["records"] = len(records)
-            if self._v2 is not None:
+            if self._v2 is not None and self._v2.active:
                 provenance["v2_mode"] = self._v2.report.as_json()
             # This start's commit is found by its token: a retry after a connection lost
             # mid-COMMIT first looks whether that commit landed, so it never lands twice.

@@ -195,14 +195,26 @@ class V2Mode:
         self.env_hash = v2_store.env_hash(self.manifest)
         self.env_dir = root / v2_store.SCHEMA / self.env_hash
         self.report = V2Report(str(root), self.env_hash, dict(self.measurement))
+        #: Whether the store is written and attached: at ``serve(eager=True)``, else at
+        #: the block's first ``autotune_v2`` call (``_activate``).
+        self.active = False
+        self._pending: list[str] = []  # slice texts loaded before the store was written
         self._served: dict[str, tuple[Any, ...]] = {}
         self._saved_resolve: Callable[..., Any] | None = None
         self.warnings: list[str] = []
 
     # -- the files ----------------------------------------------------------
 
+    def add_slice(self, text: str) -> None:
+        """A slice text the tuner loaded: written now when active, else when activated."""
+        if self.active:
+            self.write_slice(text)
+        else:
+            self._pending.append(text)
+
     def wipe(self) -> None:
-        """Remove every entry file under the root (manifests stay)."""
+        """Remove every entry file under the root (manifests stay) and forget pending slices."""
+        self._pending = []
         schema_dir = self.root / v2_store.SCHEMA
         if not schema_dir.is_dir():
             return
@@ -249,13 +261,42 @@ class V2Mode:
 
     # -- the block ----------------------------------------------------------
 
-    def serve(self) -> None:
-        """Attach the root (its slice already written) and redirect ``autotune_v2`` to it."""
+    def serve(self, *, eager: bool) -> None:
+        """Redirect ``autotune_v2`` to the root for the block; write and attach the store now
+        when ``eager`` (v2 mode asked for, or a store already attached), else at the block's
+        first ``autotune_v2`` call."""
         import importlib
 
+        module = importlib.import_module(CACHE_MODULE)
+        original = getattr(module, _RESOLVE)
+
+        def redirected(tuner: Any, cache_root: Any, manifest: Any, *a: Any, **kw: Any) -> Any:
+            if not self.active:
+                self._activate(original)
+            if cache_root is None or Path(cache_root) != self.root:
+                asked = "<flashinfer default>" if cache_root is None else str(cache_root)
+                if asked not in self.report.redirected:
+                    self.report.redirected.append(asked)
+                    logger.info(
+                        "ficache: autotune_v2(cache_root=%s) served from this start's store %s",
+                        asked,
+                        self.root,
+                    )
+            return original(tuner, self.root, manifest, *a, **kw)
+
+        if eager:
+            self._activate(original)
+        setattr(module, _RESOLVE, redirected)
+        self._saved_resolve = original
+
+    def _activate(self, resolve: Callable[..., Any]) -> None:
+        """Write the slice loaded so far, attach the root, note what it serves."""
         from flashinfer.autotuner import AutoTuner
 
-        module = importlib.import_module(CACHE_MODULE)
+        self.active = True
+        pending, self._pending = self._pending, []
+        for text in pending:
+            self.write_slice(text)
         self.env_dir.mkdir(parents=True, exist_ok=True)
         if not (self.env_dir / v2_store.MANIFEST).exists():
             v2_store.store_export(self.metadata, self.measurement, []).write(self.root)
@@ -268,26 +309,9 @@ class V2Mode:
                 f"root in its place, so that store's entries were not consulted "
                 f"(`ficache import --v2-store {self.report.replaced}` adds them)"
             )
-        tuner = AutoTuner.get()
-        original = getattr(module, _RESOLVE)
-        original(tuner, self.root, {**self.metadata, **self.measurement})
+        resolve(AutoTuner.get(), self.root, {**self.metadata, **self.measurement})
         self._served = self._read()
         self.report.served = len(self._served)
-
-        def redirected(tuner: Any, cache_root: Any, manifest: Any, *a: Any, **kw: Any) -> Any:
-            if cache_root is None or Path(cache_root) != self.root:
-                asked = "<flashinfer default>" if cache_root is None else str(cache_root)
-                if asked not in self.report.redirected:
-                    self.report.redirected.append(asked)
-                    logger.info(
-                        "ficache: autotune_v2(cache_root=%s) served from this start's store %s",
-                        asked,
-                        self.root,
-                    )
-            return original(tuner, self.root, manifest, *a, **kw)
-
-        setattr(module, _RESOLVE, redirected)
-        self._saved_resolve = original
 
     def end_block(self) -> None:
         """Stop redirecting ``autotune_v2`` (the root stays attached). Idempotent."""
@@ -299,7 +323,10 @@ class V2Mode:
         self._saved_resolve = None
 
     def harvest(self) -> dict[str, Row]:
-        """What the block tuned into the store: new or changed entries (module docstring)."""
+        """What the block tuned into the store: new or changed entries (module docstring);
+        nothing when the store was never activated (the block tuned through v1 only)."""
+        if not self.active:
+            return {}
         now = self._read()
         tuned: dict[str, Row] = {}
         for key, value in now.items():
@@ -349,7 +376,7 @@ class V2ModeTuner:
 
     def load(self, text: str) -> int:
         loaded = self.inner.load(text)
-        self.mode.write_slice(text)
+        self.mode.add_slice(text)
         return loaded
 
     def entries(self) -> dict[str, Row]:
