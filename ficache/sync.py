@@ -40,6 +40,12 @@ On enter:
    Fingerprints that differ, a load that failed anywhere, or ranks that
    loaded different numbers of entries: every rank clears and tunes from
    empty.
+5b. v2 mode (``ficache.v2_mode``), each rank alone: the slice it loaded
+   is served as a FlashInfer managed store of its own, attached in place of
+   any store attached before, and every ``autotune_v2`` of the block is sent
+   to it; at exit (step 7) what the block tuned into it is read back and
+   joins the new entries. Written at once (``v2=True``, or a store already
+   attached), else at the block's first ``autotune_v2`` call.
 6. The tuning group is set (``set_autotune_process_group``).
 
 On exit, also when the block raised:

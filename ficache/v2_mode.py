@@ -74,10 +74,13 @@ def available() -> bool:
     try:
         import importlib
 
+        flashinfer = importlib.import_module("flashinfer")
         module = importlib.import_module(CACHE_MODULE)
     except Exception:  # noqa: BLE001 - no v2 store in this FlashInfer
         return False
-    return callable(getattr(module, _RESOLVE, None)) and hasattr(module, "autotune_v2")
+    return callable(getattr(flashinfer, "autotune_v2", None)) and callable(
+        getattr(module, _RESOLVE, None)
+    )
 
 
 def attached_store() -> Any | None:

@@ -101,7 +101,9 @@ def _four_starts(rank: int, tmp: Path, block: Any, node_root: Path) -> dict[str,
     out["half"] = _start(db, block, node_root)
     out["after_half"] = registry_summary(db)
     out["keys_after_half"] = _keys(db)
-    # The registry loses half again; then rank 1 raises mid-tuning.
+    # The registry loses half again (once every rank has read it); then rank 1 raises
+    # mid-tuning.
+    dist.barrier()
     if rank == 0:
         _sql(db, "DELETE FROM entries WHERE id % 2 = 1")
     dist.barrier()
