@@ -289,14 +289,17 @@ def _held(
 
 
 def _winners(tuner: Any) -> set[Any]:
-    """The winners the AutoTuner cached by profiling, under every identity: ``profiling_cache``
-    (v1) and, where FlashInfer keeps them, the provenance of its winner partitions (under
-    ``autotune_v2`` new winners go to a partition of the managed store, not to
-    ``profiling_cache``)."""
-    policies = getattr(tuner, "_profiling_cache_policies", None)
-    if isinstance(policies, dict):
-        return set(policies) | {(None, key) for key in tuner.profiling_cache}
-    return {(None, key) for key in tuner.profiling_cache}
+    """The keys the AutoTuner holds a winner for that it profiled, under any identity: in
+    ``profiling_cache`` (v1) and in its winner partitions (under ``autotune_v2`` new winners
+    go to the managed store's partition, not to ``profiling_cache``). A winner promoted
+    from a store or a file carries no profile (``(tactic, None)``) and is not counted."""
+    caches = [tuner.profiling_cache, *getattr(tuner, "_winner_partitions", {}).values()]
+    return {
+        key
+        for cache in caches
+        for key, value in list(cache.items())
+        if isinstance(value, tuple) and len(value) == 2 and value[1] is not None
+    }
 
 
 @dataclass(frozen=True)

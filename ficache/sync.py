@@ -1023,6 +1023,17 @@ class WarmStart:
         if mode.active:
             self.report.v2 = mode.report.as_json()
 
+    def abandon(self) -> None:
+        """Undo, on this rank only, what the start set up for its block (the autotune process
+        group, v2 mode's ``autotune_v2`` redirect) without running the exit protocol: for a
+        caller that leaves the start unclosed (``ficache.vllm_plugin``, when vLLM's own
+        function raised while its peers may still be in vLLM's collectives). Never raises."""
+        with suppress(Exception):
+            self.tuner.set_process_group(None)
+        if self._v2 is not None:
+            with suppress(Exception):
+                self._v2.end_block()
+
     @property
     def v2_cache_root(self) -> Path | None:
         """This rank's v2 store root in v2 mode (give it to ``autotune_v2(cache_root=...)``;

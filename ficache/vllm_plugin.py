@@ -462,10 +462,7 @@ def _run(
             result = original(runner, *args, **kwargs)
     except BaseException as exc:
         # Abandoned, not closed: see "When vLLM's function raises" in the module docstring.
-        with contextlib.suppress(Exception):
-            from flashinfer.autotuner import set_autotune_process_group
-
-            set_autotune_process_group(None)
+        ws.abandon()
         logger.error(
             "ficache: vLLM's FlashInfer autotuning raised on rank %d (%s); this warm start is "
             "abandoned, nothing is committed, and the exception propagates as without ficache",

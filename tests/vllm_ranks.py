@@ -306,7 +306,10 @@ class Rank:
 
         import ficache.vllm_plugin as plugin
 
-        AutoTuner.get().clear_cache()  # a restarted server holds nothing yet
+        # A restarted server holds nothing yet: no entries, and no managed store attached
+        # (a start in v2 mode leaves its store attached for the rest of the process).
+        AutoTuner.get().clear_cache()
+        AutoTuner.get()._managed_cache = None
         runner.reset_counts()
         before = plugin.last_report()
         self.records.take()
