@@ -149,10 +149,13 @@ def test_a_store_that_changes_while_read_back_is_refused(tmp_path: Path) -> None
     assert ws.report.committed == ALL
     before = registry_summary(db)
     stop = threading.Event()
+    busy = threading.Event()  # the writer has written a few hundred files, and goes on
 
     def writer(entries: Path) -> None:
         n = 0
         while not stop.is_set():
+            if n == 300:
+                busy.set()
             # A key FlashInfer could have written (the stand-in's, with a new M).
             key = (
                 "('ficache::cpu_standin_matmul', 'CpuStandInMatmulRunner', "
@@ -168,6 +171,7 @@ def test_a_store_that_changes_while_read_back_is_refused(tmp_path: Path) -> None
         (entries,) = root.glob("v2/*/entries")
         thread = threading.Thread(target=writer, args=(entries,), daemon=True)
         thread.start()
+        assert busy.wait(60)  # the start reads the store back while the writer writes
     stop.set()
     thread.join()
     report = ws.report
