@@ -118,6 +118,9 @@ def test_a_rank_raising_mid_tuning_frees_its_peers(ranks: list[dict[str, Any]], 
         assert report["committed"] == 0 and report["commit_id"] is None
         assert report["reason"].startswith("nothing committed: rank 1 raised"), report["reason"]
         assert r["after_raise"] == r["before_raise"]
+        # The block tuned in v2 mode, from the slice every rank loaded.
+        assert report["v2"] is not None, report
+        assert report["v2"]["served"] == r["before_raise"]["scopes"]["shared"] == report["loaded"]
 
 
 def test_an_attached_store_is_replaced_and_reported(ranks: list[dict[str, Any]]) -> None:
