@@ -36,16 +36,17 @@ On enter:
    overlay per rank where its scoped entries differ), or the reason there
    are none.
 4. A rank whose fingerprint equals rank 0's loads its slice.
+   4b. v2 mode (``ficache.v2_mode``): the slice is also served as a
+   FlashInfer managed store of the rank's own, attached in place of any
+   store attached before, and every ``autotune_v2`` of the block is sent to
+   it (written at once with ``v2=True`` or a store already attached, else at
+   the block's first ``autotune_v2`` call); a rank that cannot is a failed
+   load (step 5). At exit (step 7) what the block tuned into the store is
+   read back and joins the new entries.
 5. One all-gather (a few integers) confirms fingerprints and loads.
    Fingerprints that differ, a load that failed anywhere, or ranks that
    loaded different numbers of entries: every rank clears and tunes from
    empty.
-5b. v2 mode (``ficache.v2_mode``), each rank alone: the slice it loaded
-   is served as a FlashInfer managed store of its own, attached in place of
-   any store attached before, and every ``autotune_v2`` of the block is sent
-   to it; at exit (step 7) what the block tuned into it is read back and
-   joins the new entries. Written at once (``v2=True``, or a store already
-   attached), else at the block's first ``autotune_v2`` call.
 6. The tuning group is set (``set_autotune_process_group``).
 
 On exit, also when the block raised:
@@ -672,8 +673,8 @@ class WarmStart:
         ("export", "_step_export"),  # 2. local, rank 0 only: the slices
         ("distribute", "_step_distribute"),  # 3. broadcast SliceOffer
         ("load", "_step_load"),  # 4. local: load this rank's slice
+        ("v2", "_step_v2_serve"),  # 4b. local, v2 mode only: serve the slice as a store
         ("confirm", "_step_confirm"),  # 5. all-gather LoadConfirmation [+ LoadTrouble]
-        ("v2", "_step_v2_serve"),  # 5b. local, v2 mode only: attach the slice's store
         ("group", "_step_tuning_group"),  # 6. [new_group, all-gather TuningGroupCreated]
     )
     #: Exit, also when the block raised. Collectives: exchange = one all-gather; failures =
@@ -821,8 +822,8 @@ class WarmStart:
 
     def _setup_v2(self) -> None:
         """Step 1, v2 mode (``ficache.v2_mode``): wrap the tuner so its loads can be served as
-        a managed store. ``v2=True``: the store is written and attached at step 5b. Default
-        (``v2=None``, where FlashInfer has ``autotune_v2``): at step 5b when FlashInfer already
+        a managed store. ``v2=True``: the store is written and attached at step 4b. Default
+        (``v2=None``, where FlashInfer has ``autotune_v2``): at step 4b when FlashInfer already
         has a managed store attached (it would be consulted, and receive what is tuned,
         behind the start's back), else at the block's first ``autotune_v2`` call; a block
         that never calls it pays nothing. ``v2=False``: off. Never raises: a failure is
@@ -1005,19 +1006,21 @@ class WarmStart:
             return str(exc)
 
     def _step_v2_serve(self) -> None:
-        """5b. v2 mode only, every rank alone: attach this rank's store (its slice, written by
-        the load, or empty) and redirect ``autotune_v2`` to it for the block. No collective;
-        a failure is a value: the start goes on, and commits nothing."""
-        mode = self._v2
+        """4b. v2 mode only, every rank alone: redirect ``autotune_v2`` to this rank's store for
+        the block, and write and attach it now when eager (its slice, or empty). No
+        collective; a failure is a failed load, which the confirm (step 5) makes every rank
+        see: all clear, tune from empty and commit nothing."""
+        mode, state = self._v2, self._enter
         if mode is None:
             return
         try:
             mode.serve(eager=self._v2_eager)
         except Exception as exc:  # noqa: BLE001 - a v2 problem never stops the server
             mode.end_block()
-            why = f"rank {self._enter.rank} could not serve its v2 store: {_one_line(exc)}"
+            why = f"rank {state.rank} could not serve its v2 store: {_one_line(exc)}"
             self._warn(why)
-            self._verdict.no_commit = self._verdict.no_commit or why
+            if state.load_ok:
+                state.load_ok, state.load_error = False, why
         for warning in mode.warnings:
             self._warn(warning)
         if mode.active:
