@@ -288,11 +288,25 @@ def _held(
     return held
 
 
+def _winners(tuner: Any) -> set[Any]:
+    """The keys the AutoTuner holds a winner for that it profiled, under any identity: in
+    ``profiling_cache`` (v1) and in its winner partitions (under ``autotune_v2`` new winners
+    go to the managed store's partition, not to ``profiling_cache``). A winner promoted
+    from a store or a file carries no profile (``(tactic, None)``) and is not counted."""
+    caches = [tuner.profiling_cache, *getattr(tuner, "_winner_partitions", {}).values()]
+    return {
+        key
+        for cache in caches
+        for key, value in list(cache.items())
+        if isinstance(value, tuple) and len(value) == 2 and value[1] is not None
+    }
+
+
 @dataclass(frozen=True)
 class LoopResult:
     """What one ``real_loop_tune`` call did on this rank."""
 
-    profiled: int  # keys FlashInfer's loop profiled and cached (new in profiling_cache)
+    profiled: int  # keys FlashInfer's loop profiled and cached (v1 or v2: see ``_winners``)
     hits: int  # keys the AutoTuner held before (loaded or tuned), of those asked for
     reduces: int  # all-reduces FlashInfer issued (OOM flags, timings, agreement gates)
     fallbacks: int  # choose_one calls that returned the fallback (runners[0], -1)
@@ -323,7 +337,7 @@ def real_loop_tune(
     tuner = AutoTuner.get()
     generator = torch.Generator().manual_seed(0)
     group = get_autotune_process_group()
-    before = set(tuner.profiling_cache)
+    before = _winners(tuner)
     hits = fallbacks = 0
     if not sync:
         set_autotune_process_group(None)
@@ -346,7 +360,7 @@ def real_loop_tune(
             set_autotune_process_group(group)
         del group  # keep no reference to the tuning group (see ficache.sync)
     return LoopResult(
-        profiled=len(set(tuner.profiling_cache) - before),
+        profiled=len(_winners(tuner) - before),
         hits=hits,
         reduces=count.all_reduces,
         fallbacks=fallbacks,

@@ -36,6 +36,13 @@ On enter:
    overlay per rank where its scoped entries differ), or the reason there
    are none.
 4. A rank whose fingerprint equals rank 0's loads its slice.
+   4b. v2 mode (``ficache.v2_mode``): the slice is also served as a
+   FlashInfer managed store of the rank's own, attached in place of any
+   store attached before, and every ``autotune_v2`` of the block is sent to
+   it (written at once with ``v2=True`` or a store already attached, else at
+   the block's first ``autotune_v2`` call); a rank that cannot is a failed
+   load (step 5). At exit (step 7) what the block tuned into the store is
+   read back and joins the new entries.
 5. One all-gather (a few integers) confirms fingerprints and loads.
    Fingerprints that differ, a load that failed anywhere, or ranks that
    loaded different numbers of entries: every rank clears and tunes from
@@ -170,6 +177,7 @@ import uuid
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -212,6 +220,7 @@ if TYPE_CHECKING:
     # Only rank 0 reads or writes the registry: it imports these (SQLAlchemy,
     # Alembic) where it opens one, so the other ranks never load them.
     from ficache.registry import Registry
+    from ficache.v2_mode import V2Mode
 
 logger = logging.getLogger(__name__)
 
@@ -279,6 +288,8 @@ class WarmStartReport:
     tuned_by_rank: list[int] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+    #: v2 mode (``ficache.v2_mode``): the store this rank served and read back, else None.
+    v2: dict[str, Any] | None = None
 
     @property
     def total_seconds(self) -> float:
@@ -649,6 +660,7 @@ class WarmStart:
         ("export", "_step_export"),  # 2. local, rank 0 only: the slices
         ("distribute", "_step_distribute"),  # 3. broadcast SliceOffer
         ("load", "_step_load"),  # 4. local: load this rank's slice
+        ("v2", "_step_v2_serve"),  # 4b. local, v2 mode only: serve the slice as a store
         ("confirm", "_step_confirm"),  # 5. all-gather LoadConfirmation [+ LoadTrouble]
         ("group", "_step_tuning_group"),  # 6. [new_group, all-gather TuningGroupCreated]
     )
@@ -678,6 +690,9 @@ class WarmStart:
         slice_cache: bool = True,
         provenance: dict[str, Any] | None = None,
         mode: str = "tune",
+        v2: bool | None = None,
+        measurement_policy: Any = None,
+        v2_root: str | os.PathLike[str] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"warm_start mode must be one of {', '.join(MODES)}, not {mode!r}")
@@ -694,6 +709,11 @@ class WarmStart:
         self.registry_timeout = registry_timeout
         self.slice_cache = slice_cache
         self.provenance = dict(provenance or {})
+        self.v2 = v2
+        self.measurement_policy = measurement_policy
+        self.v2_root = Path(v2_root) if v2_root is not None else None
+        self._v2: V2Mode | None = None
+        self._v2_eager = False
         self.report = WarmStartReport()
         self.tuner: Tuner
         self._channel: _Channel
@@ -792,6 +812,62 @@ class WarmStart:
             )
             if not hasattr(self, "tuner"):
                 self.tuner = _NoTuner()
+        if state.local_error is None:
+            self._setup_v2()
+
+    def _setup_v2(self) -> None:
+        """Step 1, v2 mode (``ficache.v2_mode``): wrap the tuner so its loads can be served as
+        a managed store. ``v2=True``: the store is written and attached at step 4b. Default
+        (``v2=None``, where FlashInfer has ``autotune_v2``): at step 4b when FlashInfer already
+        has a managed store attached (it would be consulted, and receive what is tuned,
+        behind the start's back), else at the block's first ``autotune_v2`` call; a block
+        that never calls it pays nothing. ``v2=False``: off. Never raises: a failure is
+        one warning."""
+        from ficache import v2_mode
+
+        rank = self._enter.rank
+        ambient = v2_mode.attached_store()
+        if self.v2 is None and not isinstance(self.tuner, FlashInferTuner):
+            return  # another tuner: v2 mode only when asked for
+        if self.v2 is False:
+            if ambient is not None:
+                self._warn(
+                    f"a FlashInfer managed store is attached ({getattr(ambient, 'root', ambient)}) "
+                    "and v2=False: it is consulted, and receives what is tuned, so this start "
+                    "may commit nothing of it; start with v2=None or True"
+                )
+            return
+        why: str | None = None
+        if not v2_mode.available():
+            if self.v2 is None:
+                return  # no managed store in this FlashInfer: nothing can bypass the start
+            why = "this FlashInfer has no managed store (autotune_v2)"
+        elif v2_mode.open_context_store() is not None:
+            why = (
+                "the start was entered inside an open autotune_v2 context, whose store is "
+                "consulted and receives what is tuned; enter warm_start outside it"
+            )
+        if why is None:
+            try:
+                policy = self.measurement_policy
+                fields = (
+                    v2_mode.measurement_fields(policy)
+                    if policy is not None or ambient is None
+                    else v2_mode.store_measurement(ambient)
+                )
+                root = self.v2_root or v2_mode.process_root(rank)
+                mode = v2_mode.V2Mode(root, fields)
+                tuner = v2_mode.V2ModeTuner(self.tuner, mode)
+                tuner.clear()
+            except Exception as exc:  # noqa: BLE001 - the start goes on in v1 mode
+                why = f"could not set up its v2 store: {_one_line(exc)}"
+            else:
+                self.tuner, self._v2 = tuner, mode
+                self._v2_eager = self.v2 is True or ambient is not None
+                return
+        self._warn(
+            f"rank {rank}: v2 mode off: {why}; what the block tunes into a store is not committed"
+        )
 
     def _step_export(self) -> None:
         """2. Rank 0 alone exports every rank's slice (``_export_payload`` never raises, and
@@ -927,6 +1003,44 @@ class WarmStart:
             return [decode(item) for item in received]
         except MalformedMessageError as exc:
             return str(exc)
+
+    def _step_v2_serve(self) -> None:
+        """4b. v2 mode only, every rank alone: redirect ``autotune_v2`` to this rank's store for
+        the block, and write and attach it now when eager (its slice, or empty). No
+        collective; a failure is a failed load, which the confirm (step 5) makes every rank
+        see: all clear, tune from empty and commit nothing."""
+        mode, state = self._v2, self._enter
+        if mode is None:
+            return
+        try:
+            mode.serve(eager=self._v2_eager)
+        except Exception as exc:  # noqa: BLE001 - a v2 problem never stops the server
+            mode.end_block()
+            why = f"rank {state.rank} could not serve its v2 store: {_one_line(exc)}"
+            self._warn(why)
+            if state.load_ok:
+                state.load_ok, state.load_error = False, why
+        for warning in mode.warnings:
+            self._warn(warning)
+        if mode.active:
+            self.report.v2 = mode.report.as_json()
+
+    def abandon(self) -> None:
+        """Undo, on this rank only, what the start set up for its block (the autotune process
+        group, v2 mode's ``autotune_v2`` redirect) without running the exit protocol: for a
+        caller that leaves the start unclosed (``ficache.vllm_plugin``, when vLLM's own
+        function raised while its peers may still be in vLLM's collectives). Never raises."""
+        with suppress(Exception):
+            self.tuner.set_process_group(None)
+        if self._v2 is not None:
+            with suppress(Exception):
+                self._v2.end_block()
+
+    @property
+    def v2_cache_root(self) -> Path | None:
+        """This rank's v2 store root in v2 mode (give it to ``autotune_v2(cache_root=...)``;
+        any other root is sent there for the block anyway), else None."""
+        return self._v2.root if self._v2 is not None else None
 
     def _step_tuning_group(self) -> None:
         """6. Set the tuning group (``_set_tuning_group``): when a dedicated group is created,
@@ -1117,6 +1231,8 @@ class WarmStart:
         self._close_replay()
         with suppress(Exception):
             self.tuner.set_process_group(None)
+        if self._v2 is not None:
+            self._v2.end_block()
         if state.exc is not None:
             tuning = self._tuning
             _drop_frame_references(state.exc, tuning.group if tuning.dedicated else None)
@@ -1133,6 +1249,10 @@ class WarmStart:
             state.tuner_error = f"rank {rank} could not read its tuner: {_one_line(exc2)}"
         self.report.tuned = len(state.new)
         self.report.records_tuned = sum(len(by_key) for by_key in state.new_records.values())
+        if self._v2 is not None and self._v2.active:
+            for warning in self._v2.warnings:
+                self._warn(warning)
+            self.report.v2 = self._v2.report.as_json()
         if self._replay is not None:
             if state.new or state.new_records:
                 self._warn(
@@ -1414,6 +1534,8 @@ class WarmStart:
             disagreements=result["disagreements"],
             provenance=self.provenance,
         )
+        if self._v2 is not None and self._v2.active:
+            provenance["v2_mode"] = self._v2.report.as_json()
         token = uuid.uuid4().hex
         attempts = 0
 

@@ -100,8 +100,8 @@ from ficache.flashinfer_format import (
     _check_entry,
     _unquote,
 )
-from ficache.models import SHARED_SCOPE
 from ficache.publish import publish
+from ficache.scopes import SHARED_SCOPE
 from ficache.values import NewEntry, validate_scope
 
 SCHEMA = "v2"

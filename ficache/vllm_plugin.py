@@ -49,9 +49,21 @@ its own, and its file is written into that directory and discarded. The
 registry is the cache. Consequence: vLLM's weight-cache daemons, which seed
 each other by shipping these per-rank files, find none; share a registry
 (``FICACHE_DB``) instead. For the same reason FlashInfer's managed v2 store
-(which vLLM 0.33 uses for single-GPU runs) is turned off for the call: its
-winners never reach the tuner's exported entries, so ficache could not
-commit them.
+(which vLLM 0.33 uses for single-GPU runs) is served by the start itself
+where FlashInfer has one (``warm_start(v2=True)``, ``ficache.v2_mode``): each
+rank's slice is written into a store root of its own, attached in place of
+any store attached before (the sparse-MLA warmup's), every
+``autotune_v2(cache_root=...)`` of the call is sent there, and what was
+tuned into it is committed. vLLM's own gate then chooses v1 or v2 as it
+would without ficache. Where FlashInfer has no managed store, vLLM's v2
+switch is turned off for the call, as before.
+
+Detected by behaviour. The wrapper needs ``flashinfer_autotune`` and vLLM's
+process groups. vLLM's file-cache helpers (``FILE_CACHE_HELPERS``) are used
+where present; a vLLM without them (vLLM PR #55671 runs its whole warmup
+under ``autotune_v2`` and deletes them) is served through the managed store;
+a vLLM without the helpers on a FlashInfer without the store is one warning
+and vLLM's own function, unchanged.
 
 Adopting what vLLM already tuned. A server that ran vLLM without ficache
 has paid for its tuning in vLLM's own caches; installing ficache must not
@@ -127,9 +139,13 @@ ENV_ADOPT = "FICACHE_ADOPT"
 ENV_REGISTRY_TIMEOUT = "FICACHE_REGISTRY_TIMEOUT"
 #: vLLM's module of autotune cache helpers (where its deployment directory is named).
 CACHE_HELPERS_MODULE = "vllm.model_executor.warmup.flashinfer_autotune_cache"
-#: Module attributes of ``kernel_warmup`` the wrapper relies on.
-REQUIRED_ATTRIBUTES = (
-    "flashinfer_autotune",
+#: Module attributes of ``kernel_warmup`` the wrapper relies on, whatever vLLM's version.
+REQUIRED_ATTRIBUTES = ("flashinfer_autotune",)
+#: vLLM 0.32-0.33's helpers of its own autotune file cache: where present, the wrapper
+#: points vLLM's per-rank file into a scratch directory (``_own_file_cache_isolated``).
+#: vLLM PR #55671 deletes them (its warmup tunes under ``autotune_v2`` on every rank);
+#: without them the wrapper needs FlashInfer's managed store (``ficache.v2_mode``).
+FILE_CACHE_HELPERS = (
     "resolve_rank_flashinfer_autotune_file",
     "use_flashinfer_autotune_v2",
 )
@@ -280,17 +296,41 @@ def make_wrapper(original: Callable[..., Any], module: ModuleType) -> Callable[.
 
 
 class _Plan:
-    def __init__(self, coordinator: Any, layout: str, provenance: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        coordinator: Any,
+        layout: str,
+        provenance: dict[str, Any],
+        *,
+        file_helpers: bool = True,
+        v2: bool = False,
+    ) -> None:
         self.coordinator = coordinator
         self.layout = layout
         self.provenance = provenance
+        self.file_helpers = file_helpers  # vLLM's own file cache can be isolated
+        self.v2 = v2  # FlashInfer's managed store can be served (``ficache.v2_mode``)
 
 
 def _plan(runner: Any, module: ModuleType) -> _Plan:
-    """Detect every feature the wrapper relies on; raise ``Unsupported`` if one is missing."""
+    """Detect every feature the wrapper relies on; raise ``Unsupported`` if one is missing.
+
+    By behaviour, not by vLLM version: vLLM's file-cache helpers are used where present;
+    FlashInfer's managed store where it has one. A vLLM without the helpers is served
+    through the managed store (vLLM PR #55671's warmup), or not at all.
+    """
+    from ficache import v2_mode
+
     missing = [name for name in REQUIRED_ATTRIBUTES if not hasattr(module, name)]
     if missing:
         raise Unsupported(f"{TARGET_MODULE} lacks {', '.join(missing)} (ficache targets vLLM 0.33)")
+    lacking = [name for name in FILE_CACHE_HELPERS if not hasattr(module, name)]
+    v2 = v2_mode.available()
+    if lacking and not v2:
+        raise Unsupported(
+            f"{TARGET_MODULE} lacks {', '.join(lacking)} and this FlashInfer has no managed "
+            "store (flashinfer.autotune_v2) to serve instead"
+        )
     try:
         from vllm.distributed import parallel_state
     except ImportError as exc:
@@ -311,7 +351,13 @@ def _plan(runner: Any, module: ModuleType) -> _Plan:
         raise Unsupported(
             f"cannot read vLLM's process groups ({type(exc).__name__}: {exc})"
         ) from None
-    return _Plan(coordinator, layout_of(parallel), provenance_of(config))
+    return _Plan(
+        coordinator,
+        layout_of(parallel),
+        provenance_of(config),
+        file_helpers=not lacking,
+        v2=v2,
+    )
 
 
 def layout_of(parallel: Any) -> str:
@@ -340,8 +386,9 @@ def provenance_of(config: Any) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _own_file_cache_isolated(module: ModuleType, rank: int) -> Iterator[None]:
-    """Point vLLM's per-rank autotune file into an empty directory; turn v2 off.
+def _own_file_cache_isolated(module: ModuleType, rank: int, *, keep_v2: bool) -> Iterator[None]:
+    """Point vLLM's per-rank autotune file into an empty directory; turn v2 off unless
+    ``keep_v2`` (the start serves FlashInfer's managed store: vLLM's own gate decides).
 
     The directory is made here, per start, and removed afterwards. The
     replacement never calls vLLM's resolver (which creates vLLM's cache
@@ -363,7 +410,8 @@ def _own_file_cache_isolated(module: ModuleType, rank: int) -> Iterator[None]:
     if scratch is not None:
         path = Path(scratch) / "autotune_configs.json"
         module.resolve_rank_flashinfer_autotune_file = lambda runner: path  # type: ignore[attr-defined]
-    module.use_flashinfer_autotune_v2 = lambda runner: False  # type: ignore[attr-defined]
+    if not keep_v2:
+        module.use_flashinfer_autotune_v2 = lambda runner: False  # type: ignore[attr-defined]
     try:
         yield
     finally:
@@ -404,6 +452,7 @@ def _run(
                 provenance=plan.provenance,
                 registry_timeout=registry_timeout(),
                 mode=mode,
+                v2=True if plan.v2 else None,
             )
         )
     except Exception as exc:  # noqa: BLE001 - fails before any collective, alike on every rank
@@ -415,14 +464,16 @@ def _run(
         return original(runner, *args, **kwargs)
     rank = coordinator.rank_in_group
     try:
-        with _own_file_cache_isolated(module, rank):
+        isolated = (
+            _own_file_cache_isolated(module, rank, keep_v2=plan.v2)
+            if plan.file_helpers
+            else contextlib.nullcontext()
+        )
+        with isolated:
             result = original(runner, *args, **kwargs)
     except BaseException as exc:
         # Abandoned, not closed: see "When vLLM's function raises" in the module docstring.
-        with contextlib.suppress(Exception):
-            from flashinfer.autotuner import set_autotune_process_group
-
-            set_autotune_process_group(None)
+        ws.abandon()
         logger.error(
             "ficache: vLLM's FlashInfer autotuning raised on rank %d (%s); this warm start is "
             "abandoned, nothing is committed, and the exception propagates as without ficache",

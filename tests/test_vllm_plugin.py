@@ -570,3 +570,73 @@ def test_replay_mode_serves_the_registry_profiles_nothing_and_commits_nothing(
     assert results[0]["commits"] == 1
     lost0 = set(results[0]["steps"]["start1"]["tactics"]) - set(kept)
     assert [tuple(c) for c in results[0]["counts"]] == [(2, 2, 2 * len(lost0))]
+
+
+# FlashInfer's managed store (v2 mode, ``ficache.v2_mode``): vLLM 0.33's own world-1
+# v2 path, and a stand-in for vLLM PR #55671's warmup (``tests/vllm_pr55671.py``).
+
+
+@pytest.fixture(scope="module")
+def v2w1_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
+    tmp = tmp_path_factory.mktemp("vllm-v2w1")
+    return run_scenario("v2w1", tmp, {"FICACHE_DB": str(tmp / "registry.db")}, world=1), tmp
+
+
+@pytest.fixture(scope="module")
+def pr55671_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
+    tmp = tmp_path_factory.mktemp("vllm-pr55671")
+    node_root = tmp / "vllm-managed-root"
+    env = {
+        "FICACHE_DB": str(tmp / "registry.db"),
+        "VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR": str(node_root),
+    }
+    return run_scenario("pr55671", tmp, env), tmp
+
+
+def _assert_v2_cold_then_warm(results: list[dict[str, Any]], tmp: Path, asked: str) -> None:
+    world = len(results)
+    for rank, (first, second) in enumerate(
+        zip(steps(results, "start1"), steps(results, "start2"), strict=True)
+    ):
+        assert first["exception"] is None and second["exception"] is None, first["exception"]
+        # Under autotune_v2 vLLM's own tuning buckets apply (16 M buckets per weight
+        # shape on 0.7.2.post1), so FlashInfer profiles at least the stand-in's N keys.
+        tuned = first["profiled"]
+        assert tuned >= N, first["dummy_runs"]
+        r1 = first["report"]
+        assert r1["status"] == "cold" and r1["reason"] is None, r1
+        assert r1["tuned"] == tuned and r1["committed"] == tuned and r1["shared"] == tuned
+        # vLLM's autotune_v2 call was sent to the start's own store, and what FlashInfer
+        # published there was read back.
+        assert r1["v2"]["redirected"] == [asked], r1["v2"]
+        assert r1["v2"]["harvested"] == tuned
+        assert second["profiled"] == 0 and second["hits"] == N
+        r2 = second["report"]
+        assert r2["status"] == "warm" and r2["loaded"] == tuned and r2["tuned"] == 0, r2
+        assert r2["v2"]["served"] == tuned
+        assert not ficache_warnings(first) and not ficache_warnings(second), rank
+        if world > 1:
+            assert first["identical_across_ranks"] and second["identical_across_ranks"]
+    # Nothing was published to the root vLLM named, nor to FlashInfer's default root.
+    for root in (tmp / "vllm-managed-root", tmp / "flashinfer-autotune"):
+        assert not list(root.glob("v2/*/entries/*.json")), root
+    with Registry.open(str(tmp / "registry.db"), create=False) as reg:
+        commits = reg.log(limit=None)
+    tuned = steps(results, "start1")[0]["profiled"]
+    assert len(commits) == 1 and commits[0].added == tuned
+    assert commits[0].provenance["v2_mode"]["harvested"] == tuned
+
+
+def test_vllm_033_world1_v2_path_is_served_and_committed(
+    v2w1_run: tuple[list[dict[str, Any]], Path],
+) -> None:
+    results, tmp = v2w1_run
+    _assert_v2_cold_then_warm(results, tmp, "<flashinfer default>")
+
+
+def test_pr55671_shaped_warmup_without_vllms_helpers_is_served(
+    pr55671_run: tuple[list[dict[str, Any]], Path],
+) -> None:
+    results, tmp = pr55671_run
+    assert all(r["pr55671_patched"] for r in results)
+    _assert_v2_cold_then_warm(results, tmp, str(tmp / "vllm-managed-root"))

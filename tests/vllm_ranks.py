@@ -105,6 +105,10 @@ class StandInModelRunner:
         self.model = torch.nn.Sequential(torch.nn.Linear(8, 8))
         self.dummy_runs: list[dict[str, Any]] = []
         self.fail_after_first_shape = False  # fault injection, named as such
+        # v2 scenarios: tune through FlashInfer's real ``choose_one`` (only CUDA timing stood
+        # in, ``ficache.standin_timing``), which publishes to a managed store under
+        # ``autotune_v2`` as FlashInfer does on a GPU.
+        self.real_loop = False
         # pp2: (directory, world) where every rank waits after its first tuning, so both
         # stages exported before either commits (files, no collective).
         self.rendezvous: tuple[Path, int] | None = None
@@ -143,6 +147,16 @@ class StandInModelRunner:
                     "profiled": served.profiled,
                     "fallbacks": served.fallbacks,
                 }
+            )
+            return
+        if self.real_loop:
+            from ficache.standin_timing import real_loop_tune
+
+            loop = real_loop_tune()
+            self.profiled += loop.profiled
+            self.hits += loop.hits
+            self.dummy_runs.append(
+                {"num_tokens": num_tokens, "profiled": loop.profiled, "hits": loop.hits}
             )
             return
         if self.fail_after_first_shape:
@@ -311,7 +325,10 @@ class Rank:
 
         import ficache.vllm_plugin as plugin
 
-        AutoTuner.get().clear_cache()  # a restarted server holds nothing yet
+        # A restarted server holds nothing yet: no entries, and no managed store attached
+        # (a start in v2 mode leaves its store attached for the rest of the process).
+        AutoTuner.get().clear_cache()
+        AutoTuner.get()._managed_cache = None
         runner.reset_counts()
         before = plugin.last_report()
         self.records.take()
@@ -363,6 +380,9 @@ class Rank:
         if self.scenario == "replay":
             self.replay(kw, runner, config)
             return
+        if self.scenario in ("v2w1", "pr55671"):
+            self.v2_starts(kw, runner, config)
+            return
         if self.scenario != "plugin":
             raise SystemExit(f"unknown scenario {self.scenario}")
         if self.rank == 0:  # unusable registries for the last two starts
@@ -384,11 +404,19 @@ class Rank:
         helper = kw.resolve_rank_flashinfer_autotune_file
         with set_current_vllm_config(config):
             helper(runner).unlink()  # written by runtime_off: vLLM starts from empty again
+        # Without that helper ficache would serve FlashInfer's managed store instead, so
+        # the FlashInfer is simulated without one too (``flashinfer.autotune_v2`` hidden:
+        # vLLM's own gate then keeps its v1 path, as on a FlashInfer that predates it).
+        import flashinfer
+
         delattr(kw, "resolve_rank_flashinfer_autotune_file")
         builtins.resolve_rank_flashinfer_autotune_file = helper  # type: ignore[attr-defined]
+        autotune_v2 = flashinfer.autotune_v2
+        del flashinfer.autotune_v2
         try:
             self.start("unsupported", kw, runner, config)
         finally:
+            flashinfer.autotune_v2 = autotune_v2
             del builtins.resolve_rank_flashinfer_autotune_file  # type: ignore[attr-defined]
             kw.resolve_rank_flashinfer_autotune_file = helper
 
@@ -411,6 +439,23 @@ class Rank:
         os.environ["FICACHE_DB"] = str(tmp / "fails.db")
         os.environ["FICACHE_ADOPT"] = "0"  # vLLM's files stay under VLLM_CACHE_ROOT
         self.start("rank1_fails", kw, runner, config, compare=False)
+
+    def v2_starts(self, kw: Any, runner: StandInModelRunner, config: Any) -> None:
+        """``v2w1``: vLLM 0.33's own ``flashinfer_autotune`` on one rank, which takes its v2
+        path (``autotune_v2``). ``pr55671``: a module standing in for vLLM PR #55671's
+        ``kernel_warmup`` (``vllm_pr55671.py``: no file-cache helpers), patched by the
+        plugin as it patches vLLM's. Both: ``start1`` (fresh registry), ``start2``."""
+        import ficache.vllm_plugin as plugin
+
+        runner.real_loop = True
+        if self.scenario == "pr55671":
+            import vllm_pr55671
+
+            module = vllm_pr55671.kernel_warmup_module()
+            self.result["pr55671_patched"] = plugin.patch_module(module)
+            kw = module
+        self.start("start1", kw, runner, config, compare=self.world > 1)
+        self.start("start2", kw, runner, config, compare=self.world > 1)
 
     def pipeline_parallel(self, kw: Any, runner: StandInModelRunner, config: Any) -> None:
         """``pp2``: each stage's TP group warm-starts on its own; both share FICACHE_DB."""

@@ -1,0 +1,398 @@
+"""v2 mode of a warm start: the registry's slice served as FlashInfer's managed store.
+
+When the code inside ``warm_start`` tunes through ``flashinfer.autotune_v2``
+(vLLM 0.33's world-1 path, its sparse-MLA warmup, vLLM PR #55671's warmup),
+FlashInfer publishes new winners to a managed store and keeps them in its
+winner partitions, not in ``profiling_cache``: a v1 start would see nothing
+tuned and commit nothing. In v2 mode each rank instead:
+
+1. keeps one private store root for the life of the process
+   (``V2Mode.root``; ``warm_start(v2_root=...)`` names another), and, for
+   every start, writes exactly the slice it loaded into that root's
+   environment: the manifest is the live ``_collect_metadata()`` plus the
+   measurement policy the caller passes (``warm_start(measurement_policy=
+   ...)``), so its ``env_hash`` is the one FlashInfer computes;
+2. attaches that root as the process's ambient store (FlashInfer's
+   ``_resolve_managed_store``, the function ``autotune_v2`` itself calls),
+   which replaces any store attached before (a node-local store that only
+   some ranks would hit is never consulted), and, for the block, sends
+   every ``autotune_v2(cache_root=...)`` to that root whatever root the
+   caller names (``redirected`` lists the roots it asked for);
+3. after the block reads the environment back (``harvest``): entries that
+   are new or differ from what was served are what the block tuned, and go
+   through the start's usual exit (same shared/scoped rules, same
+   synchronized-tuning guarantee, same failure handling); served entries
+   whose files are gone are what FlashInfer discarded (counted and warned;
+   a start only adds, so the registry keeps them).
+
+Invariants:
+- Every rank serves exactly the slice it loaded (the broadcast one); a
+  start that clears its tuner (ranks that do not agree) empties the store
+  too (``V2ModeTuner.clear``).
+- The root stays attached after the start: FlashInfer keeps serving from
+  it (the final slice after a commit, what was tuned otherwise), as with a
+  process-scope ``autotune_v2``. It is removed when the process exits.
+- Reading the store back never evaluates anything (``ficache.v2_store``'s
+  reader); a store that changes while it is read (its entry files listed,
+  sized and dated before and after) is refused: ``tuned`` raises
+  ``TunerError``, the start reports one line and commits nothing.
+- Entries tuned under a measurement policy other than the served one land
+  in another environment directory of the root: they are counted and
+  warned about, never committed.
+- Nothing here runs a collective.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ficache import v2_store
+from ficache.errors import TunerError
+from ficache.flashinfer_format import canonical_json
+from ficache.tuner import Row, Tuner
+
+logger = logging.getLogger(__name__)
+
+CACHE_MODULE = "flashinfer.autotune_cache"
+_RESOLVE = "_resolve_managed_store"
+
+_process_roots: dict[str, Path] = {}
+_lock = threading.Lock()
+
+
+def available() -> bool:
+    """Whether this FlashInfer has a managed store ficache can serve (``autotune_v2``)."""
+    try:
+        import importlib
+
+        flashinfer = importlib.import_module("flashinfer")
+        module = importlib.import_module(CACHE_MODULE)
+    except Exception:  # noqa: BLE001 - no v2 store in this FlashInfer
+        return False
+    return callable(getattr(flashinfer, "autotune_v2", None)) and callable(
+        getattr(module, _RESOLVE, None)
+    )
+
+
+def attached_store() -> Any | None:
+    """The managed store FlashInfer has attached for the process (None: none, or no v2)."""
+    try:
+        from flashinfer.autotuner import AutoTuner
+
+        return getattr(AutoTuner.get(), "_managed_cache", None)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def open_context_store() -> Any | None:
+    """The store of an ``autotune_v2`` context open on this thread, or None."""
+    try:
+        from flashinfer.autotuner import AutoTuner
+
+        local = getattr(AutoTuner.get(), "_v2_local", None)
+    except Exception:  # noqa: BLE001
+        return None
+    if local is None or not getattr(local, "active", False):
+        return None
+    return getattr(local, "store", None) or "<no store>"
+
+
+def measurement_fields(policy: Any) -> dict[str, str]:
+    """Manifest fields of ``policy``: a ``MeasurementPolicy``, a mapping of ``measure_*``
+    fields, a ``parse_measurement_policy`` spec, or None (the default policy)."""
+    if policy is None:
+        return {}
+    if isinstance(policy, str):
+        return v2_store.parse_measurement_policy(policy)
+    if isinstance(policy, Mapping):
+        fields = {str(k): str(v) for k, v in policy.items()}
+    else:
+        fields = {str(k): str(v) for k, v in policy.manifest_fields().items()}
+    bad = [k for k in fields if not k.startswith(v2_store.MEASURE_PREFIX)]
+    if bad:
+        raise ValueError(f"measurement fields must start with 'measure_': {', '.join(bad)}")
+    return fields
+
+
+def store_measurement(store: Any) -> dict[str, str]:
+    manifest = getattr(store, "manifest", None) or {}
+    return {
+        str(k): str(v) for k, v in manifest.items() if str(k).startswith(v2_store.MEASURE_PREFIX)
+    }
+
+
+def process_root(rank: int) -> Path:
+    """This process's store root for ``rank`` (made once, removed at exit)."""
+    name = f"rank{rank}"
+    with _lock:
+        root = _process_roots.get(name)
+        if root is None:
+            root = Path(tempfile.mkdtemp(prefix=f"ficache-v2-{name}-"))
+            _process_roots[name] = root
+            atexit.register(shutil.rmtree, root, True)
+        return root
+
+
+def _signature(entries_dir: Path) -> tuple[tuple[str, int, int], ...]:
+    try:
+        return tuple(
+            sorted(
+                (p.name, st.st_size, st.st_mtime_ns)
+                for p in entries_dir.iterdir()
+                for st in (p.stat(),)
+            )
+        )
+    except FileNotFoundError:
+        return ()
+    except OSError as exc:
+        raise TunerError(f"v2 store {entries_dir}: cannot list ({exc.strerror})") from None
+
+
+@dataclass
+class V2Report:
+    """What v2 mode did on one rank (``WarmStartReport.v2``)."""
+
+    root: str
+    env_hash: str = ""
+    measurement: dict[str, str] = field(default_factory=dict)
+    served: int = 0  # entry files written for the block
+    harvested: int = 0  # new or changed entries read back
+    discarded: int = 0  # served entry files FlashInfer removed
+    replaced: str | None = None  # the root of the store attached before, if another
+    redirected: list[str] = field(default_factory=list)  # roots autotune_v2 was asked for
+    elsewhere: int = 0  # entries tuned under another measurement policy (not committed)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "root": self.root,
+            "env_hash": self.env_hash,
+            "measurement": dict(self.measurement),
+            "served": self.served,
+            "harvested": self.harvested,
+            "discarded": self.discarded,
+            "replaced": self.replaced,
+            "redirected": list(self.redirected),
+            "elsewhere": self.elsewhere,
+        }
+
+
+class V2Mode:
+    """One rank's managed store for one warm start (see the module docstring)."""
+
+    def __init__(self, root: Path, measurement: Mapping[str, str]) -> None:
+        from flashinfer.autotuner import _collect_metadata
+
+        self.root = root
+        self.metadata = {str(k): str(v) for k, v in _collect_metadata().items()}
+        self.measurement = dict(measurement)
+        self.manifest = v2_store.manifest_for(self.metadata, self.measurement)
+        self.env_hash = v2_store.env_hash(self.manifest)
+        self.env_dir = root / v2_store.SCHEMA / self.env_hash
+        self.report = V2Report(str(root), self.env_hash, dict(self.measurement))
+        #: Whether the store is written and attached: at ``serve(eager=True)``, else at
+        #: the block's first ``autotune_v2`` call (``_activate``).
+        self.active = False
+        self._pending: list[str] = []  # slice texts loaded before the store was written
+        self._served: dict[str, tuple[Any, ...]] = {}
+        self._saved_resolve: Callable[..., Any] | None = None
+        self.warnings: list[str] = []
+
+    # -- the files ----------------------------------------------------------
+
+    def add_slice(self, text: str) -> None:
+        """A slice text the tuner loaded: written now when active, else when activated."""
+        if self.active:
+            self.write_slice(text)
+        else:
+            self._pending.append(text)
+
+    def wipe(self) -> None:
+        """Remove every entry file under the root (manifests stay) and forget pending slices."""
+        self._pending = []
+        schema_dir = self.root / v2_store.SCHEMA
+        if not schema_dir.is_dir():
+            return
+        for env_dir in schema_dir.iterdir():
+            entries = env_dir / v2_store.ENTRIES
+            if entries.is_dir():
+                for path in entries.iterdir():
+                    path.unlink(missing_ok=True)
+
+    def write_slice(self, text: str) -> None:
+        """Write the entries of one slice text (a FlashInfer cache file) into the store."""
+        data = json.loads(text)
+        rows = [
+            (
+                key,
+                value[0],
+                canonical_json(value[1]),
+                canonical_json(value[2]) if len(value) >= 3 else None,
+                None,
+            )
+            for key, value in data.items()
+            if not key.startswith("_") and isinstance(value, list) and len(value) >= 2
+        ]
+        try:
+            v2_store.store_export(self.metadata, self.measurement, rows).write(self.root)
+        except v2_store.V2StoreError as exc:
+            raise TunerError(f"cannot serve the slice as a v2 store: {exc}") from None
+
+    def _read(self) -> dict[str, tuple[str, str, str | None]]:
+        """The environment's entries, ``key -> (runner, tactic, policy)``; refused when the
+        files change while they are read."""
+        entries_dir = self.env_dir / v2_store.ENTRIES
+        before = _signature(entries_dir)
+        try:
+            env = v2_store._read_environment(self.env_dir)
+        except ValueError as exc:
+            raise TunerError(f"v2 store {self.env_dir}: {exc}") from None
+        if _signature(entries_dir) != before:
+            raise TunerError(
+                f"v2 store {self.env_dir} changed while it was read; nothing taken from it "
+                "(stop other writers to that store root)"
+            )
+        return {e.key: (e.runner, e.tactic_json, e.policy_json) for e in env.entries}
+
+    # -- the block ----------------------------------------------------------
+
+    def serve(self, *, eager: bool) -> None:
+        """Redirect ``autotune_v2`` to the root for the block; write and attach the store now
+        when ``eager`` (v2 mode asked for, or a store already attached), else at the block's
+        first ``autotune_v2`` call."""
+        import importlib
+
+        module = importlib.import_module(CACHE_MODULE)
+        original = getattr(module, _RESOLVE)
+
+        def redirected(tuner: Any, cache_root: Any, manifest: Any, *a: Any, **kw: Any) -> Any:
+            if not self.active:
+                self._activate(original)
+            if cache_root is None or Path(cache_root) != self.root:
+                asked = "<flashinfer default>" if cache_root is None else str(cache_root)
+                if asked not in self.report.redirected:
+                    self.report.redirected.append(asked)
+                    logger.info(
+                        "ficache: autotune_v2(cache_root=%s) served from this start's store %s",
+                        asked,
+                        self.root,
+                    )
+            return original(tuner, self.root, manifest, *a, **kw)
+
+        if eager:
+            self._activate(original)
+        setattr(module, _RESOLVE, redirected)
+        self._saved_resolve = original
+
+    def _activate(self, resolve: Callable[..., Any]) -> None:
+        """Write the slice loaded so far, attach the root, note what it serves."""
+        from flashinfer.autotuner import AutoTuner
+
+        self.active = True
+        pending, self._pending = self._pending, []
+        for text in pending:
+            self.write_slice(text)
+        self.env_dir.mkdir(parents=True, exist_ok=True)
+        if not (self.env_dir / v2_store.MANIFEST).exists():
+            v2_store.store_export(self.metadata, self.measurement, []).write(self.root)
+        before = attached_store()
+        if before is not None and Path(str(getattr(before, "root", ""))) != self.root:
+            self.report.replaced = str(getattr(before, "root", before))
+            self.warnings.append(
+                f"a FlashInfer managed store was attached when the start began "
+                f"({self.report.replaced}); ficache served its slice through its own store "
+                f"root in its place, so that store's entries were not consulted "
+                f"(`ficache import --v2-store {self.report.replaced}` adds them)"
+            )
+        resolve(AutoTuner.get(), self.root, {**self.metadata, **self.measurement})
+        self._served = self._read()
+        self.report.served = len(self._served)
+
+    def end_block(self) -> None:
+        """Stop redirecting ``autotune_v2`` (the root stays attached). Idempotent."""
+        if self._saved_resolve is None:
+            return
+        import importlib
+
+        setattr(importlib.import_module(CACHE_MODULE), _RESOLVE, self._saved_resolve)
+        self._saved_resolve = None
+
+    def harvest(self) -> dict[str, Row]:
+        """What the block tuned into the store: new or changed entries (module docstring);
+        nothing when the store was never activated (the block tuned through v1 only)."""
+        if not self.active:
+            return {}
+        now = self._read()
+        tuned: dict[str, Row] = {}
+        for key, value in now.items():
+            if self._served.get(key) != value:
+                tuned[key] = (value[0], value[1], value[2], None)
+        self.report.harvested = len(tuned)
+        self.report.discarded = sum(1 for key in self._served if key not in now)
+        if self.report.discarded:
+            self._warn_once(
+                f"FlashInfer discarded {self.report.discarded} served entries of the v2 store "
+                "and did not re-tune them; the registry keeps them"
+            )
+        self.report.elsewhere = self._count_elsewhere()
+        if self.report.elsewhere:
+            self._warn_once(
+                f"{self.report.elsewhere} entries were tuned under another measurement policy "
+                f"than the one served ({v2_store.measurement_label(self.measurement)}); not "
+                "committed: pass that policy to warm_start(measurement_policy=...)"
+            )
+        return tuned
+
+    def _count_elsewhere(self) -> int:
+        schema_dir = self.root / v2_store.SCHEMA
+        count = 0
+        for env_dir in schema_dir.iterdir() if schema_dir.is_dir() else ():
+            entries = env_dir / v2_store.ENTRIES
+            if env_dir.name != self.env_hash and entries.is_dir():
+                count += sum(1 for p in entries.iterdir() if p.suffix == ".json")
+        return count
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self.warnings:
+            self.warnings.append(message)
+
+
+class V2ModeTuner:
+    """A ``Tuner`` whose loads are also served as a v2 store, and whose ``tuned`` adds what
+    the block tuned into that store (``V2Mode.harvest``) to what the inner tuner profiled."""
+
+    def __init__(self, inner: Tuner, mode: V2Mode) -> None:
+        self.inner = inner
+        self.mode = mode
+
+    def clear(self) -> None:
+        self.inner.clear()
+        self.mode.wipe()
+
+    def load(self, text: str) -> int:
+        loaded = self.inner.load(text)
+        self.mode.add_slice(text)
+        return loaded
+
+    def entries(self) -> dict[str, Row]:
+        return self.inner.entries()
+
+    def tuned(self) -> dict[str, Row]:
+        out = dict(self.inner.tuned())
+        out.update(self.mode.harvest())
+        return out
+
+    def records(self) -> dict[str, dict[str, Any]]:
+        read = getattr(self.inner, "records", None)
+        return read() if read is not None else {}
+
+    def set_process_group(self, group: Any | None) -> None:
+        self.inner.set_process_group(group)

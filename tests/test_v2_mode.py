@@ -1,0 +1,184 @@
+"""v2-mode warm starts (``ficache.v2_mode``) through FlashInfer's real ``autotune_v2``.
+
+2 and 4 real gloo ranks run ``tests/v2_mode_scenarios.py`` (a hard timeout
+kills them); only CUDA timing is stood in (``ficache.standin_timing``). CI
+runs this file with FlashInfer 0.7.4 (``tox -e test``) and 0.7.2.post1
+(``tox -e vllm``). One process covers the bad input: a store that changes
+while the start reads it back.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import v2_mode_scenarios
+from gloo_scenarios import ALL, GROUP_TIMEOUT, registry_summary
+
+from ficache._ranks import run_ranks
+
+pytestmark = pytest.mark.slow
+
+#: Hang guard: every rank is killed after this long; never compared with a duration.
+HARD_TIMEOUT = 900.0
+NAMES = ["pr55671", "ambient"]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
+def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    world = request.param
+    root = tmp_path_factory.mktemp(f"v2-mode-{world}")
+    return run_ranks(
+        v2_mode_scenarios.run_plan,
+        world,
+        str(root),
+        NAMES,
+        timeout=HARD_TIMEOUT,
+        group_timeout=GROUP_TIMEOUT,
+    )
+
+
+def _scenario(ranks: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    out = [r[name] for r in ranks]
+    for rank, r in enumerate(out):
+        assert "error" not in r, f"{name} failed on rank {rank}:\n{r['error']}"
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cold_commits_every_tuned_entry(ranks: list[dict[str, Any]], name: str) -> None:
+    per_rank = _scenario(ranks, name)
+    world = len(per_rank)
+    for rank, r in enumerate(per_rank):
+        cold = r["cold"]
+        report = cold["report"]
+        assert cold["exception"] is None, cold["exception"]
+        assert cold["profiled"] == ALL, (rank, cold["profiled"])
+        assert report["status"] == "cold" and report["reason"] is None, report
+        assert report["tuned"] == ALL and report["committed"] == ALL
+        assert report["shared"] == ALL and report["synchronized"], report
+        v2 = report["v2"]
+        assert v2 is not None and v2["harvested"] == ALL and v2["root"] == cold["v2_cache_root"]
+        assert v2["served"] == 0
+        assert r["after_cold"]["scopes"] == {"shared": ALL}
+    assert len({r["cold"]["v2_cache_root"] for r in per_rank}) == world  # one root per rank
+
+
+def test_pr55671_block_is_served_from_ficaches_root(ranks: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(_scenario(ranks, "pr55671")):
+        v2 = r["cold"]["report"]["v2"]
+        assert len(v2["redirected"]) == 1, v2
+        assert v2["redirected"][0].endswith(f"node-local-rank{rank}"), v2
+        # The node-local root named by the caller was never written: ficache's root served it.
+        node_root = Path(v2["redirected"][0])
+        assert not list(node_root.glob("v2/*/entries/*.json")), rank
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_warm_profiles_nothing(ranks: list[dict[str, Any]], name: str) -> None:
+    for r in _scenario(ranks, name):
+        warm = r["warm"]
+        assert warm["exception"] is None
+        assert warm["profiled"] == 0
+        report = warm["report"]
+        assert report["status"] == "warm" and report["loaded"] == ALL, report
+        assert report["tuned"] == 0 and report["committed"] == 0
+        assert report["v2"]["served"] == ALL and report["v2"]["harvested"] == 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_half_deleted_re_tunes_exactly_those(ranks: list[dict[str, Any]], name: str) -> None:
+    per_rank = _scenario(ranks, name)
+    deleted = per_rank[0]["deleted"]
+    assert 0 < len(deleted) < ALL
+    for r in per_rank:
+        half = r["half"]
+        assert half["profiled"] == len(deleted), half
+        report = half["report"]
+        assert report["status"] == "partial" and report["loaded"] == ALL - len(deleted)
+        assert report["tuned"] == len(deleted) and report["v2"]["harvested"] == len(deleted)
+        assert r["after_half"]["scopes"] == {"shared": ALL}
+    assert per_rank[0]["half"]["report"]["committed"] == len(deleted)
+    assert sorted(set(per_rank[0]["keys_after_half"])) == per_rank[0]["keys_after_half"]
+    assert set(deleted) <= set(per_rank[0]["keys_after_half"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_rank_raising_mid_tuning_frees_its_peers(ranks: list[dict[str, Any]], name: str) -> None:
+    per_rank = _scenario(ranks, name)
+    for rank, r in enumerate(per_rank):
+        start = r["raise"]
+        report = start["report"]
+        assert start["exception"] is not None, (rank, report)
+        if rank == 1:
+            assert "boom mid-tuning" in start["exception"]
+        assert report["committed"] == 0 and report["commit_id"] is None
+        assert report["reason"].startswith("nothing committed: rank 1 raised"), report["reason"]
+        assert r["after_raise"] == r["before_raise"]
+        # The block tuned in v2 mode, from the slice every rank loaded.
+        assert report["v2"] is not None, report
+        assert report["v2"]["served"] == r["before_raise"]["scopes"]["shared"] == report["loaded"]
+
+
+def test_an_attached_store_is_replaced_and_reported(ranks: list[dict[str, Any]]) -> None:
+    for r in _scenario(ranks, "ambient"):
+        report = r["cold"]["report"]
+        assert report["v2"]["replaced"] == r["attached_before"], report["v2"]
+        assert any("managed store was attached" in w for w in report["warnings"]), report
+        # Later starts find ficache's own root attached: nothing to report.
+        assert r["warm"]["report"]["v2"]["replaced"] is None
+
+
+# --------------------------------------------------------------------------
+# Bad input: a store root that changes while it is read.
+
+
+def test_a_store_that_changes_while_read_back_is_refused(tmp_path: Path) -> None:
+    from flashinfer import autotune_v2
+
+    from ficache.standin_timing import real_loop_tune
+    from ficache.sync import warm_start
+    from ficache.v2_store import entry_file_name
+
+    db = tmp_path / "registry.db"
+    with (
+        warm_start(None, db=str(db), v2=True, timeout=GROUP_TIMEOUT) as ws,
+        autotune_v2(mode="tune", cache_root=tmp_path / "elsewhere"),
+    ):
+        real_loop_tune()
+    assert ws.report.committed == ALL
+    before = registry_summary(db)
+    stop = threading.Event()
+    busy = threading.Event()  # the writer has written a few hundred files, and goes on
+
+    def writer(entries: Path) -> None:
+        n = 0
+        while not stop.is_set():
+            if n == 300:
+                busy.set()
+            # A key FlashInfer could have written (the stand-in's, with a new M).
+            key = (
+                "('ficache::cpu_standin_matmul', 'CpuStandInMatmulRunner', "
+                f"(({1000 + n}, 128), (128, 128)), (torch.float32,))"
+            )
+            text = json.dumps({"key": key, "runner": "CpuStandInMatmulRunner", "tactic": 1})
+            (entries / entry_file_name(key)).write_text(text)
+            n += 1
+
+    with warm_start(None, db=str(db), v2=True, timeout=GROUP_TIMEOUT) as ws:
+        root = ws.v2_cache_root
+        assert root is not None
+        (entries,) = root.glob("v2/*/entries")
+        thread = threading.Thread(target=writer, args=(entries,), daemon=True)
+        thread.start()
+        assert busy.wait(60)  # the start reads the store back while the writer writes
+    stop.set()
+    thread.join()
+    report = ws.report
+    assert report.committed == 0 and report.commit_id is None
+    assert report.reason is not None and "changed while it was read" in report.reason, report
+    assert "\n" not in report.reason
+    assert registry_summary(db) == before

@@ -1,0 +1,157 @@
+"""v2-mode warm starts on real gloo ranks, tuning through FlashInfer's REAL ``autotune_v2``.
+
+``tests/test_v2_mode.py`` runs ``run_plan`` on 2 and 4 ranks
+(``ficache._ranks.run_ranks``, a hard timeout). Only CUDA timing is stood in
+(``ficache.standin_timing``); the managed store, its publishes, preload and
+``autotune_v2_reload`` are FlashInfer's own.
+
+- ``pr55671``: the block is shaped like vLLM PR #55671's warmup: the
+  autotune process group set (the tuning group the start set: vLLM sets its
+  own, which under the plugin is the same ranks), ``autotune_v2(mode="tune",
+  cache_root=<a node-local root>, skip_ops=...)`` around the tuning, then
+  barrier, ``autotune_v2_reload()``, barrier, on every rank. Cold, warm, half
+  of the registry deleted, then a start whose rank 1 raises mid-tuning.
+- ``ambient``: a managed store is attached before the start (vLLM 0.33's
+  sparse-MLA warmup opens one before ``flashinfer_autotune`` runs), and only
+  rank 0's holds entries (a node-local store only some ranks hit); the block
+  tunes through FlashInfer's v1 loop (``autotune(True)``), as vLLM 0.33's v1
+  path does. The same four starts, with ``warm_start``'s defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import gloo_scenarios
+import torch.distributed as dist
+from gloo_scenarios import SHAPES_A, _sql, registry_summary
+
+from ficache.standin import DEFAULT_SHAPES
+from ficache.sync import warm_start
+
+SKIP_OPS = {"ficache::an_op_this_warmup_never_runs"}
+
+
+def _tune(fail: bool) -> int:
+    """Tune every stand-in shape through FlashInfer's loop, one ``choose_one`` batch per shape;
+    raise after the first when ``fail`` (mid-tuning: the peers are in the next shape's
+    all-reduces). Returns the winners FlashInfer profiled."""
+    from ficache.standin_timing import real_loop_tune
+
+    profiled = 0
+    for index, shape in enumerate(DEFAULT_SHAPES):
+        if fail and index == 1:
+            raise RuntimeError("boom mid-tuning")
+        profiled += real_loop_tune(shapes=[shape]).profiled
+    return profiled
+
+
+def _pr55671_block(node_root: Path, fail: bool) -> int:
+    """The warmup as vLLM PR #55671 writes it (see the module docstring)."""
+    from flashinfer import autotune_v2, autotune_v2_reload
+    from flashinfer.autotuner import get_autotune_process_group, set_autotune_process_group
+
+    set_autotune_process_group(get_autotune_process_group())
+    try:
+        with autotune_v2(mode="tune", cache_root=node_root, skip_ops=SKIP_OPS):
+            profiled = _tune(fail)
+    finally:
+        set_autotune_process_group(None)
+    dist.barrier()
+    autotune_v2_reload()
+    dist.barrier()
+    return profiled
+
+
+def _ambient_block(node_root: Path, fail: bool) -> int:
+    return _tune(fail)
+
+
+def _start(db: Path, block: Any, node_root: Path, fail: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = {"exception": None, "profiled": None}
+    try:
+        with warm_start(None, db=str(db), timeout=gloo_scenarios.GROUP_TIMEOUT) as ws:
+            out["v2_cache_root"] = str(ws.v2_cache_root)
+            out["profiled"] = block(node_root, fail)
+    except Exception as exc:  # noqa: BLE001 - recorded for the test
+        out["exception"] = f"{type(exc).__name__}: {exc}"
+    out["report"] = ws.report.as_json()
+    return out
+
+
+def _keys(db: Path) -> list[str]:
+    return sorted(row[0] for row in _sql(db, "SELECT key FROM entries"))
+
+
+def _four_starts(rank: int, tmp: Path, block: Any, node_root: Path) -> dict[str, Any]:
+    db = tmp / "registry.db"
+    out: dict[str, Any] = {"cold": _start(db, block, node_root)}
+    out["after_cold"] = registry_summary(db)
+    out["warm"] = _start(db, block, node_root)
+    if rank == 0:
+        out["deleted"] = sorted(
+            row[0] for row in _sql(db, "SELECT key FROM entries WHERE id % 2 = 0")
+        )
+        _sql(db, "DELETE FROM entries WHERE id % 2 = 0")
+    dist.barrier()
+    out["half"] = _start(db, block, node_root)
+    out["after_half"] = registry_summary(db)
+    out["keys_after_half"] = _keys(db)
+    # The registry loses half again (once every rank has read it); then rank 1 raises
+    # mid-tuning.
+    dist.barrier()
+    if rank == 0:
+        _sql(db, "DELETE FROM entries WHERE id % 2 = 1")
+    dist.barrier()
+    before = registry_summary(db)
+    out["raise"] = _start(db, block, node_root, fail=rank == 1)
+    out["before_raise"], out["after_raise"] = before, registry_summary(db)
+    return out
+
+
+def pr55671(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    node_root = tmp / f"node-local-rank{rank}"
+    return _four_starts(rank, tmp, _pr55671_block, node_root)
+
+
+def ambient(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    """A store attached before the start; only rank 0's holds entries (tuned alone)."""
+    from flashinfer import autotune_v2
+    from flashinfer.autotuner import AutoTuner
+
+    from ficache.standin_timing import real_loop_tune
+
+    node_root = tmp / f"node-local-rank{rank}"
+    with autotune_v2(mode="tune", cache_root=node_root):
+        if rank == 0:
+            real_loop_tune(shapes=SHAPES_A, sync=False)
+    out = {"attached_before": str(AutoTuner.get()._managed_cache.root)}
+    out.update(_four_starts(rank, tmp, _ambient_block, node_root))
+    return out
+
+
+SCENARIOS = {f.__name__: f for f in (pr55671, ambient)}
+
+
+def run_plan(rank: int, world: int, root: str, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Run the named scenarios in order on this rank."""
+    gloo_scenarios._quiet_logs()
+    os.environ["XDG_CACHE_HOME"] = str(Path(root) / "user-cache")
+    results: dict[str, dict[str, Any]] = {}
+    for name in names:
+        tmp = Path(root) / name
+        if rank == 0:
+            tmp.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        started = time.monotonic()
+        try:
+            out = SCENARIOS[name](rank, world, tmp)
+        except Exception:  # noqa: BLE001
+            out = {"error": traceback.format_exc()}
+        out["seconds"] = time.monotonic() - started
+        results[name] = out
+    return results
