@@ -531,20 +531,16 @@ class _ReadFile:
 
 def _read(path: Path, found: _Collector, *, refuse_unknown: bool = False) -> _ReadFile | None:
     """One cache file, or None (skipped and counted). ``refuse_unknown``: a file whose
-    ``_metadata`` says ``"unknown"`` for a field is refused (SGLang's rule, see
-    ``ficache.sglang_cache``)."""
+    ``_metadata`` says ``"unknown"`` for its FlashInfer version is refused (SGLang's
+    rule, see ``ficache.sglang_cache``)."""
     try:
         cache = read_cache_file(path)
         if cache.metadata is None:
             raise CacheFileError(f"{path}: no _metadata, so its environment is unknown")
-        unknown = sorted(
-            str(k) for k, v in cache.metadata.items() if isinstance(v, str) and v == "unknown"
-        )
-        if refuse_unknown and unknown:
+        if refuse_unknown and cache.metadata.get("flashinfer_version") == "unknown":
             raise CacheFileError(
-                f'{path}: its _metadata says "unknown" for {", ".join(unknown)}, so the '
-                "environment it was tuned in is not known (FlashInfer would not serve it as "
-                "tuned for this one); not adopted"
+                f'{path}: its _metadata says "unknown" for flashinfer_version, so the '
+                "FlashInfer release its tactics were tuned with is not known; not adopted"
             )
         fingerprint = Fingerprint.from_flashinfer_metadata(cache.metadata)
         mtime = tuned_time.tuned_at(None, path)

@@ -40,12 +40,14 @@ rule: a key equal in every file of the group is stored shared; every other
 key once per file, scoped to its rank.
 
 Refused, each counted with a reason, never raised: a file whose
-``_metadata`` says ``"unknown"`` for a field (SGLang writes
-``flashinfer_version`` ``"unknown"`` into the path, and FlashInfer such
-values, when it cannot tell the environment: what it was tuned for is not
-known); a temporary file; a file or directory that is a symlink leading
-outside the root; and everything ``ficache.adopt`` refuses (truncated, NaN,
-a non-object root, a hostile key, no ``_metadata``).
+``_metadata`` says ``"unknown"`` for its FlashInfer version (SGLang names its
+directory ``unknown`` then too): the release its tactics were tuned with is
+not known. Other ``"unknown"`` fields (a CPU run's CUDA, cuDNN, GPU) follow
+the fingerprint rule, as in FlashInfer: served only where the running
+environment cannot tell either. Also refused: a temporary file; a file or
+directory that is a symlink leading outside the root; and everything
+``ficache.adopt`` refuses (truncated, NaN, a non-object root, a hostile key,
+no ``_metadata``).
 
 Invariants: reading never writes, never follows a symlink out of the root,
 never evaluates a key; the search is of fixed depth.
