@@ -1,7 +1,11 @@
 """Adopting what vLLM already tuned: its FlashInfer autotune files and its v2 store.
 
 Installing ficache must never cost a server a re-tune it had already paid
-for. ``plan_adoption`` finds vLLM's own autotune caches and turns them into
+for. SGLang's files are a second source (``Sources(..., engine="sglang")``):
+``ficache.sglang_cache`` describes where they are and how they group into
+layouts, and hands each group to ``adopt_rank_group``, the per-rank rule
+below; everything else here (reading, skipping, the commit, the startup
+adoption) is shared. ``plan_adoption`` finds vLLM's own autotune caches and turns them into
 registry entries; ``AdoptionPlan.execute`` stores them as one commit of kind
 ``import``. ``ficache import --from-vllm [ROOT]`` and the vLLM plugin (once,
 on a start whose registry holds nothing for its fingerprint:

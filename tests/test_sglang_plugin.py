@@ -235,8 +235,10 @@ def test_a_rank_raising_inside_the_context_frees_its_peer_and_commits_nothing(ru
     failing, peer = steps(results, "rank1_fails")[1], steps(results, "rank1_fails")[0]
     assert "injected failure" in failing["exception"]
     assert peer["exception"] is not None
-    # Freed by the closed connection, well before the group's 60 s timeout.
-    assert peer["seconds"] < 45, peer["seconds"]
+    # Freed by the closed connection (gloo says so), not by the group's 60 s timeout.
+    first_line = peer["exception"].splitlines()[0].lower()
+    assert "closed" in first_line or "reset" in first_line, first_line
+    assert "timed out" not in first_line and "timeout" not in first_line, first_line
     assert failing["report"] is None and peer["report"] is None
     from ficache.registry import Registry
 
