@@ -247,7 +247,13 @@ class Rank:
         state = {k: list(row_value(r)) for k, r in sorted(FlashInferTuner().entries().items())}
         step["entries"] = len(state)
         step["state"] = state
-        step["sglang_files"] = tree_state(self.cache_dir)
+        # This rank's own files only: the other rank may still be writing its own.
+        mine = f"rank_tp{self.rank}_"
+        step["sglang_files"] = {
+            path: digest
+            for path, digest in tree_state(self.cache_dir).items()
+            if Path(path).name.startswith(mine)
+        }
         if step["exception"] is None:
             gathered: list[Any] = [None] * self.world
             try:
