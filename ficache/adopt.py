@@ -879,6 +879,11 @@ def import_hint(directory: Path) -> str:
     )
 
 
+def _sglang_known(known: KnownLayout | None) -> tuple[Path | None, str] | None:
+    """A ``KnownLayout`` as ``sglang_cache.find_groups`` takes it (directory None: every one)."""
+    return None if known is None else (known.directory, known.layout)
+
+
 def plan_adoption(sources: Sources, *, known: KnownLayout | None = None) -> AdoptionPlan:
     """Find and read every autotune cache of ``sources.engine`` under ``sources``; write nothing.
 
@@ -890,7 +895,24 @@ def plan_adoption(sources: Sources, *, known: KnownLayout | None = None) -> Adop
     if sources.engine == SGLANG:
         from ficache import sglang_cache
 
-        layouts = sglang_cache.adopt_tree(sources.roots, entries, records, found, known)
+        layouts = [
+            adopt_rank_group(
+                g.directory,
+                g.kind,
+                g.layout,
+                g.ranked,
+                g.names,
+                entries,
+                records,
+                found,
+                refuse_unknown=True,
+            )
+            for g in sglang_cache.find_groups(
+                sources.roots,
+                lambda path, reason: found.skip(path, reason),
+                _sglang_known(known),
+            )
+        ]
         stores: list[AdoptedStore] = []
     else:
         deployments, store_roots = _find(sources, found)

@@ -57,12 +57,12 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from ficache.adopt import AdoptedLayout, KnownLayout, _Collector, _Entries, _Records
+#: ``skip(path, reason)``: count one item left out, with its reason (``ficache.adopt``).
+Skip = Callable[[Path, str], None]
 
 #: Below the cache dir: FlashInfer's autotune files.
 AUTOTUNE_PARTS = ("flashinfer", "autotune")
@@ -113,8 +113,8 @@ def _inside(path: Path, root: Path) -> bool:
 class _Tree:
     """The deployment directories under one root, found without leaving it."""
 
-    def __init__(self, root: Path, found: _Collector) -> None:
-        self.found = found
+    def __init__(self, root: Path, skip: Skip) -> None:
+        self.skip = skip
         try:
             self.real_root = root.resolve()
         except (OSError, RuntimeError):
@@ -128,14 +128,14 @@ class _Tree:
         try:
             return sorted(directory.iterdir())
         except OSError as exc:
-            self.found.skip(directory, f"cannot list ({exc.strerror})")
+            self.skip(directory, f"cannot list ({exc.strerror})")
             return []
 
     def allowed(self, path: Path) -> bool:
         """Inside the root once symlinks are resolved; else skipped and counted."""
         if _inside(path, self.real_root):
             return True
-        self.found.skip(path, "a symlink that leads outside the root; not read")
+        self.skip(path, "a symlink that leads outside the root; not read")
         return False
 
     def _visit(self, directory: Path, depth: int) -> None:
@@ -159,7 +159,7 @@ def _files(
         match = pattern.fullmatch(path.name)
         if match is None:
             if TEMP_FILE.fullmatch(path.name) and path.is_file():
-                tree.found.skip(path, "a temporary file (a save in progress or abandoned)")
+                tree.skip(path, "a temporary file (a save in progress or abandoned)")
             continue
         if tree.allowed(path):
             out.append((path, match))
@@ -174,22 +174,28 @@ def _sizes(matches: Sequence[re.Match[str]]) -> tuple[int, int, int]:
     )
 
 
+@dataclass(frozen=True)
+class RankGroup:
+    """One layout group: ``ranked`` is ``(rank in layout, path)``, the first of a rank winning."""
+
+    directory: Path
+    kind: str  # PER_RANK_KIND or RUNS_KIND
+    layout: str
+    ranked: tuple[tuple[int, Path], ...]
+    names: tuple[str, ...]
+
+
 def _groups(
     directory: Path,
     files: list[tuple[Path, re.Match[str]]],
     kind: str,
-    known: KnownLayout | None,
-    entries: _Entries,
-    records: _Records,
-    found: _Collector,
-) -> list[AdoptedLayout]:
-    from ficache.adopt import adopt_rank_group
-
+    known: tuple[Path | None, str] | None,
+) -> list[RankGroup]:
     if not files:
         return []
     deployment = directory.parent if kind == RUNS_KIND else directory
-    if known is not None and known.applies_to(deployment):
-        base = known.layout
+    if known is not None and (known[0] is None or _same_dir(known[0], deployment)):
+        base = known[1]
     else:
         tp, pp, dp = _sizes([m for _p, m in files])
         base = f"tp{tp}-pp{pp}-dp{dp}-ep1"
@@ -199,67 +205,54 @@ def _groups(
         by_group.setdefault((int(m.group(2)), int(m.group(3))), []).append(
             (int(m.group(1)), stamp, path)
         )
-    adopted = []
+    groups = []
     for (pp_rank, dp_rank), members in sorted(by_group.items()):
         # By rank; within a rank the newest run first (it wins where runs differ).
         members.sort(key=lambda item: (item[0], _negated(item[1]), item[2].name))
-        adopted.append(
-            adopt_rank_group(
+        groups.append(
+            RankGroup(
                 directory,
                 kind,
                 layout_name(base, pp_rank, dp_rank),
-                [(rank, path) for rank, _stamp, path in members],
+                tuple((rank, path) for rank, _stamp, path in members),
                 tuple(sorted(path.name for _r, _s, path in members)),
-                entries,
-                records,
-                found,
-                refuse_unknown=True,
             )
         )
-    return adopted
+    return groups
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except (OSError, RuntimeError):
+        return a == b
 
 
 def _negated(stamp: str) -> str:
     return "".join(chr(0x7F - ord(c)) for c in stamp)
 
 
-def adopt_tree(
-    roots: Sequence[Path],
-    entries: _Entries,
-    records: _Records,
-    found: _Collector,
-    known: KnownLayout | None,
-) -> list[AdoptedLayout]:
-    """Every layout group under ``roots`` into ``entries`` and ``records`` (``ficache.adopt``)."""
-    layouts: list[AdoptedLayout] = []
+def find_groups(
+    roots: Sequence[Path], skip: Skip, known: tuple[Path | None, str] | None = None
+) -> list[RankGroup]:
+    """Every layout group under ``roots``; what cannot be used is ``skip``-ped with a reason.
+
+    ``known``: (a deployment directory, its ``tp-pp-dp-ep`` sizes), for the groups there
+    (a directory of None: every deployment).
+    """
+    groups: list[RankGroup] = []
     seen: set[Path] = set()
     for root in roots:
         if not root.is_dir():
             continue
-        tree = _Tree(root, found)
+        tree = _Tree(root, skip)
         for directory in tree.deployments:
             real = directory.resolve()
             if real in seen:
                 continue
             seen.add(real)
-            layouts += _groups(
-                directory,
-                _files(tree, directory, RANK_FILE),
-                PER_RANK_KIND,
-                known,
-                entries,
-                records,
-                found,
-            )
+            groups += _groups(directory, _files(tree, directory, RANK_FILE), PER_RANK_KIND, known)
             runs = directory / RUNS_DIR
             if runs.is_dir() and tree.allowed(runs):
-                layouts += _groups(
-                    runs,
-                    _files(tree, runs, RUN_FILE),
-                    RUNS_KIND,
-                    known,
-                    entries,
-                    records,
-                    found,
-                )
-    return layouts
+                groups += _groups(runs, _files(tree, runs, RUN_FILE), RUNS_KIND, known)
+    return groups
