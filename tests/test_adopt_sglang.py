@@ -218,3 +218,13 @@ def test_cli_refuses_a_missing_root_and_mixed_sources(tmp_path: Path, cli: Any) 
     assert "SGLANG_CACHE_DIR" in missing.output and len(missing.output.strip().splitlines()) == 1
     both = cli("import", "--from-sglang", str(tmp_path), "--from-vllm", str(tmp_path))
     assert both.exit_code == 2
+
+
+def test_cli_layout_names_the_sizes_of_every_deployment(tree: Path, cli: Any) -> None:
+    result = cli("import", "--from-sglang", str(tree), "--layout", "tp2-pp1-dp1-ep2")
+    assert result.exit_code == 0, result.output
+    listed = cli("list", "--format", "json")
+    assert listed.exit_code == 0, listed.output
+    assert "tp2-pp1-dp1-ep2.pp0.dp0/rank1" in listed.stdout
+    bad = cli("import", "--from-sglang", str(tree), "--layout", "tp2")
+    assert bad.exit_code == 2
