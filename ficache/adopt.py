@@ -1,7 +1,11 @@
 """Adopting what vLLM already tuned: its FlashInfer autotune files and its v2 store.
 
 Installing ficache must never cost a server a re-tune it had already paid
-for. ``plan_adoption`` finds vLLM's own autotune caches and turns them into
+for. SGLang's files are a second source (``Sources(..., engine="sglang")``):
+``ficache.sglang_cache`` describes where they are and how they group into
+layouts, and hands each group to ``adopt_rank_group``, the per-rank rule
+below; everything else here (reading, skipping, the commit, the startup
+adoption) is shared. ``plan_adoption`` finds vLLM's own autotune caches and turns them into
 registry entries; ``AdoptionPlan.execute`` stores them as one commit of kind
 ``import``. ``ficache import --from-vllm [ROOT]`` and the vLLM plugin (once,
 on a start whose registry holds nothing for its fingerprint:
@@ -167,6 +171,13 @@ SINGLE_FILE = "single file"
 PER_RANK = "per rank"
 V2_STORE = "v2 store"
 
+#: The engines whose caches an adoption reads (``Sources.engine``).
+VLLM = "vllm"
+SGLANG = "sglang"
+ENGINE_NAMES = {VLLM: "vLLM", SGLANG: "SGLang"}
+#: ``source`` of an adoption commit's provenance, per engine.
+PROVENANCE_SOURCES = {VLLM: PROVENANCE_SOURCE, SGLANG: "sglang-cache"}
+
 
 # --------------------------------------------------------------------------
 # Where to look.
@@ -178,10 +189,16 @@ class Sources:
 
     roots: tuple[Path, ...]
     v2_roots: tuple[Path, ...] = ()
+    #: Whose caches: ``VLLM`` (this module's layouts) or ``SGLANG`` (``ficache.sglang_cache``).
+    engine: str = "vllm"
 
     @property
     def display(self) -> str:
         return ", ".join(str(p) for p in (*self.roots, *self.v2_roots))
+
+    @property
+    def engine_name(self) -> str:
+        return ENGINE_NAMES.get(self.engine, self.engine)
 
     @property
     def searched_str(self) -> str:
@@ -190,6 +207,10 @@ class Sources:
         def named(paths: Sequence[Path]) -> str:
             return ", ".join(f"{p}{'' if p.is_dir() else ' (missing)'}" for p in paths)
 
+        if self.engine == SGLANG:
+            from ficache import sglang_cache
+
+            return sglang_cache.searched(named(self.roots))
         text = (
             f"looked for {SINGLE_FILE_NAME} (vLLM 0.27-0.31) and {RANK_FILE_PATTERN} "
             f"(vLLM 0.32+) in ROOT, ROOT/* and ROOT/{AUTOTUNE_DIR}/<version>/<arch>[/*], "
@@ -240,21 +261,34 @@ def default_sources(environ: Mapping[str, str] | None = None) -> Sources:
     return Sources(tuple(roots), (default_flashinfer_v2_root(env),))
 
 
-def sources_at(root: str | os.PathLike[str]) -> Sources:
+def sglang_sources(environ: Mapping[str, str] | None = None) -> Sources:
+    """Where this SGLang installation keeps its autotune files (``ficache.sglang_cache``)."""
+    from ficache import sglang_cache
+
+    return Sources((sglang_cache.default_root(environ),), engine=SGLANG)
+
+
+#: What to give as ROOT, per engine (the tail of ``sources_at``'s error).
+_ROOT_HINTS = {
+    VLLM: "give vLLM's cache root (VLLM_CACHE_ROOT, default ~/.cache/vllm) "
+    "or its VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR",
+    SGLANG: "give SGLang's cache dir (SGLANG_CACHE_DIR, default ~/.cache/sglang)",
+}
+
+
+def sources_at(root: str | os.PathLike[str], engine: str = VLLM) -> Sources:
     """One root the user named; ``VllmCacheError`` when it is not a directory."""
+    hint = _ROOT_HINTS[engine]
     try:
         path = Path(root).expanduser()
     except RuntimeError:  # ~user of a user without a home directory
         raise VllmCacheError(
-            f"cannot find the home directory in {os.fspath(root)!r}; give vLLM's cache root"
+            f"cannot find the home directory in {os.fspath(root)!r}; {hint}"
         ) from None
     if not path.is_dir():
         what = "does not exist" if not path.exists() else "is not a directory"
-        raise VllmCacheError(
-            f"{path} {what}; give vLLM's cache root (VLLM_CACHE_ROOT, default ~/.cache/vllm) "
-            "or its VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR"
-        )
-    return Sources((path,))
+        raise VllmCacheError(f"{path} {what}; {hint}")
+    return Sources((path,), engine=engine)
 
 
 @dataclass(frozen=True)
@@ -361,7 +395,7 @@ class AdoptionPlan:
 
     def provenance(self) -> dict[str, Any]:
         provenance: dict[str, Any] = {
-            "source": PROVENANCE_SOURCE,
+            "source": PROVENANCE_SOURCES.get(self.sources.engine, PROVENANCE_SOURCE),
             "roots": [str(p) for p in (*self.sources.roots, *self.sources.v2_roots)],
             "layouts": [g.as_json() for g in self.layouts],
             **environments_provenance(self.stores),
@@ -389,7 +423,7 @@ class AdoptionPlan:
         return registry.write(
             self.entries,
             kind="import",
-            message=f"adopted from vLLM: {self.sources.display}"[:2000],
+            message=f"adopted from {self.sources.engine_name}: {self.sources.display}"[:2000],
             provenance={**dict(provenance or {}), **self.provenance()},
             records=self.records,
         )
@@ -441,11 +475,19 @@ class _ReadFile:
     records: dict[tuple[str, str], str] = field(default_factory=dict)  # (ns, key) -> value JSON
 
 
-def _read(path: Path, found: _Collector) -> _ReadFile | None:
+def _read(path: Path, found: _Collector, *, refuse_unknown: bool = False) -> _ReadFile | None:
+    """One cache file, or None (skipped and counted). ``refuse_unknown``: a file whose
+    ``_metadata`` says ``"unknown"`` for its FlashInfer version is refused (SGLang's
+    rule, see ``ficache.sglang_cache``)."""
     try:
         cache = read_cache_file(path)
         if cache.metadata is None:
             raise CacheFileError(f"{path}: no _metadata, so its environment is unknown")
+        if refuse_unknown and cache.metadata.get("flashinfer_version") == "unknown":
+            raise CacheFileError(
+                f'{path}: its _metadata says "unknown" for flashinfer_version, so the '
+                "FlashInfer release its tactics were tuned with is not known; not adopted"
+            )
         fingerprint = Fingerprint.from_flashinfer_metadata(cache.metadata)
         mtime = tuned_time.tuned_at(None, path)
     except (CacheFileError, FingerprintError) as exc:
@@ -585,12 +627,45 @@ def _adopt_per_rank(
         layout, group_size = known.layout, known.group_size
     else:
         layout, group_size = derived_layout(deployment.ranks), None
-    reads = [(rank, _read(path, found)) for _dp, rank, path in deployment.ranks]
+    ranked = [
+        (rank % group_size if group_size else rank, path) for _dp, rank, path in deployment.ranks
+    ]
+    return adopt_rank_group(
+        deployment.directory,
+        PER_RANK,
+        layout,
+        ranked,
+        tuple(sorted(path.name for _dp, _rank, path in deployment.ranks)),
+        entries,
+        records,
+        found,
+    )
+
+
+def adopt_rank_group(
+    directory: Path,
+    kind: str,
+    layout: str,
+    ranked: Sequence[tuple[int, Path]],
+    names: tuple[str, ...],
+    entries: _Entries,
+    records: _Records,
+    found: _Collector,
+    *,
+    refuse_unknown: bool = False,
+) -> AdoptedLayout:
+    """One layout group of per-rank files: ``ranked`` is ``(rank in layout, path)``.
+
+    The rule of every engine's per-rank files (module docstring, "Shared or
+    scoped"): equal in every file of the group, shared; else once per file,
+    scoped to ``rank_scope(layout, rank)``, the first file of a scope winning.
+    """
+    reads = [(rank, _read(path, found, refuse_unknown=refuse_unknown)) for rank, path in ranked]
     complete = all(read is not None for _rank, read in reads)
     present = [(rank, read) for rank, read in reads if read is not None]
 
     def scope_of(rank: int) -> str:
-        return rank_scope(layout, rank % group_size if group_size else rank)
+        return rank_scope(layout, rank)
 
     keys = sorted({key for _rank, read in present for key in read.values})
     shared = scoped = 0
@@ -667,10 +742,10 @@ def _adopt_per_rank(
             records.add(record)
             records_scoped += 1
     return AdoptedLayout(
-        deployment.directory,
-        PER_RANK,
+        directory,
+        kind,
         layout,
-        tuple(sorted(path.name for _dp, _rank, path in deployment.ranks)),
+        names,
         shared,
         scoped,
         len(reads) - len(present),
@@ -724,20 +799,50 @@ def _one_policy(env: StoreEnvironment, entries: _Entries) -> bool:
     return first == env.measurement
 
 
+def _sglang_known(known: KnownLayout | None) -> tuple[Path | None, str] | None:
+    """A ``KnownLayout`` as ``sglang_cache.find_groups`` takes it (directory None: every one)."""
+    return None if known is None else (known.directory, known.layout)
+
+
 def plan_adoption(sources: Sources, *, known: KnownLayout | None = None) -> AdoptionPlan:
-    """Find and read every vLLM autotune cache under ``sources``; write nothing.
+    """Find and read every autotune cache of ``sources.engine`` under ``sources``; write nothing.
 
     Never raises for what it finds: what cannot be read is skipped and counted.
     """
     found = _Collector()
     entries = _Entries(found)
     records = _Records(found)
-    deployments, store_roots = _find(sources, found)
-    layouts = [
-        _adopt_single(d, entries, records, found) for d in deployments if d.single is not None
-    ]
-    layouts += [_adopt_per_rank(d, entries, records, found, known) for d in deployments if d.ranks]
-    stores = [s for root in store_roots for s in _adopt_store(root, entries, found)]
+    if sources.engine == SGLANG:
+        from ficache import sglang_cache
+
+        layouts = [
+            adopt_rank_group(
+                g.directory,
+                g.kind,
+                g.layout,
+                g.ranked,
+                g.names,
+                entries,
+                records,
+                found,
+                refuse_unknown=True,
+            )
+            for g in sglang_cache.find_groups(
+                sources.roots,
+                lambda path, reason: found.skip(path, reason),
+                _sglang_known(known),
+            )
+        ]
+        stores: list[AdoptedStore] = []
+    else:
+        deployments, store_roots = _find(sources, found)
+        layouts = [
+            _adopt_single(d, entries, records, found) for d in deployments if d.single is not None
+        ]
+        layouts += [
+            _adopt_per_rank(d, entries, records, found, known) for d in deployments if d.ranks
+        ]
+        stores = [s for root in store_roots for s in _adopt_store(root, entries, found)]
     return AdoptionPlan(
         sources,
         tuple(layouts),

@@ -577,10 +577,22 @@ def _fingerprints_table(summaries: Sequence[Any], *, wide: bool) -> str:
     "FlashInfer's v2 store].",
 )
 @click.option(
+    "--from-sglang",
+    "from_sglang",
+    is_flag=False,
+    flag_value="",
+    default=None,
+    metavar="[ROOT]",
+    help="Adopt SGLang's own FlashInfer autotune files (SGLang 0.5.23) under ROOT "
+    "[default: SGLANG_CACHE_DIR or ~/.cache/sglang].",
+)
+@click.option(
     "--layout",
     metavar="NAME",
     help="With --from-vllm: the layout that per-rank files are scoped to, as the vLLM "
-    "plugin names it (tp4-pp1-dp1-ep4) [default: tp<files>-pp1-dp<D>-ep1].",
+    "plugin names it (tp4-pp1-dp1-ep4) [default: tp<files>-pp1-dp<D>-ep1]. With "
+    "--from-sglang: the sizes of every deployment found, in the same form; each TP "
+    "group's layout adds its stage and replica (tp4-pp1-dp1-ep4.pp0.dp0).",
 )
 @on_conflict_option(
     "when two FILES hold one key with different values, as in merge",
@@ -599,6 +611,7 @@ def import_cmd(
     fingerprint_ref: str | None,
     scope: str,
     from_vllm: str | None,
+    from_sglang: str | None,
     layout: str | None,
     policy: str,
     dry_run: bool,
@@ -626,24 +639,34 @@ def import_cmd(
     Entries and namespaced records (_records) equal on every rank of a
     deployment are stored shared, the rest scoped to their rank; unreadable
     files are skipped and counted.
+
+    --from-sglang adopts SGLang's own per-rank files (runs/ included), each TP
+    group of a deployment (one pipeline stage, one data-parallel replica) as
+    one layout, by the same rule; files whose _metadata says "unknown", temp
+    files and symlinks that leave ROOT are skipped and counted.
     """
     from ficache import ingest
     from ficache.importing import file_inputs, plan_import
 
-    if from_vllm is not None:
+    if from_vllm is not None and from_sglang is not None:
+        raise click.UsageError("give --from-vllm or --from-sglang, not both")
+    engine, root = ("vllm", from_vllm) if from_vllm is not None else ("sglang", from_sglang)
+    if root is not None:
+        option = f"--from-{engine}"
         if files or fingerprint_ref is not None or scope != "shared":
-            raise click.UsageError("--from-vllm takes no FILES, --fingerprint or --scope")
+            raise click.UsageError(f"{option} takes no FILES, --fingerprint or --scope")
         if policy != "keep":
             raise click.UsageError(
-                "--on-conflict goes with FILES, bundles or v2 stores; --from-vllm keeps the "
-                "later cache's value (v2 store over per-rank files over a single file)"
+                f"--on-conflict goes with FILES, bundles or v2 stores; {option} keeps the "
+                "later cache's value (v2 store over per-rank files over a single file; the "
+                "newest SGLang run)"
             )
-        _import_from_vllm(obj, from_vllm, layout, dry_run, fmt)
+        _import_from_vllm(obj, root, layout, dry_run, fmt, engine=engine)
         return
     if layout is not None:
-        raise click.UsageError("--layout goes with --from-vllm")
+        raise click.UsageError("--layout goes with --from-vllm or --from-sglang")
     if not files:
-        raise click.UsageError("give FILES to import, or --from-vllm")
+        raise click.UsageError("give FILES to import, or --from-vllm, or --from-sglang")
     try:
         kind = ingest.import_kind(files)
     except ingest.MixedSourcesError as exc:
@@ -830,19 +853,22 @@ def _warn_of_conflicts(plan: Any, source_noun: str) -> None:
 
 
 def _import_from_vllm(
-    obj: _Context, root: str, layout: str | None, dry_run: bool, fmt: str
+    obj: _Context, root: str, layout: str | None, dry_run: bool, fmt: str, *, engine: str = "vllm"
 ) -> None:
-    """``import --from-vllm``: find and read vLLM's caches, then one commit (if any).
+    """``import --from-vllm`` (or ``--from-sglang``, ``engine="sglang"``): find and read the
+    engine's caches, then one commit (if any).
 
     ``dry_run``: the adoption previewed (``AdoptionPlan.preview``), reading the
     registry only.
     """
     from ficache.adopt import (
+        ENGINE_NAMES,
         V2_STORE,
         KnownLayout,
         check_vllm_layout,
         default_sources,
         plan_adoption,
+        sglang_sources,
         sources_at,
     )
 
@@ -853,7 +879,10 @@ def _import_from_vllm(
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="'--layout'") from None
         known = KnownLayout(None, layout)
-    sources = sources_at(root) if root else default_sources()
+    if root:
+        sources = sources_at(root, engine)
+    else:
+        sources = sglang_sources() if engine == "sglang" else default_sources()
     plan = plan_adoption(sources, known=known)
     result = None
     if not plan.is_empty:
@@ -930,14 +959,15 @@ def _import_from_vllm(
         )
     if plan.conflicts:
         click.echo(
-            f"warning: {plan.conflicts} entr(ies) held different values in two vLLM caches; "
+            f"warning: {plan.conflicts} entr(ies) held different values in two "
+            f"{ENGINE_NAMES[engine]} caches; "
             "the later cache's value was kept (v2 store over per-rank files over a single file)",
             err=True,
         )
     if plan.record_conflicts:
         click.echo(
-            f"warning: {plan.record_conflicts} record(s) held different values in two vLLM "
-            "caches; the later cache's value was kept",
+            f"warning: {plan.record_conflicts} record(s) held different values in two "
+            f"{ENGINE_NAMES[engine]} caches; the later cache's value was kept",
             err=True,
         )
     if plan.ignored_records:
