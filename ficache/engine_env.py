@@ -60,4 +60,17 @@ def start_mode() -> str:
     return DEFAULT_MODE
 
 
-__all__ = ["DEFAULT_MODE", "ENV_MODE", "MODES", "start_mode"]
+def start_kind(status: str, mode: str) -> str:
+    """A plugin log line's first word: the start's status (``cold``, ``warm``, ...), or
+    ``replay`` for a replay start that used the registry (an uncached one says
+    ``uncached``, as in tune mode)."""
+    kind = status.split(":")[0]
+    return "replay" if mode == "replay" and kind != "uncached" else kind
+
+
+def missed_clause(mode: str, missed: int) -> str:
+    """What a plugin's log line adds for a replay start: ``, missed N`` (else nothing)."""
+    return f", missed {missed}" if mode == "replay" else ""
+
+
+__all__ = ["DEFAULT_MODE", "ENV_MODE", "MODES", "missed_clause", "start_kind", "start_mode"]

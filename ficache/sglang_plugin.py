@@ -78,6 +78,11 @@ the group: its peers fail at once, exactly as without ficache.
 A registry server that stops answering costs the adoption, the export and
 each commit at most ``FICACHE_REGISTRY_TIMEOUT`` seconds (default 60).
 
+``FICACHE_MODE=replay`` (``ficache.engine_env.start_mode``, read at every
+pass, as the vLLM plugin reads it): each pass is ``warm_start(mode="replay")``,
+which profiles nothing and commits nothing, so the first pass adopts nothing
+either; its line says ``replay`` and ``missed N``.
+
 Invariants:
 - ``register`` never raises and imports no SGLang module but its hook
   registry (SGLang then imports the target to apply the hook).
@@ -106,6 +111,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from ficache.engine_env import missed_clause, start_kind
 from ficache.tuner import FlashInferTuner, Row
 
 if TYPE_CHECKING:
@@ -363,8 +369,12 @@ def _served(
         with original(model_runner, *args, **kwargs) as value:
             yield value
         return
+    from ficache.engine_env import start_mode
+
+    mode = start_mode()
     first = _passes.get(id(plan.group), 0) == 0
-    if first and plan.rank == 0 and adopt_enabled():
+    # A replay start commits nothing, so it adopts nothing either (adoption is a commit).
+    if first and plan.rank == 0 and adopt_enabled() and mode != "replay":
         _adopt_sglang_files(plan, model_runner)  # before rank 0 exports: every rank loads it
     stack = contextlib.ExitStack()
     try:
@@ -378,6 +388,7 @@ def _served(
                 tuner=None if first else _CarryOver(),
                 provenance=plan.provenance,
                 registry_timeout=registry_timeout(),
+                mode=mode,
             )
         )
     except Exception as exc:  # noqa: BLE001 - fails before any collective, alike on every rank
@@ -481,8 +492,8 @@ def _log_report(report: WarmStartReport, layout: str) -> None:
     global _last_report
     _last_report = report
     logger.info(
-        "ficache: %s pass on rank %d/%d (%s): loaded %d, tuned %d, committed %d%s in %.2f s%s",
-        report.status.split(":")[0],
+        "ficache: %s pass on rank %d/%d (%s): loaded %d, tuned %d, committed %d%s%s in %.2f s%s",
+        start_kind(report.status, report.mode),
         report.rank,
         report.world_size,
         layout,
@@ -490,6 +501,7 @@ def _log_report(report: WarmStartReport, layout: str) -> None:
         report.tuned,
         report.committed,
         f" (commit {report.commit_id})" if report.commit_id is not None else "",
+        missed_clause(report.mode, report.missed),
         report.total_seconds,
         f"; {report.reason}" if report.reason else "",
     )

@@ -126,6 +126,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from ficache.engine_env import missed_clause, start_kind
+
 if TYPE_CHECKING:
     from ficache.adopt import KnownLayout
     from ficache.sync import WarmStartReport
@@ -556,19 +558,12 @@ def _adopt_vllm_caches(plan: _Plan, runner: Any) -> None:
     )
 
 
-def _start_kind(report: WarmStartReport) -> str:
-    """The log line's first word: the start's status, or ``replay`` for a replay start that
-    used the registry (an uncached one says ``uncached``, as in tune mode)."""
-    kind = report.status.split(":")[0]
-    return "replay" if report.mode == "replay" and kind != "uncached" else kind
-
-
 def _log_report(report: WarmStartReport, layout: str) -> None:
     global _last_report
     _last_report = report
     logger.info(
         "ficache: %s start on rank %d/%d (%s): loaded %d, tuned %d, committed %d%s%s in %.2f s%s",
-        _start_kind(report),
+        start_kind(report.status, report.mode),
         report.rank,
         report.world_size,
         layout,
@@ -576,7 +571,7 @@ def _log_report(report: WarmStartReport, layout: str) -> None:
         report.tuned,
         report.committed,
         f" (commit {report.commit_id})" if report.commit_id is not None else "",
-        f", missed {report.missed}" if report.mode == "replay" else "",
+        missed_clause(report.mode, report.missed),
         report.total_seconds,
         f"; {report.reason}" if report.reason else "",
     )
