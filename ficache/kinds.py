@@ -32,6 +32,10 @@ Invariants:
   removed), the state it replaced (``Kind.old``: value, carried columns and
   the commit that had written it; NULL for ``added``) and the value it wrote
   (``Kind.new``; NULL for ``removed``).
+- Every ``rows`` table has ``id``, ``commit_id`` (the commit that wrote the
+  current value) and ``updated_at`` (when this registry wrote it); a current
+  state is read flat as ``(id, commit_id, *values, *carried)``
+  (``Kind.state_columns``; ``CurrentRow`` names its parts).
 - A commit counts each kind's changes in its own columns (``Kind.counts``);
   ``WriteResult`` names them with ``Kind.result_prefix``.
 
@@ -42,13 +46,17 @@ copy of the machinery.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from sqlalchemy import Column, Table
 
+from ficache.errors import FicacheError
+from ficache.fingerprint import Fingerprint
+from ficache.flashinfer_format import parse_key
 from ficache.models import ENTRIES, ENTRY_CHANGES, RECORD_CHANGES, RECORDS
+from ficache.values import NewEntry, NewRecord
 
 __all__ = [
     "ACTIONS",
@@ -136,6 +144,15 @@ class Kind:
     item_identity: tuple[str, ...]
     item_values: tuple[str, ...]
     item_carried: tuple[str, ...]
+    #: ``make_item(fingerprint, scope, identity, value, carried)``: a writer's item
+    #: (policies as text), as a revert writes back a value a change replaced.
+    make_item: Callable[[Fingerprint, str, tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]], Any]
+    #: ``derive(item)``: the ``derived`` columns' values of a writer's item, before the
+    #: write's transaction (``FicacheError`` when the item cannot be stored); None: no
+    #: derived columns.
+    derive: Callable[[Any], tuple[Any, ...]] | None = None
+    #: Carried columns written as the write's time when the item holds None.
+    now_if_none: tuple[str, ...] = ("tuned_at",)
 
     def __post_init__(self) -> None:
         row_columns = set(self.rows.c.keys())
@@ -144,8 +161,12 @@ class Kind:
         assert self.identity[-1] == "key", "an identity ends with key"
         assert named | set(self.derived) <= row_columns, f"{self.name}: unknown row column"
         assert {"fingerprint_id", "scope", *self.identity, "action", "commit_id"} <= change_columns
-        assert {c for c, _ in self.old} == {*self.values, *self.carried, "commit_id"}
-        assert {c for c, _ in self.new} >= set(self.values)
+        assert tuple(c for c, _ in self.old) == (*self.values, *self.carried, "commit_id")
+        new = tuple(c for c, _ in self.new)
+        assert new[: len(self.values)] == self.values and set(new) <= {*self.values, *self.carried}
+        assert (self.derive is None) == (not self.derived)
+        assert set(self.now_if_none) <= set(self.carried)
+        assert {"id", "commit_id", "updated_at"} <= row_columns
         assert {c for _, c in (*self.old, *self.new)} <= change_columns
         assert tuple(a for a, _ in self.counts) == ACTIONS
         assert set(self.policy_columns) <= set(self.values)
@@ -196,7 +217,7 @@ class Kind:
         return tuple(getattr(row, name) for name in self.carried)
 
     def state_of(self, row: Any) -> CurrentRow:
-        """A row selected with ``state_columns`` (positional), as a ``CurrentRow``."""
+        """A flat state ``(id, commit_id, *values, *carried)`` (``state_columns``), as a ``CurrentRow``."""
         n = len(self.values)
         return CurrentRow(row[0], row[1], tuple(row[2 : 2 + n]), tuple(row[2 + n :]))
 
@@ -241,6 +262,45 @@ class Kind:
         return tuple(a) == tuple(b)
 
 
+def _entry_item(
+    fp: Fingerprint,
+    scope: str,
+    ident: tuple[Any, ...],
+    value: tuple[Any, ...],
+    carried: tuple[Any, ...],
+) -> NewEntry:
+    (key,) = ident
+    runner, tactic, policy = value
+    tuned_at, selection = carried
+    return NewEntry(fp, key, runner, tactic, policy, scope, None, tuned_at, selection)
+
+
+def _entry_derived(entry: NewEntry) -> tuple[str]:
+    """An entry's ``op``, read from its parsed key (``NewEntry.fields``) or by parsing it."""
+    fields = entry[6]  # NewEntry.fields
+    if fields is None:
+        try:
+            fields = parse_key(entry[1])  # NewEntry.key
+        except ValueError as exc:
+            raise FicacheError(
+                f"entry key {entry[1][:80]!r} is not a FlashInfer key: {exc}"
+            ) from None
+    return (fields[0],)  # KeyFields.op
+
+
+def _record_item(
+    fp: Fingerprint,
+    scope: str,
+    ident: tuple[Any, ...],
+    value: tuple[Any, ...],
+    carried: tuple[Any, ...],
+) -> NewRecord:
+    namespace, key = ident
+    (value_json,) = value
+    (tuned_at,) = carried
+    return NewRecord(fp, namespace, key, value_json, scope, tuned_at)
+
+
 #: FlashInfer entries: one tactic of one file key (``ficache.models.EntryRow``).
 ENTRY_KIND = Kind(
     name="entry",
@@ -271,6 +331,8 @@ ENTRY_KIND = Kind(
     item_identity=("key",),
     item_values=("runner", "tactic_json", "policy_json"),
     item_carried=("tuned_at", "selection_json"),
+    make_item=_entry_item,
+    derive=_entry_derived,
 )
 
 #: Namespaced records: one JSON value of one (namespace, key) (``ficache.models.RecordRow``).
@@ -299,6 +361,7 @@ RECORD_KIND = Kind(
     item_identity=("namespace", "key"),
     item_values=("value_json",),
     item_carried=("tuned_at",),
+    make_item=_record_item,
 )
 
 #: Every kind, in the order a commit writes, shows and reverts them.
