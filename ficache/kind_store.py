@@ -42,6 +42,7 @@ import socket
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
+from itertools import repeat
 from operator import attrgetter, itemgetter
 from typing import Any
 
@@ -188,8 +189,8 @@ class Prepared:
     scopes: list[set[str]] = field(default_factory=list)
     #: ``(fingerprint index, scope, *identity) -> item``; a later duplicate wins.
     wanted: dict[tuple[Any, ...], Any] = field(default_factory=dict)
-    #: ``identity -> derived values`` (identity after fingerprint and scope).
-    derived: dict[tuple[Any, ...], tuple[Any, ...]] = field(default_factory=dict)
+    #: The derived values of each of ``wanted``'s items, in its order (empty: none).
+    derived: list[tuple[Any, ...]] = field(default_factory=list)
     #: ``(fingerprint, scope, *identity)`` of the rows to delete.
     removals: set[tuple[Any, ...]] = field(default_factory=set)
     #: ``((fingerprint, scope, *identity), commit id | None)`` pairs.
@@ -240,10 +241,7 @@ def prepare(
             raise ValueError(f"{kind.name} {rest[-1][:80]!r} is both written and removed")
         prepared.removals.add(tuple(removal))
     if kind.derive is not None:
-        derive, derived = kind.derive, prepared.derived
-        for key, item in wanted.items():
-            if key[2:] not in derived:
-                derived[key[2:]] = derive(item)
+        prepared.derived = list(map(kind.derive, wanted.values()))
     if expected:
         prepared.n_expected = len(expected)
         prepared.expected = tuple(expected.items() if isinstance(expected, Mapping) else expected)
@@ -260,7 +258,8 @@ class Staged:
     removed: list[tuple[RowKey, State]] = field(default_factory=list)
     unchanged: int = 0
     kept: int = 0
-    derived: Mapping[tuple[Any, ...], tuple[Any, ...]] = field(default_factory=dict)
+    #: The derived values of each of ``added``'s items, in its order (empty: none).
+    added_derived: list[tuple[Any, ...]] = field(default_factory=list)
     #: The policy id of each policy text the items hold (None -> None).
     policy_id: Callable[[Any], Any] = field(default=lambda text: text)
     #: True when every written row is of the shared scope.
@@ -286,15 +285,25 @@ class Staged:
 
 
 def current_states(
-    conn: Connection, kind: Kind, fingerprint_id: int, scopes: Iterable[str]
+    conn: Connection,
+    kind: Kind,
+    fingerprint_id: int,
+    scopes: Iterable[str],
+    key_prefix: Any = None,
 ) -> dict[RowKey, State]:
-    """``(fingerprint id, scope, *identity) -> state`` of the rows of ``scopes``."""
+    """``(fingerprint id, scope, *identity) -> state`` of the rows of ``scopes``
+    (``key_prefix`` in the fingerprint id's place when given)."""
     rows = kind.rows
     n = 1 + len(kind.identity)
     query = select(rows.c.scope, *(rows.c[c] for c in kind.identity), *kind.state_columns).where(
         rows.c.fingerprint_id == fingerprint_id, rows.c.scope.in_(sorted(set(scopes)))
     )
-    return {(fingerprint_id, *row[:n]): row[n:] for row in conn.execute(query)}
+    columns = list(zip(*conn.execute(query), strict=True))  # column-wise: no call per row
+    if not columns:
+        return {}
+    prefix = fingerprint_id if key_prefix is None else key_prefix
+    keys = zip(repeat(prefix), *columns[:n], strict=False)
+    return dict(zip(keys, zip(*columns[n:], strict=True), strict=False))
 
 
 def stage(
@@ -303,62 +312,90 @@ def stage(
     """Compare ``prepared`` with the current rows; ``StalePlanError`` on a stale plan.
 
     The fingerprints of its items are created when absent; those of removals
-    and expected commits are only looked up.
+    and expected commits are only looked up. Current rows are keyed as
+    ``prepared.wanted`` is, by fingerprint index (``fid_at[index]`` is its row
+    id), so an unchanged item costs one lookup.
     """
     kind = prepared.kind
-    staged = Staged(kind, derived=prepared.derived)
-    fp_ids = [fids.get(fp, create=True) for fp in prepared.fingerprints]
-    scopes_by_fid: dict[int, set[str]] = {}
-    for fid, scopes in zip(fp_ids, prepared.scopes, strict=True):
+    staged = Staged(kind)
+    fid_at: list[int] = []
+    index_of: dict[int, int] = {}  # fingerprint row id -> index
+    for fp in prepared.fingerprints:
+        fid = fids.get(fp, create=True)
         assert fid is not None
-        scopes_by_fid.setdefault(fid, set()).update(scopes)
+        index_of[fid] = len(fid_at)
+        fid_at.append(fid)
+    scopes_at = [set(scopes) for scopes in prepared.scopes]
     staged.all_shared = all(scopes == {SHARED_SCOPE} for scopes in prepared.scopes)
-    for fp, scope, *_rest in prepared.removals:
+
+    def index(fp: Fingerprint) -> int | None:
+        """The index of a removal's or expectation's fingerprint; None: not stored."""
         fid = fids.get(fp, create=False)
-        if fid is not None:  # absent: nothing of it to remove
-            scopes_by_fid.setdefault(fid, set()).add(scope)
+        if fid is None:
+            return None
+        if fid not in index_of:
+            index_of[fid] = len(fid_at)
+            fid_at.append(fid)
+            scopes_at.append(set())
+        return index_of[fid]
+
+    removals = []
+    for fp, scope, *rest in sorted(prepared.removals, key=lambda r: (r[0].digest, *r[1:])):
+        at = index(fp)
+        if at is not None:  # absent: nothing of it to remove
+            scopes_at[at].add(scope)
+            removals.append((at, scope, *rest))
     existing: dict[RowKey, State] = {}
-    for fid, scopes in scopes_by_fid.items():
-        if fid not in fids.created:
-            existing.update(current_states(conn, kind, fid, scopes))
+    for at, scopes in enumerate(scopes_at):
+        if scopes and fid_at[at] not in fids.created:
+            existing.update(current_states(conn, kind, fid_at[at], scopes, key_prefix=at))
     if prepared.expected:
-        _check_expected(kind, prepared, fids, existing)
-    for fp, *rest in sorted(prepared.removals, key=lambda r: (r[0].digest, *r[1:])):
-        fid = fids.get(fp, create=False)
-        state = existing.get((fid, *rest)) if fid is not None else None
+        _check_expected(kind, prepared, index, existing)
+    for key in removals:
+        state = existing.get(key)
         if state is not None:
-            staged.removed.append(((fid, *rest), state))
+            staged.removed.append(((fid_at[key[0]], *key[1:]), state))
     staged.policy_id = _policy_id_map(conn, kind, prepared.wanted.values())
     if not existing:  # the common bulk case: new identities (or a new fingerprint) only
-        staged.added = [((fp_ids[k[0]], *k[1:]), item) for k, item in prepared.wanted.items()]
+        staged.added = [((fid_at[k[0]], *k[1:]), item) for k, item in prepared.wanted.items()]
+        staged.added_derived = prepared.derived
         return staged
-    stored_value = _stored_value(kind, staged.policy_id)
     n_values = len(kind.values)
-    for k, item in prepared.wanted.items():
-        key = (fp_ids[k[0]], *k[1:])
-        old = existing.get(key)
+    items = list(prepared.wanted.values())
+    values = zip(
+        *_written_columns(kind, items, staged.policy_id, 0.0, values_only=True), strict=True
+    )
+    derived = prepared.derived or repeat(())
+    for (k, item), value, item_derived in zip(
+        prepared.wanted.items(), values, derived, strict=False
+    ):
+        old = existing.get(k)
         if old is None:
-            staged.added.append((key, item))
-        elif tuple(old[2 : 2 + n_values]) == tuple(stored_value(item)):
+            staged.added.append(((fid_at[k[0]], *k[1:]), item))
+            staged.added_derived.append(item_derived)
+        elif old[2 : 2 + n_values] == value:
             staged.unchanged += 1
         elif keep_existing:
             staged.kept += 1
         else:
-            staged.replaced.append((key, item, old))
+            staged.replaced.append(((fid_at[k[0]], *k[1:]), item, old))
     return staged
 
 
 def _check_expected(
-    kind: Kind, prepared: Prepared, fids: FingerprintIds, existing: Mapping[RowKey, State]
+    kind: Kind,
+    prepared: Prepared,
+    index: Callable[[Fingerprint], int | None],
+    existing: Mapping[RowKey, State],
 ) -> None:
     """Raise ``StalePlanError`` unless every expected identity is held by its commit."""
     stale = 0
     last_fp: Fingerprint | None = None
-    fid: int | None = None
+    at: int | None = None
     for (fp, *rest), commit in prepared.expected:
         if fp is not last_fp:  # runs of one fingerprint: look it up once
-            last_fp, fid = fp, fids.get(fp, create=False)
-        held = existing.get((fid, *rest)) if fid is not None else None
+            last_fp, at = fp, index(fp)
+        held = existing.get((at, *rest)) if at is not None else None
         stale += (held[1] if held is not None else None) != commit
     if stale:
         raise StalePlanError(
@@ -371,42 +408,12 @@ def _policy_id_map(conn: Connection, kind: Kind, items: Iterable[Any]) -> Callab
     """Policy text -> id for the items' policies (inserting new ones); NULL maps to NULL."""
     if not kind.policy_columns:
         return lambda text: text
-    positions = [kind.values.index(c) for c in kind.policy_columns]
-    get = _tuple_getter(kind.item_values)
-    texts = {get(item)[i] for item in items for i in positions}
+    texts: set[Any] = set()
+    for name in kind.policy_columns:
+        texts.update(map(attrgetter(kind.item_values[kind.values.index(name)]), items))
     ids: dict[str | None, int | None] = {None: None}
     ids.update(policy_ids(conn, texts))
     return ids.__getitem__
-
-
-def _with_replaced(
-    get: Callable[[Any], tuple[Any, ...]], positions: Sequence[int], replace: Callable[[Any], Any]
-) -> Callable[[Any], Sequence[Any]]:
-    """``get``, with the values at ``positions`` passed through ``replace``."""
-    if not positions:
-        return get
-
-    def replaced(item: Any) -> list[Any]:
-        values = list(get(item))
-        for i in positions:
-            values[i] = replace(values[i])
-        return values
-
-    return replaced
-
-
-def _stored_value(kind: Kind, policy_id: Callable[[Any], Any]) -> Callable[[Any], Sequence[Any]]:
-    """An item's value as its value columns store it (policies by id)."""
-    positions = [kind.values.index(c) for c in kind.policy_columns]
-    return _with_replaced(_tuple_getter(kind.item_values), positions, policy_id)
-
-
-def _stored_carried(kind: Kind, now: float) -> Callable[[Any], Sequence[Any]]:
-    """An item's carried columns as written (``now_if_none`` ones as ``now`` when None)."""
-    positions = [kind.carried.index(c) for c in kind.now_if_none]
-    return _with_replaced(
-        _tuple_getter(kind.item_carried), positions, lambda v: now if v is None else v
-    )
 
 
 # --------------------------------------------------------------------------
@@ -473,35 +480,69 @@ def _change_columns(kind: Kind) -> tuple[str, ...]:
     )
 
 
+def _written_columns(
+    kind: Kind,
+    items: Sequence[Any],
+    policy_id: Callable[[Any], Any],
+    now: float,
+    *,
+    values_only: bool = False,
+) -> list[Sequence[Any]]:
+    """The ``values`` then ``carried`` columns of ``items`` as written, column by column.
+
+    Column-wise, so a bulk write converts a column with one ``map`` (policies
+    to ids, ``now_if_none`` columns' None to ``now``) instead of a Python call
+    per item.
+    """
+    n_values = len(kind.values)
+    names = kind.item_values if values_only else (*kind.item_values, *kind.item_carried)
+    if not items:
+        return [() for _ in names]
+    get = _tuple_getter(names)
+    columns: list[Sequence[Any]] = list(zip(*map(get, items), strict=True))
+    for name in kind.policy_columns:
+        at = kind.values.index(name)
+        columns[at] = list(map(policy_id, columns[at]))
+    for name in kind.now_if_none if not values_only else ():
+        at = n_values + kind.carried.index(name)
+        columns[at] = [now if v is None else v for v in columns[at]]
+    return columns
+
+
 def apply(conn: Connection, staged: Staged, commit_id: int, now: float) -> None:
     """Write ``staged`` as part of commit ``commit_id``: its rows and their change rows.
 
-    Longer than the guide: it is the bulk path of every write (the rows of
-    one ``executemany`` built in one comprehension each), and splitting it
-    would only pass the same five closures around.
+    Longer than the guide: it is the bulk path of every write, each
+    statement's rows built column-wise by ``zip`` (no Python call per row),
+    and split up it would pass the same columns around.
     """
     kind = staged.kind
     rows = kind.rows
-    stored_value = _stored_value(kind, staged.policy_id)
-    stored_carried = _stored_carried(kind, now)
-    derived = staged.derived
-    no_derived: tuple[Any, ...] = ()
+    n_values = len(kind.values)
+    written = (*kind.values, *kind.carried)
+    new_at = [written.index(row) for row, _change in kind.new]
     if staged.added:
+        keys = [key for key, _item in staged.added]
+        columns = _written_columns(
+            kind, [item for _key, item in staged.added], staged.policy_id, now
+        )
+        derived: list[Any] = []
+        if kind.derived:
+            derived = list(zip(*staged.added_derived, strict=True))
         after = conn.execute(select(func.max(rows.c.id))).scalar()
         _insert_many(
             conn,
             rows,
-            [
-                (
-                    *key,
-                    *derived.get(key[2:], no_derived),
-                    *stored_value(item),
-                    commit_id,
-                    now,
-                    *stored_carried(item),
+            list(
+                zip(
+                    *zip(*keys, strict=True),
+                    *derived,
+                    *columns[:n_values],
+                    repeat(commit_id),
+                    repeat(now),
+                    *columns[n_values:],
                 )
-                for key, item in staged.added
-            ],
+            ),
             (
                 *kind.identity_columns,
                 *kind.derived,
@@ -514,56 +555,39 @@ def apply(conn: Connection, staged: Staged, commit_id: int, now: float) -> None:
         # Their change rows, copied inside the database: the only rows of
         # this new commit so far are the ones just added.
         conn.execute(_added_changes(kind), {"commit_id": commit_id, "after": after or 0})
-    written = (*kind.values, "commit_id", "updated_at", *kind.carried)
+    changes: list[tuple[Any, ...]] = []
     if staged.replaced:
+        columns = _written_columns(
+            kind, [item for _key, item, _old in staged.replaced], staged.policy_id, now
+        )
+        names = ["b_id", *(f"b_{c}" for c in (*kind.values, "commit_id", "updated_at"))]
+        names += [f"b_{c}" for c in kind.carried]
         conn.execute(
             update(rows)
             .where(rows.c.id == bindparam("b_id"))
-            .values({c: bindparam(f"b_{c}") for c in written}),
+            .values({name[2:]: bindparam(name) for name in names[1:]}),
             [
-                {
-                    "b_id": old[0],
-                    **dict(
-                        zip(
-                            [f"b_{c}" for c in written],
-                            (*stored_value(item), commit_id, now, *stored_carried(item)),
-                            strict=True,
-                        )
-                    ),
-                }
-                for _key, item, old in staged.replaced
+                dict(zip(names, row, strict=True))
+                for row in zip(
+                    [old[0] for _key, _item, old in staged.replaced],
+                    *columns[:n_values],
+                    repeat(commit_id),
+                    repeat(now),
+                    *columns[n_values:],
+                )
             ],
         )
-    # The value a change wrote, from (*values, *carried) as written.
-    all_columns = (*kind.values, *kind.carried)
-    new_positions = [all_columns.index(row) for row, _change in kind.new]
-
-    def pick_new(written_value: tuple[Any, ...]) -> tuple[Any, ...]:
-        return tuple(written_value[i] for i in new_positions)
-
+        changes += [
+            (commit_id, *key, "replaced", *old[2:], old[1], *new)
+            for (key, _item, old), new in zip(
+                staged.replaced, zip(*(columns[i] for i in new_at), strict=True), strict=True
+            )
+        ]
     no_new = (None,) * len(kind.new)
-    _insert_many(
-        conn,
-        kind.changes,
-        [
-            *(
-                (
-                    commit_id,
-                    *key,
-                    "replaced",
-                    *old[2:],
-                    old[1],
-                    *pick_new((*stored_value(item), *stored_carried(item))),
-                )
-                for key, item, old in staged.replaced
-            ),
-            *(
-                (commit_id, *key, "removed", *old[2:], old[1], *no_new)
-                for key, old in staged.removed
-            ),
-        ],
-        _change_columns(kind),
-    )
+    changes += [
+        (commit_id, *key, "removed", *old[2:], old[1], *no_new) for key, old in staged.removed
+    ]
+    _insert_many(conn, kind.changes, changes, _change_columns(kind))
     for chunk in _chunks([old[0] for _key, old in staged.removed]):
         conn.execute(delete(rows).where(rows.c.id.in_(list(chunk))))
 

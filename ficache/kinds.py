@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 from sqlalchemy import Column, Table
@@ -278,14 +279,17 @@ def _entry_item(
 def _entry_derived(entry: NewEntry) -> tuple[str]:
     """An entry's ``op``, read from its parsed key (``NewEntry.fields``) or by parsing it."""
     fields = entry[6]  # NewEntry.fields
-    if fields is None:
-        try:
-            fields = parse_key(entry[1])  # NewEntry.key
-        except ValueError as exc:
-            raise FicacheError(
-                f"entry key {entry[1][:80]!r} is not a FlashInfer key: {exc}"
-            ) from None
-    return (fields[0],)  # KeyFields.op
+    return (fields[0],) if fields is not None else _op_of_key(entry[1])  # KeyFields.op, key
+
+
+@lru_cache(maxsize=4096)
+def _op_of_key(key: str) -> tuple[str]:
+    """The op of a key that came without its parsed fields (parsed once: the same
+    key is often written in several scopes)."""
+    try:
+        return (parse_key(key).op,)
+    except ValueError as exc:
+        raise FicacheError(f"entry key {key[:80]!r} is not a FlashInfer key: {exc}") from None
 
 
 def _record_item(
