@@ -314,7 +314,9 @@ def stage(
     The fingerprints of its items are created when absent; those of removals
     and expected commits are only looked up. Current rows are keyed as
     ``prepared.wanted`` is, by fingerprint index (``fid_at[index]`` is its row
-    id), so an unchanged item costs one lookup.
+    id), so an unchanged item costs one lookup. Longer than the guide: the
+    index mapping it sets up is shared by removals, expected commits and the
+    comparison, which split apart would each rebuild it.
     """
     kind = prepared.kind
     staged = Staged(kind)
