@@ -24,14 +24,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.exc import DatabaseError
 
 from ficache import schema
 from ficache.errors import NotFoundError
 from ficache.flashinfer_format import KeyFields, parse_key
-from ficache.models import ENTRY_CHANGES as H
-from ficache.models import NEW_POLICY, OLD_POLICY
+from ficache.kind_store import commit_changes
+from ficache.kinds import ENTRY_KIND
 from ficache.records import RecordChange, record_changes
 from ficache.registry_access import RegistryAccess
 from ficache.values import CommitInfo
@@ -141,26 +140,6 @@ def commit_details(registry: RegistryAccess, commit_id: int) -> CommitDetails:
     found = registry.log(None, commit_id=commit_id)
     if not found:
         raise NotFoundError(f"no commit {commit_id}; see `ficache log`")
-    query = (
-        select(
-            H.c.action,
-            H.c.fingerprint_id,
-            H.c.scope,
-            H.c.key,
-            H.c.old_runner,
-            H.c.old_tactic,
-            OLD_POLICY,
-            H.c.new_runner,
-            H.c.new_tactic,
-            NEW_POLICY,
-            H.c.old_commit_id,
-            H.c.old_tuned_at,
-            H.c.old_selection,
-            H.c.new_selection,
-        )
-        .where(H.c.commit_id == commit_id)
-        .order_by(H.c.fingerprint_id, H.c.scope, H.c.key, H.c.id)
-    )
     try:
         with registry.engine.connect() as conn:
             changes = tuple(
@@ -174,7 +153,7 @@ def commit_details(registry: RegistryAccess, commit_id: int) -> CommitDetails:
                     r.old_commit_id,
                     r.old_tuned_at,
                 )
-                for r in conn.execute(query)
+                for r in commit_changes(conn, ENTRY_KIND, commit_id)
             )
             records = record_changes(conn, commit_id)
     except DatabaseError as exc:

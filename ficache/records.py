@@ -11,7 +11,8 @@ row per change (``ficache.models``).
 
 Invariants:
 - Records are written only inside ``Registry.write``'s transaction
-  (``stage`` then ``apply``), so a write that changes records is one commit
+  (``ficache.kind_store``'s ``stage`` then ``apply`` over
+  ``ficache.kinds.RECORD_KIND``, the entries' one path), so a write that changes records is one commit
   with its provenance, the same commit as the entries it writes with them;
   the commit counts its record changes (``records_added``,
   ``records_replaced``, ``records_removed``). A write that changes neither
@@ -19,8 +20,8 @@ Invariants:
   record changes with its entry changes, as one ``Registry.write``
   (``ficache.revert``), and refuses when a later commit changed one of its
   records. A prune removes the records its criteria match in the prune's
-  one commit (``prune_candidates``, ``stage_planned_removals``; see
-  ``Registry.plan_prune``), as ``removed`` record changes a revert restores.
+  one commit (``kind_store.prune_candidates``,
+  ``kind_store.stage_planned_removals``; see ``Registry.plan_prune``), as ``removed`` record changes a revert restores.
 - A record equal to the stored one (same canonical JSON) is unchanged, not
   replaced; ``keep_existing`` keeps a stored value that differs; ``expected``
   commit ids are checked under the write lock, as for entries.
@@ -46,16 +47,18 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, delete, func, insert, select, update
+from sqlalchemy import Connection, func, select
 from sqlalchemy.exc import DatabaseError
 
-from ficache.errors import RecordError, StalePlanError
+from ficache.errors import RecordError
 from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import (
     MAX_RECORD_DEPTH,
     check_namespace,
     record_value_json,
 )
+from ficache.kind_store import commit_changes, current_states
+from ficache.kinds import RECORD_KIND
 from ficache.models import COMMITS as C
 from ficache.models import FINGERPRINTS as F
 from ficache.models import RECORD_CHANGES as RH
@@ -144,229 +147,20 @@ def records_of_map(
 
 
 # --------------------------------------------------------------------------
-# Writing (inside Registry.write's transaction).
+# Writing: ``ficache.kind_store`` over ``kinds.RECORD_KIND`` (inside Registry.write's
+# transaction); merge planning reads the current rows here.
 
 #: A stored record's state: (row id, value, commit id, tuned_at).
 _Old = tuple[int, str, int, float]
 
 
-@dataclass
-class StagedRecords:
-    """What a write will do to records, decided under the write lock."""
-
-    added: list[tuple[int, NewRecord]] = field(default_factory=list)  # (fingerprint id, record)
-    replaced: list[tuple[int, NewRecord, _Old]] = field(default_factory=list)
-    removed: list[tuple[int, str, str, str, _Old]] = field(default_factory=list)
-    unchanged: int = 0
-    kept: int = 0
-
-    @property
-    def changed(self) -> int:
-        return len(self.added) + len(self.replaced) + len(self.removed)
-
-
 def _current(conn: Connection, fid: int, scopes: Iterable[str]) -> dict[tuple[str, str, str], _Old]:
-    rows = conn.execute(
-        select(
-            R.c.scope, R.c.namespace, R.c.key, R.c.id, R.c.value, R.c.commit_id, R.c.tuned_at
-        ).where(R.c.fingerprint_id == fid, R.c.scope.in_(sorted(set(scopes))))
-    )
     return {
-        (scope, ns, key): (rid, value, cid, tuned)
-        for scope, ns, key, rid, value, cid, tuned in rows
+        (scope, ns, key): (row_id, value, cid, tuned)
+        for (_fid, scope, ns, key), (row_id, cid, value, tuned) in current_states(
+            conn, RECORD_KIND, fid, scopes
+        ).items()
     }
-
-
-def stage(
-    conn: Connection,
-    write: RecordWrite,
-    fingerprint_id: Callable[[Fingerprint, bool], int | None],
-    *,
-    keep_existing: bool,
-) -> StagedRecords:
-    """Compare ``write`` with the stored records; raise ``ConflictError`` on a stale plan.
-
-    ``fingerprint_id(fp, create)`` is the write's lookup of a fingerprint row
-    (creating it when ``create``; None when absent and not created).
-    """
-    staged = StagedRecords()
-    if write.is_empty:
-        return staged
-    wanted: dict[tuple[int, str, str, str], NewRecord] = {}
-    for r in write.records:
-        fid = fingerprint_id(r.fingerprint, True)
-        assert fid is not None
-        wanted[(fid, r.scope, r.namespace, r.key)] = r  # a later duplicate wins
-    removals: list[tuple[int, str, str, str]] = []
-    for fp, scope, ns, key in write.removals:
-        fid = fingerprint_id(fp, False)
-        if fid is not None:
-            removals.append((fid, scope, ns, key))
-    scopes: dict[int, set[str]] = {}
-    for fid, scope, _ns, _key in [*wanted, *removals]:
-        scopes.setdefault(fid, set()).add(scope)
-    current: dict[tuple[int, str, str, str], _Old] = {}
-    for fid, fid_scopes in scopes.items():
-        for (scope, ns, key), row in _current(conn, fid, fid_scopes).items():
-            current[(fid, scope, ns, key)] = row
-    if write.expected:
-        stale = 0
-        for (fp, scope, ns, key), commit in write.expected:
-            fid = fingerprint_id(fp, False)
-            now_row = current.get((fid, scope, ns, key)) if fid is not None else None
-            stale += (now_row[2] if now_row is not None else None) != commit
-        if stale:
-            raise StalePlanError(
-                f"{stale} of {len(write.expected)} records changed since the plan was made; "
-                "nothing written, run the command again"
-            )
-    for ident, r in sorted(wanted.items(), key=lambda item: item[0]):
-        old = current.get(ident)
-        if old is None:
-            staged.added.append((ident[0], r))
-        elif old[1] == r.value_json:
-            staged.unchanged += 1
-        elif keep_existing:
-            staged.kept += 1
-        else:
-            staged.replaced.append((ident[0], r, old))
-    for ident in sorted(set(removals)):
-        old = current.get(ident)
-        if old is not None:
-            staged.removed.append((*ident, old))
-    return staged
-
-
-def apply(conn: Connection, commit_id: int, staged: StagedRecords, now: float) -> None:
-    """Write ``staged`` as part of commit ``commit_id`` (its rows and change rows)."""
-    if staged.added:
-        conn.execute(
-            insert(R),
-            [
-                {
-                    "fingerprint_id": fid,
-                    "scope": r.scope,
-                    "namespace": r.namespace,
-                    "key": r.key,
-                    "value": r.value_json,
-                    "commit_id": commit_id,
-                    "updated_at": now,
-                    "tuned_at": r.tuned_at if r.tuned_at is not None else now,
-                }
-                for fid, r in staged.added
-            ],
-        )
-    if staged.replaced:
-        conn.execute(
-            update(R)
-            .where(R.c.id == bindparam("b_id"))
-            .values(
-                value=bindparam("b_value"),
-                commit_id=bindparam("b_commit"),
-                updated_at=bindparam("b_now"),
-                tuned_at=bindparam("b_tuned"),
-            ),
-            [
-                {
-                    "b_id": old[0],
-                    "b_value": r.value_json,
-                    "b_commit": commit_id,
-                    "b_now": now,
-                    "b_tuned": r.tuned_at if r.tuned_at is not None else now,
-                }
-                for _fid, r, old in staged.replaced
-            ],
-        )
-    for chunk_start in range(0, len(staged.removed), 500):
-        ids = [old[0] for *_ident, old in staged.removed[chunk_start : chunk_start + 500]]
-        conn.execute(delete(R).where(R.c.id.in_(ids)))
-    changes = [
-        _change(commit_id, fid, r.scope, r.namespace, r.key, "added", None, r.value_json)
-        for fid, r in staged.added
-    ]
-    changes += [
-        _change(commit_id, fid, r.scope, r.namespace, r.key, "replaced", old, r.value_json)
-        for fid, r, old in staged.replaced
-    ]
-    changes += [
-        _change(commit_id, fid, scope, ns, key, "removed", old, None)
-        for fid, scope, ns, key, old in staged.removed
-    ]
-    if changes:
-        conn.execute(insert(RH), changes)
-
-
-def _change(
-    commit_id: int,
-    fid: int,
-    scope: str,
-    ns: str,
-    key: str,
-    action: str,
-    old: _Old | None,
-    new_value: str | None,
-) -> dict[str, Any]:
-    return {
-        "commit_id": commit_id,
-        "fingerprint_id": fid,
-        "scope": scope,
-        "namespace": ns,
-        "key": key,
-        "action": action,
-        "old_value": old[1] if old is not None else None,
-        "old_commit_id": old[2] if old is not None else None,
-        "old_tuned_at": old[3] if old is not None else None,
-        "new_value": new_value,
-    }
-
-
-# --------------------------------------------------------------------------
-# Prune (``Registry.plan_prune`` and its execution).
-
-
-def prune_candidates(
-    conn: Connection, conditions: Iterable[Callable[[Any], Any]]
-) -> list[tuple[int, int, int, str, str, str]]:
-    """``(record id, commit id, fingerprint id, scope, gpu, flashinfer version)`` of the
-    records matching every condition (each a function of a table with ``fingerprint_id``,
-    ``scope`` and ``updated_at`` columns, joined with its fingerprint), in id order."""
-    query = (
-        select(
-            R.c.id, R.c.commit_id, R.c.fingerprint_id, R.c.scope, F.c.gpu, F.c.flashinfer_version
-        )
-        .join(F, F.c.id == R.c.fingerprint_id)
-        .where(*(condition(R) for condition in conditions))
-        .order_by(R.c.id)
-    )
-    return [tuple(row) for row in conn.execute(query)]
-
-
-def stage_planned_removals(conn: Connection, versions: Sequence[tuple[int, int]]) -> StagedRecords:
-    """The planned ``(record id, commit id)`` still as planned, staged for removal.
-
-    A record that changed (another commit) or went since the plan was made is
-    left out; the caller compares the count with the plan's.
-    """
-    staged = StagedRecords()
-    for start in range(0, len(versions), 500):
-        expected = dict(versions[start : start + 500])
-        rows = conn.execute(
-            select(
-                R.c.id,
-                R.c.fingerprint_id,
-                R.c.scope,
-                R.c.namespace,
-                R.c.key,
-                R.c.value,
-                R.c.commit_id,
-                R.c.tuned_at,
-            ).where(R.c.id.in_(list(expected)))
-        )
-        for rid, fid, scope, ns, key, value, cid, tuned in rows:
-            if expected.get(rid) == cid:
-                staged.removed.append((fid, scope, ns, key, (rid, value, cid, tuned)))
-    staged.removed.sort(key=lambda item: item[:4])
-    return staged
 
 
 # --------------------------------------------------------------------------
@@ -527,21 +321,20 @@ class RecordChange:
 
 
 def record_changes(conn: Connection, commit_id: int) -> tuple[RecordChange, ...]:
-    query = (
-        select(
-            RH.c.action,
-            RH.c.fingerprint_id,
-            RH.c.scope,
-            RH.c.namespace,
-            RH.c.key,
-            RH.c.old_value,
-            RH.c.new_value,
-            RH.c.old_commit_id,
+    """What commit ``commit_id`` did to records, by (fingerprint, scope, namespace, key)."""
+    return tuple(
+        RecordChange(
+            ch.action,
+            ch.fingerprint_id,
+            ch.scope,
+            ch.namespace,
+            ch.key,
+            ch.old_value,
+            ch.new_value,
+            ch.old_commit_id,
         )
-        .where(RH.c.commit_id == commit_id)
-        .order_by(RH.c.fingerprint_id, RH.c.scope, RH.c.namespace, RH.c.key, RH.c.id)
+        for ch in commit_changes(conn, RECORD_KIND, commit_id)
     )
-    return tuple(RecordChange(*row) for row in conn.execute(query))
 
 
 # --------------------------------------------------------------------------

@@ -58,31 +58,22 @@ import this module, so there is no import cycle (``tests/test_structure.py``).
 
 from __future__ import annotations
 
-import getpass
-import json
-import socket
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from sqlalchemy import (
     Connection,
     Engine,
-    bindparam,
-    delete,
     func,
-    insert,
-    literal,
-    null,
-    select,
-    update,
 )
 from sqlalchemy.exc import DatabaseError, OperationalError
 
 from ficache import (
     commit_log,
     file_export,
+    kind_store,
     registry_stats,
     schema,
     stored_entries,
@@ -97,19 +88,16 @@ from ficache.errors import (
     RegistryBusyError,
     RegistryReadOnlyError,
     SchemaTooNewError,
-    StalePlanError,
 )
 from ficache.fingerprint import Fingerprint
-from ficache.flashinfer_format import CacheFile, KeyFields, parse_key
-from ficache.models import COMMITS as C
-from ficache.models import ENTRIES as E
-from ficache.models import ENTRY_CHANGES as H
+from ficache.flashinfer_format import CacheFile
+from ficache.kind_store import COMMIT_KINDS as COMMIT_KINDS  # re-exported
+from ficache.kinds import ENTRY_KIND, RECORD_KIND
 from ficache.models import (
     ENTRY_VALUE_COLUMNS,
     SHARED_SCOPE,
 )
 from ficache.models import FINGERPRINTS as F
-from ficache.policies import policy_ids
 from ficache.registry_stats import Stats
 from ficache.stored_entries import StoredEntry
 from ficache.stored_fingerprints import MAX_ROW_ID as MAX_ROW_ID  # re-exported
@@ -127,10 +115,8 @@ from ficache.values import (
 
 T = TypeVar("T")
 
-COMMIT_KINDS = ("import", "startup", "merge", "revert", "prune")
 
 WRITE_ATTEMPTS = 4
-_CHUNK = 500  # rows per IN (...) list
 
 
 @dataclass(frozen=True)
@@ -181,128 +167,6 @@ class _NothingToWrite(Exception):
 
     def __init__(self, result: WriteResult) -> None:
         self.result = result
-
-
-#: A stored entry as ``write`` reads it: (row id, runner, tactic, policy id,
-#: commit id, tuned_at, selection).
-_Existing = tuple[int, str, str, int | None, int, float | None, str | None]
-
-
-def _insert_many(
-    conn: Connection, table: Any, rows: list[tuple[Any, ...]], columns: Sequence[str]
-) -> None:
-    """Bulk insert positional rows; the bulk path of every write.
-
-    Goes to the driver's ``executemany`` directly where its paramstyle is
-    positional (SQLite, psycopg): SQLAlchemy's per-row parameter processing
-    would otherwise cost more than the insert itself.
-    """
-    if not rows:
-        return
-    marker = {"qmark": "?", "format": "%s", "pyformat": "%s"}.get(conn.dialect.paramstyle)
-    if marker is None:
-        conn.execute(insert(table), [dict(zip(columns, row, strict=True)) for row in rows])
-        return
-    quote = conn.dialect.identifier_preparer.quote
-    sql = (
-        f"INSERT INTO {quote(table.name)} ({', '.join(quote(c) for c in columns)}) "
-        f"VALUES ({', '.join([marker] * len(columns))})"
-    )
-    conn.exec_driver_sql(sql, rows)
-
-
-#: An entry's identity and current value, as prune and revert read it (the
-#: policy by id: they copy it into a change row or back into the entry).
-_ENTRY_STATE = (
-    E.c.id,
-    E.c.fingerprint_id,
-    E.c.scope,
-    E.c.key,
-    E.c.runner,
-    E.c.tactic,
-    E.c.policy_id,
-    E.c.commit_id,
-    E.c.tuned_at,
-    E.c.selection,
-)
-
-_ENTRY_COLUMNS = (
-    "fingerprint_id",
-    "scope",
-    "key",
-    "op",
-    "runner",
-    "tactic",
-    "policy_id",
-    "commit_id",
-    "updated_at",
-    "tuned_at",
-    "selection",
-)
-_CHANGE_COLUMNS = (
-    "commit_id",
-    "fingerprint_id",
-    "scope",
-    "key",
-    "action",
-    "old_runner",
-    "old_tactic",
-    "old_policy_id",
-    "old_commit_id",
-    "old_tuned_at",
-    "new_runner",
-    "new_tactic",
-    "new_policy_id",
-    "old_selection",
-    "new_selection",
-)
-
-
-def _added_changes_from_entries() -> Any:
-    """``INSERT INTO entry_changes ... SELECT`` of the ``added`` rows of a commit.
-
-    One statement instead of a bound row per entry: the entries a commit
-    added are the rows holding its id before it replaces any, in the order
-    they were inserted (the order of their ids). Every one of them has an
-    id above ``after``, the largest id before the insert (ids come from an
-    ever-growing rowid or sequence), so the rows are read as a range of the
-    primary key: no index on ``commit_id`` is kept for this one query.
-    """
-    values = {
-        "commit_id": E.c.commit_id,
-        "fingerprint_id": E.c.fingerprint_id,
-        "scope": E.c.scope,
-        "key": E.c.key,
-        "action": literal("added", H.c.action.type),
-        "old_runner": null(),
-        "old_tactic": null(),
-        "old_policy_id": null(),
-        "old_commit_id": null(),
-        "old_tuned_at": null(),
-        "new_runner": E.c.runner,
-        "new_tactic": E.c.tactic,
-        "new_policy_id": E.c.policy_id,
-        "old_selection": null(),
-        "new_selection": E.c.selection,
-    }
-    assert tuple(values) == _CHANGE_COLUMNS
-    rows = (
-        select(*values.values())
-        .where(E.c.id > bindparam("after"), E.c.commit_id == bindparam("commit_id"))
-        .order_by(E.c.id)
-    )
-    return insert(H).from_select(list(values), rows)
-
-
-def _inserted_id(result: Any) -> int:
-    key = result.inserted_primary_key
-    assert key is not None, "INSERT returned no primary key"
-    return int(key[0])
-
-
-def _chunks(items: Sequence[Any], size: int = _CHUNK) -> Iterator[Sequence[Any]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
 
 
 class Registry:
@@ -546,44 +410,6 @@ class Registry:
         for listener in self.commit_listeners:
             listener(commit_id)
 
-    def _fingerprint_id(self, conn: Connection, fp: Fingerprint, now: float) -> tuple[int, bool]:
-        """The id of ``fp``'s row, inserting it when absent; True when inserted."""
-        found = conn.execute(select(F.c.id).where(F.c.digest == fp.digest)).scalar_one_or_none()
-        if found is not None:
-            return int(found), False
-        values = fp.as_dict()
-        result = conn.execute(insert(F).values(digest=fp.digest, created_at=now, **values))
-        return _inserted_id(result), True
-
-    @staticmethod
-    def _new_commit(conn: Connection, now: float, kind: str, **values: Any) -> int:
-        if kind not in COMMIT_KINDS:
-            raise ValueError(f"unknown commit kind {kind!r}")
-        provenance = values.pop("provenance", None)
-        try:
-            user: str | None = getpass.getuser()
-        except Exception:  # noqa: BLE001 - no user database in some containers
-            user = None
-        result = conn.execute(
-            insert(C).values(
-                created_at=now,
-                kind=kind,
-                host=socket.gethostname(),
-                user=user,
-                provenance=json.dumps(provenance, sort_keys=True) if provenance else None,
-                **{
-                    "added": 0,
-                    "replaced": 0,
-                    "removed": 0,
-                    "records_added": 0,
-                    "records_replaced": 0,
-                    "records_removed": 0,
-                    **values,
-                },
-            )
-        )
-        return _inserted_id(result)
-
     def write(
         self,
         entries: Iterable[NewEntry],
@@ -672,300 +498,51 @@ class Registry:
         record_write: rec.RecordWrite = rec.RecordWrite(),  # noqa: B008 - frozen, never mutated
         reverts_commit_id: int | None = None,
     ) -> WriteResult:
-        """``write``'s body, run with the garbage collector paused."""
-        # Entries keyed by (fingerprint index, scope, key); a later duplicate wins.
-        fingerprints: dict[Fingerprint, int] = {}
-        scopes_by_fp: list[set[str]] = []
-        wanted: dict[tuple[int, str, str], NewEntry] = {}
-        last_fp: Fingerprint | None = None
-        fp_index = -1
-        scopes: set[str] = set()
-        for entry in entries:
-            fp = entry[0]  # NewEntry.fingerprint
-            if fp is not last_fp:  # entries come in runs of one fingerprint: hash it once
-                last_fp = fp
-                fp_index = fingerprints.setdefault(fp, len(fingerprints))
-                if fp_index == len(scopes_by_fp):
-                    scopes_by_fp.append(set())
-                scopes = scopes_by_fp[fp_index]
-            scope = entry[5]  # NewEntry.scope
-            if scope not in scopes:
-                validate_scope(scope)
-                scopes.add(scope)
-            wanted[(fp_index, scope, entry[1])] = entry  # NewEntry.key
-        removal_ids: set[tuple[Fingerprint, str, str]] = set()
-        for fp, scope, key in removals:
-            validate_scope(scope)
-            if fp in fingerprints and (fingerprints[fp], scope, key) in wanted:
-                raise ValueError(f"entry {key[:80]!r} is both written and removed")
-            removal_ids.add((fp, scope, key))
-        if not wanted and not removal_ids and record_write.is_empty:
+        """``write``'s body, run with the garbage collector paused: each kind's
+        write prepared, then staged and applied in one commit (``ficache.kind_store``)."""
+        prepared = (
+            kind_store.prepare(ENTRY_KIND, entries, removals, expected),
+            kind_store.prepare(
+                RECORD_KIND, record_write.records, record_write.removals, record_write.expected
+            ),
+        )
+        if all(p.is_empty for p in prepared):
             return WriteResult(None)
-        # Parse keys before the transaction (the lock is held for SQL only):
-        # those of entries that do not carry their parsed key already.
-        fields: dict[str, KeyFields] = {}
-        for (_fp, _scope, key), entry in wanted.items():
-            if entry[6] is None and key not in fields:  # NewEntry.fields
-                try:
-                    fields[key] = parse_key(key)
-                except ValueError as exc:
-                    raise FicacheError(
-                        f"entry key {key[:80]!r} is not a FlashInfer key: {exc}"
-                    ) from None
 
         def body(conn: Connection) -> WriteResult:
             now = time.time()
-            fp_ids = []
-            new_fids = set()  # inserted just now: they hold no entries yet
-            for fp in fingerprints:
-                fid, created = self._fingerprint_id(conn, fp, now)
-                fp_ids.append(fid)
-                if created:
-                    new_fids.add(fid)
-            fid_of = dict(zip(fingerprints, fp_ids, strict=True))
-
-            # The fingerprint rows of records, looked up (or created) once per
-            # fingerprint, not once per record: the write lock is held here.
-            record_fid_of = dict(fid_of)
-
-            def record_fingerprint_id(fp: Fingerprint, create: bool) -> int | None:
-                found = record_fid_of.get(fp)
-                if found is None:
-                    if create:
-                        found, _created = self._fingerprint_id(conn, fp, now)
-                    else:
-                        row = conn.execute(
-                            select(F.c.id).where(F.c.digest == fp.digest)
-                        ).scalar_one_or_none()
-                        found = int(row) if row is not None else None
-                    if found is not None:
-                        record_fid_of[fp] = found
-                return found
-
-            scopes_by_fid = {fid: set(scopes_by_fp[i]) for i, fid in enumerate(fp_ids)}
-            for fp, scope, _key in removal_ids:
-                if fp not in fid_of:  # looked up, never created: nothing of it to remove
-                    found = conn.execute(
-                        select(F.c.id).where(F.c.digest == fp.digest)
-                    ).scalar_one_or_none()
-                    if found is None:
-                        continue
-                    fid_of[fp] = int(found)
-                scopes_by_fid.setdefault(fid_of[fp], set()).add(scope)
-            # (row id, runner, tactic, policy id, commit id, tuned_at, selection)
-            existing: dict[tuple[int, str, str], _Existing] = {}
-            for fid, scopes in scopes_by_fid.items():
-                if fid in new_fids:
-                    continue
-                query = select(
-                    E.c.id,
-                    E.c.scope,
-                    E.c.key,
-                    E.c.runner,
-                    E.c.tactic,
-                    E.c.policy_id,
-                    E.c.commit_id,
-                    E.c.tuned_at,
-                    E.c.selection,
-                ).where(E.c.fingerprint_id == fid, E.c.scope.in_(sorted(scopes)))
-                for eid, scope, key, runner, tactic, policy, cid, tuned, sel in conn.execute(query):
-                    existing[(fid, scope, key)] = (eid, runner, tactic, policy, cid, tuned, sel)
-            if expected:
-                stale = 0
-                last_fp, fid = None, -1
-                pairs = expected.items() if isinstance(expected, Mapping) else expected
-                if not existing:  # nothing stored: only an expected absence holds
-                    stale = sum(commit is not None for _ident, commit in pairs)
-                for (fp, scope, key), commit in pairs if existing else ():
-                    if fp is not last_fp:  # runs of one fingerprint: hash it once
-                        last_fp, fid = fp, fid_of.get(fp, -1)
-                    now_row = existing.get((fid, scope, key))
-                    stale += (now_row[4] if now_row is not None else None) != commit
-                if stale:
-                    raise StalePlanError(
-                        f"{stale} of {len(expected)} entries changed since the plan was made; "
-                        "nothing written, run the command again"
-                    )
-            removed = []
-            for fp, scope, key in sorted(removal_ids, key=lambda r: (r[0].digest, r[1], r[2])):
-                known = existing.get((fid_of.get(fp, -1), scope, key))
-                if known is not None:
-                    removed.append((fid_of[fp], scope, key, known))
-            added: list[tuple[int, str, str, NewEntry]] = []
-            replaced: list[tuple[int, str, str, NewEntry, _Existing]] = []
-            unchanged = kept = 0
-            # Policies by id (inserting new ones: a write that ends up writing
-            # nothing rolls them back); an entry's NULL policy maps to NULL.
-            ids: dict[str | None, int | None] = {None: None}
-            ids.update(policy_ids(conn, {e[4] for e in wanted.values()}))  # NewEntry.policy_json
-            policy_id = ids.get
-            if not existing:  # the common bulk case: new keys (or a new fingerprint) only
-                added = [(fp_ids[i], scope, key, e) for (i, scope, key), e in wanted.items()]
-            else:
-                for (index, scope, key), entry in wanted.items():
-                    fid = fp_ids[index]
-                    old = existing.get((fid, scope, key))
-                    if old is None:
-                        added.append((fid, scope, key, entry))
-                    elif (
-                        old[2] == entry[3] and old[3] == policy_id(entry[4]) and old[1] == entry[2]
-                    ):
-                        # the same tactic, policy and runner (NewEntry[2:5])
-                        unchanged += 1
-                    elif keep_existing:
-                        kept += 1
-                    else:
-                        replaced.append((fid, scope, key, entry, old))
-            staged = rec.stage(
-                conn, record_write, record_fingerprint_id, keep_existing=keep_existing
-            )
-            if not added and not replaced and not removed and not staged.changed:
+            fids = kind_store.FingerprintIds(conn, now)
+            staged = [
+                kind_store.stage(conn, p, fids, keep_existing=keep_existing) for p in prepared
+            ]
+            if not any(s.changed for s in staged):
+                counts = kind_store.result_counts(staged)
                 raise _NothingToWrite(
                     WriteResult(
                         None,
-                        unchanged=unchanged,
-                        kept=kept,
-                        records_unchanged=staged.unchanged,
-                        records_kept=staged.kept,
+                        unchanged=counts["unchanged"],
+                        kept=counts["kept"],
+                        records_unchanged=counts["records_unchanged"],
+                        records_kept=counts["records_kept"],
                     )
                 )
-            commit_id = self._new_commit(
+            commit_id = kind_store.new_commit(
                 conn,
                 now,
                 kind,
+                staged,
                 message=message,
                 world_size=world_size,
                 layout=layout,
                 provenance=provenance,
                 reverts_commit_id=reverts_commit_id,
-                added=len(added),
-                replaced=len(replaced),
-                removed=len(removed),
-                records_added=len(staged.added),
-                records_replaced=len(staged.replaced),
-                records_removed=len(staged.removed),
             )
-            rec.apply(conn, commit_id, staged, now)
-            # A NewEntry is (fingerprint, key, runner, tactic, policy, scope,
-            # fields, tuned_at, selection); a KeyFields (op, runner, extras, shapes).
-            rows = [
-                (
-                    fid,
-                    scope,
-                    key,
-                    (e[6] or fields[key])[0],
-                    e[2],
-                    e[3],
-                    policy_id(e[4]),
-                    commit_id,
-                    now,
-                    now if (tuned_at := e[7]) is None else tuned_at,
-                    e[8],
-                )
-                for fid, scope, key, e in added
-            ]
-            after = conn.execute(select(func.max(E.c.id))).scalar() if added else None
-            _insert_many(conn, E, rows, _ENTRY_COLUMNS)
-            if added:
-                # Their change rows, copied inside the database: the only
-                # entries of this new commit so far are the ones just added.
-                conn.execute(
-                    _added_changes_from_entries(), {"commit_id": commit_id, "after": after or 0}
-                )
-            if replaced:
-                conn.execute(
-                    update(E)
-                    .where(E.c.id == bindparam("b_id"))
-                    .values(
-                        runner=bindparam("runner"),
-                        tactic=bindparam("tactic"),
-                        policy_id=bindparam("policy_id"),
-                        commit_id=bindparam("commit_id"),
-                        updated_at=bindparam("updated_at"),
-                        tuned_at=bindparam("tuned_at"),
-                        selection=bindparam("selection"),
-                    ),
-                    [
-                        {
-                            "b_id": old[0],
-                            "runner": entry.runner,
-                            "tactic": entry.tactic_json,
-                            "policy_id": policy_id(entry.policy_json),
-                            "commit_id": commit_id,
-                            "updated_at": now,
-                            "tuned_at": entry.tuned_at if entry.tuned_at is not None else now,
-                            "selection": entry.selection_json,
-                        }
-                        for _fid, _scope, _key, entry, old in replaced
-                    ],
-                )
-            _insert_many(
-                conn,
-                H,
-                [
-                    *(
-                        (
-                            commit_id,
-                            fid,
-                            scope,
-                            key,
-                            "replaced",
-                            old[1],
-                            old[2],
-                            old[3],
-                            old[4],
-                            old[5],
-                            e.runner,
-                            e.tactic_json,
-                            policy_id(e.policy_json),
-                            old[6],
-                            e.selection_json,
-                        )
-                        for fid, scope, key, e, old in replaced
-                    ),
-                    *(
-                        (
-                            commit_id,
-                            fid,
-                            scope,
-                            key,
-                            "removed",
-                            old[1],
-                            old[2],
-                            old[3],
-                            old[4],
-                            old[5],
-                            None,
-                            None,
-                            None,
-                            old[6],
-                            None,
-                        )
-                        for fid, scope, key, old in removed
-                    ),
-                ],
-                _CHANGE_COLUMNS,
-            )
-            for chunk in _chunks([old[0] for _fid, _scope, _key, old in removed]):
-                conn.execute(delete(E).where(E.c.id.in_(list(chunk))))
+            for s in staged:
+                kind_store.apply(conn, s, commit_id, now)
             return WriteResult(
                 commit_id,
-                added=len(added),
-                replaced=len(replaced),
-                removed=len(removed),
-                unchanged=unchanged,
-                kept=kept,
-                shared_written=(
-                    len(added) + len(replaced)  # the common case: every scope written is shared
-                    if all(scopes == {SHARED_SCOPE} for scopes in scopes_by_fp)
-                    else [a[1] for a in added].count(SHARED_SCOPE)
-                    + [r[1] for r in replaced].count(SHARED_SCOPE)
-                ),
-                records_added=len(staged.added),
-                records_replaced=len(staged.replaced),
-                records_removed=len(staged.removed),
-                records_unchanged=staged.unchanged,
-                records_kept=staged.kept,
+                shared_written=staged[0].shared_written,
+                **kind_store.result_counts(staged),
             )
 
         try:
@@ -1069,33 +646,21 @@ class Registry:
                 else f"{unused_for_seconds:g}"
             )
             criteria.append(("unused_for_seconds", shown))
-        query = (
-            select(
-                E.c.id,
-                E.c.commit_id,
-                E.c.fingerprint_id,
-                E.c.scope,
-                F.c.gpu,
-                F.c.flashinfer_version,
-            )
-            .join(F, F.c.id == E.c.fingerprint_id)
-            .where(*(condition(E) for condition in conditions))
-            .order_by(E.c.id)
-        )
 
         def run() -> PrunePlan:
             groups: dict[tuple[int, str], list[Any]] = {}
-            versions = []
-            record_versions = []
+            versions: list[tuple[int, int]] = []
+            record_versions: list[tuple[int, int]] = []
             with self._read() as conn:
-                for eid, cid, fid, sc, gpu, fiver in conn.execute(query):
-                    versions.append((eid, cid))
-                    g = groups.setdefault((fid, sc), [gpu, fiver, 0, 0])
-                    g[2] += 1
-                for rid, cid, fid, sc, gpu, fiver in rec.prune_candidates(conn, conditions):
-                    record_versions.append((rid, cid))
-                    g = groups.setdefault((fid, sc), [gpu, fiver, 0, 0])
-                    g[3] += 1
+                for at, (kind, found) in enumerate(
+                    ((ENTRY_KIND, versions), (RECORD_KIND, record_versions)), start=2
+                ):
+                    for row_id, cid, fid, sc, gpu, fiver in kind_store.prune_candidates(
+                        conn, kind, conditions
+                    ):
+                        found.append((row_id, cid))
+                        g = groups.setdefault((fid, sc), [gpu, fiver, 0, 0])
+                        g[at] += 1
             return PrunePlan(
                 self.location.display,
                 tuple(criteria),
@@ -1115,57 +680,33 @@ class Registry:
             return WriteResult(None)
 
         def body(conn: Connection) -> WriteResult:
-            rows = []
-            for chunk in _chunks(plan.entry_versions):
-                ids = [eid for eid, _ in chunk]
-                expected = dict(chunk)
-                for row in conn.execute(select(*_ENTRY_STATE).where(E.c.id.in_(ids))):
-                    if expected.get(row.id) == row.commit_id:
-                        rows.append(row)
-            if len(rows) != plan.total:
-                raise ConflictError(
-                    f"{plan.total - len(rows)} of {plan.total} planned entries changed since the plan "
-                    "was made; nothing removed, run prune again"
-                )
-            records = rec.stage_planned_removals(conn, plan.record_versions)
-            if len(records.removed) != plan.records_total:
-                raise ConflictError(
-                    f"{plan.records_total - len(records.removed)} of {plan.records_total} planned "
-                    "records changed since the plan was made; nothing removed, run prune again"
-                )
+            staged = []
+            for kind, versions in (
+                (ENTRY_KIND, plan.entry_versions),
+                (RECORD_KIND, plan.record_versions),
+            ):
+                found = kind_store.stage_planned_removals(conn, kind, versions)
+                if len(found.removed) != len(versions):
+                    raise ConflictError(
+                        f"{len(versions) - len(found.removed)} of {len(versions)} planned "
+                        f"{kind.plural} changed since the plan was made; nothing removed, "
+                        "run prune again"
+                    )
+                staged.append(found)
             now = time.time()
-            commit_id = self._new_commit(
-                conn, now, "prune", message="; ".join(f"{k}={v}" for k, v in plan.criteria)
+            commit_id = kind_store.new_commit(
+                conn,
+                now,
+                "prune",
+                staged,
+                message="; ".join(f"{k}={v}" for k, v in plan.criteria),
             )
-            if rows:
-                conn.execute(
-                    insert(H),
-                    [
-                        {
-                            "commit_id": commit_id,
-                            "fingerprint_id": r.fingerprint_id,
-                            "scope": r.scope,
-                            "key": r.key,
-                            "action": "removed",
-                            "old_runner": r.runner,
-                            "old_tactic": r.tactic,
-                            "old_policy_id": r.policy_id,
-                            "old_commit_id": r.commit_id,
-                            "old_tuned_at": r.tuned_at,
-                            "old_selection": r.selection,
-                        }
-                        for r in rows
-                    ],
-                )
-            for chunk in _chunks([r.id for r in rows]):
-                conn.execute(delete(E).where(E.c.id.in_(list(chunk))))
-            rec.apply(conn, commit_id, records, now)
-            conn.execute(
-                update(C)
-                .where(C.c.id == commit_id)
-                .values(removed=len(rows), records_removed=len(records.removed))
+            for s in staged:
+                kind_store.apply(conn, s, commit_id, now)
+            counts = kind_store.result_counts(staged)
+            return WriteResult(
+                commit_id, removed=counts["removed"], records_removed=counts["records_removed"]
             )
-            return WriteResult(commit_id, removed=len(rows), records_removed=len(records.removed))
 
         return self._write(body)
 

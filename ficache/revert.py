@@ -22,7 +22,7 @@ Invariants:
   write lock, as ``MergePlan`` does); otherwise it raises ``ConflictError``
   ("plan it again") and the registry is exactly as it was.
 - Entries and records are two kinds of stored result with one description
-  each (``_Kind``); reading changes, finding conflicts and building the
+  each (``ficache.kinds``); reading changes, finding conflicts and building the
   inverse write are written once for both.
 - Undoing a change restores the value it replaced with its ``tuned_at`` and
   (for entries) its policy and selection, removes what it added, and
@@ -31,7 +31,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,14 +41,11 @@ from sqlalchemy.exc import DatabaseError
 from ficache import schema
 from ficache.errors import ConflictError, NotFoundError
 from ficache.fingerprint import Fingerprint
+from ficache.kind_store import commit_changes, restored_item
+from ficache.kinds import ENTRY_KIND, RECORD_KIND, Kind
 from ficache.models import COMMITS as C
-from ficache.models import ENTRIES as E
-from ficache.models import ENTRY_CHANGES as H
 from ficache.models import FINGERPRINTS as F
-from ficache.models import OLD_POLICY
-from ficache.models import RECORD_CHANGES as RH
-from ficache.models import RECORDS as R
-from ficache.records import NewRecord, RecordWrite
+from ficache.records import RecordWrite
 from ficache.registry_access import RegistryAccess
 from ficache.values import CommitInfo, NewEntry, WriteResult, fingerprint_from_row
 
@@ -187,8 +184,8 @@ def plan_revert(registry: RegistryAccess, commit_id: int) -> RevertPlan:
     try:
         with registry.engine.connect() as conn:
             fingerprints: dict[int, Fingerprint] = {}
-            entries = _undo(conn, _ENTRIES, commit_id, fingerprints)
-            records = _undo(conn, _RECORDS, commit_id, fingerprints)
+            entries = _undo(conn, ENTRY_KIND, commit_id, fingerprints)
+            records = _undo(conn, RECORD_KIND, commit_id, fingerprints)
             reverted_by = _undone_by(conn, commit_id)
     except DatabaseError as exc:
         raise schema.translate_operational_error(exc, registry.location) from None
@@ -217,40 +214,7 @@ def _undone_by(conn: Connection, commit_id: int) -> int | None:
 
 
 # --------------------------------------------------------------------------
-# One description per kind of stored result, and the machinery written once.
-
-
-@dataclass(frozen=True)
-class _Kind:
-    name: str  # as a RevertConflict names it
-    changes: Table  # its change log
-    rows: Table  # its current rows
-    identity: tuple[str, ...]  # the columns naming one row within a fingerprint, key last
-    extra: tuple[Any, ...]  # further columns the restored value needs
-    #: ``restore(change row, fingerprint)``: the value the change replaced, to write back.
-    restore: Callable[[Any, Fingerprint], Any]
-
-
-def _restored_entry(ch: Any, fp: Fingerprint) -> NewEntry:
-    return NewEntry(
-        fp,
-        ch.key,
-        ch.old_runner,
-        ch.old_tactic,
-        ch.old_policy,
-        ch.scope,
-        None,
-        ch.old_tuned_at,
-        ch.old_selection,
-    )
-
-
-def _restored_record(ch: Any, fp: Fingerprint) -> NewRecord:
-    return NewRecord(fp, ch.namespace, ch.key, ch.old_value, ch.scope, ch.old_tuned_at)
-
-
-_ENTRIES = _Kind("entry", H, E, ("scope", "key"), (OLD_POLICY,), _restored_entry)
-_RECORDS = _Kind("record", RH, R, ("scope", "namespace", "key"), (), _restored_record)
+# The machinery written once over the kinds (``ficache.kinds``).
 
 
 @dataclass
@@ -265,19 +229,15 @@ class _Undo:
 
 
 def _undo(
-    conn: Connection, kind: _Kind, commit_id: int, fingerprints: dict[int, Fingerprint]
+    conn: Connection, kind: Kind, commit_id: int, fingerprints: dict[int, Fingerprint]
 ) -> _Undo:
     """What undoing ``commit_id``'s changes of ``kind`` writes, and what conflicts with it."""
-    changes = conn.execute(
-        select(kind.changes, *kind.extra)
-        .where(kind.changes.c.commit_id == commit_id)
-        .order_by(kind.changes.c.id)
-    ).all()
+    changes = commit_changes(conn, kind, commit_id, by_identity=False)
     undo = _Undo()
     if not changes:
         return undo
     _load_fingerprints(conn, {ch.fingerprint_id for ch in changes}, fingerprints)
-    idents = [_ident(kind, ch) for ch in changes]
+    idents = [kind.identity_of(ch) for ch in changes]
     held = _holders(conn, kind, kind.rows, idents)
     conflicting = []
     for ch, ident in zip(changes, idents, strict=True):
@@ -291,7 +251,7 @@ def _undo(
         if ch.action == "added":
             undo.removals.append(identity)
         else:
-            undo.writes.append(kind.restore(ch, fp))
+            undo.writes.append(restored_item(kind, ch, fp))
     absent = [ident for _ch, ident, holder in conflicting if holder is None]
     removed_by = _holders(conn, kind, kind.changes, absent, after=commit_id) if absent else {}
     undo.conflicts = tuple(
@@ -313,13 +273,9 @@ def _undo(
     return undo
 
 
-def _ident(kind: _Kind, row: Any) -> tuple[Any, ...]:
-    return (row.fingerprint_id, *(getattr(row, name) for name in kind.identity))
-
-
 def _holders(
     conn: Connection,
-    kind: _Kind,
+    kind: Kind,
     table: Table,
     idents: Sequence[tuple[Any, ...]],
     *,
@@ -331,7 +287,7 @@ def _holders(
     or, with ``after``, its change log (the last commit after ``after`` that
     changed each).
     """
-    columns = [table.c.fingerprint_id, *(table.c[name] for name in kind.identity)]
+    columns = [table.c[name] for name in kind.identity_columns]
     holder = table.c.commit_id if after is None else func.max(table.c.commit_id)
     keys_by_fp: dict[int, set[Any]] = {}
     for ident in idents:
