@@ -162,17 +162,172 @@ from sqlalchemy.pool import NullPool
 
 from ficache import records as rec
 from ficache import schema
-from ficache.errors import FingerprintError, RegistryError
+from ficache.errors import FingerprintError, RecordError, RegistryError
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
-from ficache.flashinfer_format import canonical_json, parse_key, selection_json
+from ficache.flashinfer_format import canonical_json, check_namespace, parse_key, selection_json
 from ficache.models import COMMITS as C
 from ficache.models import ENTRIES as E
 from ficache.models import ENTRY_CHANGES as H
 from ficache.models import FINGERPRINTS as F
 from ficache.models import POLICIES as P
+from ficache.models import RECORD_CHANGES as RH
+from ficache.models import RECORDS as R
 from ficache.models import Base
 from ficache.policies import policy_digest
 from ficache.registry import COMMIT_KINDS, validate_scope
+
+#: Kinds of problems ``_check_records`` reports, with what each means.
+_RECORD_KINDS = {
+    "orphan_record": "a record or record change names a missing fingerprint or commit",
+    "bad_record": "a record's scope, namespace or value is not what writers store",
+    "record_counts": "a commit's record counts differ from its record changes",
+    "record_unlogged": "a record is not what the record change log last wrote",
+}
+
+
+def _check_records(
+    conn: Connection, counted: Counter[str] | None = None
+) -> Iterator[tuple[str, str, str | None, int | None]]:
+    """Every problem of the records tables: ``(kind, message, table, row id)``.
+
+    ``counted["records"]`` and ``counted["record_changes"]`` grow by the
+    rows it reads (``ficache verify``'s counts).
+
+    Records belong to an existing fingerprint and commit; scopes, namespaces
+    and values are what writers store; a commit's record counts equal its
+    record change rows per action; replaying the record changes in id order
+    ends with exactly the stored records, each written by the commit it names.
+    """
+    for table, name in ((R, "record"), (RH, "record change")):
+        for column, parent, what in (
+            ("fingerprint_id", F, "fingerprint"),
+            ("commit_id", C, "commit"),
+        ):
+            ref = table.c[column]
+            query = (
+                select(table.c.id, ref)
+                .select_from(table.outerjoin(parent, parent.c.id == ref))
+                .where(parent.c.id.is_(None))
+                .order_by(table.c.id)
+            )
+            for row_id, missing in conn.execute(query):
+                yield (
+                    "orphan_record",
+                    f"{name} {row_id}: {what} {missing} is missing",
+                    table.name,
+                    row_id,
+                )
+
+    def bad(scope: str, ns: str, values: Iterable[str | None]) -> str | None:
+        try:
+            if validate_scope(scope) != scope:
+                return f"scope {scope[:80]!r} is not in its canonical form"
+            check_namespace(ns)
+            for value in values:
+                if value is not None:
+                    rec.canonical_value(value)
+        except (ValueError, RecordError) as exc:
+            return str(exc)
+        return None
+
+    counts: Counter[tuple[int, str]] = Counter()
+    state: dict[tuple[int, str, str, str], tuple[int, str | None]] = {}
+    for hid, cid, fid, scope, ns, key, action, old, old_cid, new in conn.execute(
+        select(
+            RH.c.id,
+            RH.c.commit_id,
+            RH.c.fingerprint_id,
+            RH.c.scope,
+            RH.c.namespace,
+            RH.c.key,
+            RH.c.action,
+            RH.c.old_value,
+            RH.c.old_commit_id,
+            RH.c.new_value,
+        ).order_by(RH.c.id)
+    ):
+        counts[cid, action] += 1
+        if counted is not None:
+            counted["record_changes"] += 1
+        problem = bad(scope, ns, (old, new))
+        if problem is not None:
+            yield ("bad_record", f"record change {hid}: {problem}", "record_changes", hid)
+        ident = (fid, scope, ns, key)
+        before = state.get(ident)
+        valid = {
+            "added": before is None and old is None and new is not None,
+            "replaced": before is not None
+            and old == before[1]
+            and old_cid == before[0]
+            and new is not None,
+            "removed": before is not None
+            and old == before[1]
+            and old_cid == before[0]
+            and new is None,
+        }
+        if not valid.get(action, False):
+            yield (
+                "record_unlogged",
+                f"record change {hid} (commit {cid}): {str(action)[:16]} does not follow the log",
+                "record_changes",
+                hid,
+            )
+        if action == "removed":
+            state.pop(ident, None)
+        else:
+            state[ident] = (cid, new)
+    for cid, added, replaced, removed in conn.execute(
+        select(C.c.id, C.c.records_added, C.c.records_replaced, C.c.records_removed).order_by(
+            C.c.id
+        )
+    ):
+        stored = {"added": added, "replaced": replaced, "removed": removed}
+        differ = [
+            f"{counts[cid, action]} {action} (the commit says {stored[action]})"
+            for action in ("added", "replaced", "removed")
+            if counts[cid, action] != stored[action]
+        ]
+        if differ:
+            yield (
+                "record_counts",
+                f"commit {cid} has record changes: {', '.join(differ)}",
+                "commits",
+                cid,
+            )
+    for rid, fid, scope, ns, key, value, cid in conn.execute(
+        select(
+            R.c.id, R.c.fingerprint_id, R.c.scope, R.c.namespace, R.c.key, R.c.value, R.c.commit_id
+        ).order_by(R.c.id)
+    ):
+        if counted is not None:
+            counted["records"] += 1
+        problem = bad(scope, ns, (value,))
+        if problem is not None:
+            yield ("bad_record", f"record {rid}: {problem}", "records", rid)
+        ident = (fid, scope, ns, key)
+        logged = state.pop(ident, None)
+        if logged is None:
+            yield ("record_unlogged", f"record {rid}: no record change holds it", "records", rid)
+        elif logged != (cid, value):
+            yield (
+                "record_unlogged",
+                f"record {rid} is not what commit {logged[0]} wrote",
+                "records",
+                rid,
+            )
+    for (fid, scope, ns, key), (cid, _value) in state.items():
+        yield (
+            "record_unlogged",
+            f"commit {cid} wrote a record that is missing (fingerprint {fid}, scope {scope}, "
+            f"namespace {ns[:80]}, key {key[:80]!r})",
+            None,
+            None,
+        )
+
+
+def _commits_with_record_changes(conn: Connection) -> set[int]:
+    return {row[0] for row in conn.execute(select(RH.c.commit_id).distinct())}
+
 
 #: Every kind of problem, in report order, with what it means.
 KINDS: dict[str, str] = {
@@ -199,7 +354,7 @@ KINDS: dict[str, str] = {
     "entry_unlogged": "an entry is not what the change log last wrote",
     "entry_value": "an entry's value differs from the value the log wrote",
     "entry_lost": "the change log holds an entry the entries table lacks",
-    **rec.PROBLEM_KINDS,
+    **_RECORD_KINDS,
 }
 
 #: Foreign keys the orphan checks cover: ``(table, parent table)``.
@@ -716,7 +871,7 @@ class _Verifier:
         )
         self._fingerprints(fingerprints)
         reverts = self._commits(commits)
-        self._record_commits = rec.commits_with_record_changes(self.conn)
+        self._record_commits = _commits_with_record_changes(self.conn)
         changes = self._stream(
             select(
                 H.c.id,
@@ -752,7 +907,7 @@ class _Verifier:
         n_policies = self._policies()
         self._selections()
         record_rows: Counter[str] = Counter()
-        for kind, message, table, row_id in rec.check(self.conn, record_rows):
+        for kind, message, table, row_id in _check_records(self.conn, record_rows):
             self.problem(kind, message, table, row_id)
         return Checked(
             len(fingerprints),
