@@ -1,0 +1,312 @@
+"""The kinds of stored result, one frozen description each: what the store machinery takes.
+
+ficache stores two kinds of tuned result: FlashInfer entries (``entries`` /
+``entry_changes``) and namespaced records (``records`` / ``record_changes``),
+see ``ficache.models``. Each is described here once, as a ``Kind``: its
+current-row table and its change table, which columns name a row, which hold
+its value, which travel with the value without being part of it, which are
+derived, how a current row maps onto a change row, and which commit columns
+count its changes. Staging a write, checking expected commits, applying,
+reading history, revert, prune, merge planning and verify's replay are
+written once, over a ``Kind``; they never name a kind's columns themselves.
+
+It owns the descriptions and the pure helpers that read a row by them
+(``Kind.identity_of`` ...); it executes no SQL and imports only the models.
+
+Invariants:
+- A row's identity is ``(fingerprint_id, scope, *Kind.identity)``; it is
+  unique in ``Kind.rows``, and its last column is ``key`` (queries chunk by
+  fingerprint and key).
+- Two values are equal exactly when their ``Kind.values`` columns are equal.
+  ``Kind.carried`` columns (``tuned_at``; an entry's ``selection``) travel
+  with a value: written with it, kept when an equal value arrives, replaced
+  with it, kept in the change rows, restored by a revert. They never make two
+  values differ, and never make a conflict.
+- A value column named in ``Kind.policy_columns`` holds a ``policies`` id;
+  the value a writer hands over holds the policy's canonical JSON text in
+  its place (``ficache.policies`` maps one to the other, one text one id),
+  so comparing ids is comparing texts.
+- ``Kind.derived`` columns are computed from the identity when a row is
+  written (an entry's ``op`` is read from its key) and never compared.
+- A change row holds the identity, the ``action`` (added, replaced,
+  removed), the state it replaced (``Kind.old``: value, carried columns and
+  the commit that had written it; NULL for ``added``) and the value it wrote
+  (``Kind.new``; NULL for ``removed``).
+- A commit counts each kind's changes in its own columns (``Kind.counts``);
+  ``WriteResult`` names them with ``Kind.result_prefix``.
+
+Adding a kind of stored result = a description here + a migration (its two
+tables and count columns) + its format code (reading and rendering it). No
+copy of the machinery.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from sqlalchemy import Column, Table
+
+from ficache.models import ENTRIES, ENTRY_CHANGES, RECORD_CHANGES, RECORDS
+
+__all__ = [
+    "ACTIONS",
+    "ENTRY_KIND",
+    "KINDS",
+    "RECORD_KIND",
+    "CurrentRow",
+    "Kind",
+    "StoredChange",
+    "kind_named",
+]
+
+#: What a change does to one row, in the order commits count them.
+ACTIONS = ("added", "replaced", "removed")
+
+
+class CurrentRow(NamedTuple):
+    """A current row's state as the store machinery reads it (``Kind.state_columns``).
+
+    ``value`` and ``carried`` are the kind's ``values`` and ``carried``
+    columns, in the description's order (policies by id).
+    """
+
+    row_id: int
+    commit_id: int
+    value: tuple[Any, ...]
+    carried: tuple[Any, ...]
+
+
+class StoredChange(NamedTuple):
+    """One change row read by its kind's description (``Kind.change_of``).
+
+    ``identity`` is the kind's identity columns after fingerprint and scope;
+    ``old_value``/``new_value`` are None where the change holds none
+    (``added`` has no old value, ``removed`` no new one).
+    """
+
+    change_id: int
+    commit_id: int
+    fingerprint_id: int
+    scope: str
+    identity: tuple[Any, ...]
+    action: str
+    old_value: tuple[Any, ...] | None
+    old_carried: tuple[Any, ...]
+    old_commit_id: int | None
+    new_value: tuple[Any, ...] | None
+    new_carried: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of stored result, described by its tables and columns (see the module docstring)."""
+
+    #: Singular, as messages and ``RevertConflict.kind`` name one: "entry", "record".
+    name: str
+    #: Plural, as messages count them: "entries", "records".
+    plural: str
+    #: Its current rows, one per identity.
+    rows: Table
+    #: Its change log, one row per change a commit made.
+    changes: Table
+    #: Identity columns after ``fingerprint_id`` and ``scope``, ``key`` last.
+    identity: tuple[str, ...]
+    #: Columns of the value; two values are equal when these are.
+    values: tuple[str, ...]
+    #: Columns that travel with a value but are not part of it.
+    carried: tuple[str, ...]
+    #: Columns computed from the identity when a row is written (never compared).
+    derived: tuple[str, ...]
+    #: Value columns holding a ``policies`` id (the writer's item holds the text).
+    policy_columns: tuple[str, ...]
+    #: Current-row column -> change column of the state a change replaced
+    #: (values, carried, ``commit_id`` -> ``old_commit_id``).
+    old: tuple[tuple[str, str], ...]
+    #: Current-row column -> change column of the value a change wrote.
+    new: tuple[tuple[str, str], ...]
+    #: Action -> the ``commits`` column counting this kind's changes of it.
+    counts: tuple[tuple[str, str], ...]
+    #: Prefix of this kind's fields in ``WriteResult`` ("" or "records_").
+    result_prefix: str
+    #: Attribute names, on a writer's item (``NewEntry``, ``NewRecord``), of the
+    #: identity (after fingerprint and scope), the value and the carried columns,
+    #: in the order of ``identity``, ``values`` and ``carried``.
+    item_identity: tuple[str, ...]
+    item_values: tuple[str, ...]
+    item_carried: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        row_columns = set(self.rows.c.keys())
+        change_columns = set(self.changes.c.keys())
+        named = {"fingerprint_id", "scope", *self.identity, *self.values, *self.carried}
+        assert self.identity[-1] == "key", "an identity ends with key"
+        assert named | set(self.derived) <= row_columns, f"{self.name}: unknown row column"
+        assert {"fingerprint_id", "scope", *self.identity, "action", "commit_id"} <= change_columns
+        assert {c for c, _ in self.old} == {*self.values, *self.carried, "commit_id"}
+        assert {c for c, _ in self.new} >= set(self.values)
+        assert {c for _, c in (*self.old, *self.new)} <= change_columns
+        assert tuple(a for a, _ in self.counts) == ACTIONS
+        assert set(self.policy_columns) <= set(self.values)
+        assert len(self.item_identity) == len(self.identity)
+        assert len(self.item_values) == len(self.values)
+        assert len(self.item_carried) == len(self.carried)
+
+    # -- columns ------------------------------------------------------------
+
+    @property
+    def identity_columns(self) -> tuple[str, ...]:
+        """Every column naming one row: ``fingerprint_id``, ``scope``, then ``identity``."""
+        return ("fingerprint_id", "scope", *self.identity)
+
+    @property
+    def state_columns(self) -> tuple[Column[Any], ...]:
+        """``rows`` columns a current state is read from: id, commit, values, carried."""
+        c = self.rows.c
+        return (c.id, c.commit_id, *(c[n] for n in self.values), *(c[n] for n in self.carried))
+
+    def old_column(self, row_column: str) -> str:
+        """The change column holding ``row_column`` of the state a change replaced."""
+        return dict(self.old)[row_column]
+
+    def new_column(self, row_column: str) -> str | None:
+        """The change column holding ``row_column`` of the value written; None: not kept."""
+        return dict(self.new).get(row_column)
+
+    def count_column(self, action: str) -> str:
+        """The ``commits`` column counting this kind's ``action`` changes."""
+        return dict(self.counts)[action]
+
+    def result_field(self, what: str) -> str:
+        """``WriteResult``'s field for this kind's ``what`` (added ... unchanged, kept)."""
+        return self.result_prefix + what
+
+    # -- reading rows by the description ------------------------------------
+
+    def identity_of(self, row: Any) -> tuple[Any, ...]:
+        """``(fingerprint_id, scope, *identity)`` of a current or change row (by attribute)."""
+        return tuple(getattr(row, name) for name in self.identity_columns)
+
+    def value_of(self, row: Any) -> tuple[Any, ...]:
+        """The value of a current row (by attribute), policies by id."""
+        return tuple(getattr(row, name) for name in self.values)
+
+    def carried_of(self, row: Any) -> tuple[Any, ...]:
+        return tuple(getattr(row, name) for name in self.carried)
+
+    def state_of(self, row: Any) -> CurrentRow:
+        """A row selected with ``state_columns`` (positional), as a ``CurrentRow``."""
+        n = len(self.values)
+        return CurrentRow(row[0], row[1], tuple(row[2 : 2 + n]), tuple(row[2 + n :]))
+
+    def change_of(self, row: Any) -> StoredChange:
+        """A whole change row (``select(kind.changes)``), read by the description."""
+        old = dict(self.old)
+        new = dict(self.new)
+        action = row.action
+        old_value = tuple(getattr(row, old[c]) for c in self.values) if action != "added" else None
+        new_value = (
+            tuple(getattr(row, new[c]) for c in self.values) if action != "removed" else None
+        )
+        return StoredChange(
+            row.id,
+            row.commit_id,
+            row.fingerprint_id,
+            row.scope,
+            tuple(getattr(row, name) for name in self.identity),
+            action,
+            old_value,
+            tuple(getattr(row, old[c]) for c in self.carried),
+            row.old_commit_id,
+            new_value,
+            tuple(getattr(row, new[c]) if c in new else None for c in self.carried),
+        )
+
+    # -- a writer's items ------------------------------------------------------
+
+    def item_identity_of(self, item: Any) -> tuple[Any, ...]:
+        """``(fingerprint, scope, *identity)`` of a writer's item (a ``Fingerprint`` first)."""
+        return (item.fingerprint, item.scope, *(getattr(item, n) for n in self.item_identity))
+
+    def item_value_of(self, item: Any) -> tuple[Any, ...]:
+        """The value of a writer's item, policies as text."""
+        return tuple(getattr(item, n) for n in self.item_values)
+
+    def item_carried_of(self, item: Any) -> tuple[Any, ...]:
+        return tuple(getattr(item, n) for n in self.item_carried)
+
+    def same_value(self, a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+        """Whether two values (``values`` order, policies both by id or both by text) are equal."""
+        return tuple(a) == tuple(b)
+
+
+#: FlashInfer entries: one tactic of one file key (``ficache.models.EntryRow``).
+ENTRY_KIND = Kind(
+    name="entry",
+    plural="entries",
+    rows=ENTRIES,
+    changes=ENTRY_CHANGES,
+    identity=("key",),
+    values=("runner", "tactic", "policy_id"),
+    carried=("tuned_at", "selection"),
+    derived=("op",),
+    policy_columns=("policy_id",),
+    old=(
+        ("runner", "old_runner"),
+        ("tactic", "old_tactic"),
+        ("policy_id", "old_policy_id"),
+        ("tuned_at", "old_tuned_at"),
+        ("selection", "old_selection"),
+        ("commit_id", "old_commit_id"),
+    ),
+    new=(
+        ("runner", "new_runner"),
+        ("tactic", "new_tactic"),
+        ("policy_id", "new_policy_id"),
+        ("selection", "new_selection"),
+    ),
+    counts=(("added", "added"), ("replaced", "replaced"), ("removed", "removed")),
+    result_prefix="",
+    item_identity=("key",),
+    item_values=("runner", "tactic_json", "policy_json"),
+    item_carried=("tuned_at", "selection_json"),
+)
+
+#: Namespaced records: one JSON value of one (namespace, key) (``ficache.models.RecordRow``).
+RECORD_KIND = Kind(
+    name="record",
+    plural="records",
+    rows=RECORDS,
+    changes=RECORD_CHANGES,
+    identity=("namespace", "key"),
+    values=("value",),
+    carried=("tuned_at",),
+    derived=(),
+    policy_columns=(),
+    old=(
+        ("value", "old_value"),
+        ("tuned_at", "old_tuned_at"),
+        ("commit_id", "old_commit_id"),
+    ),
+    new=(("value", "new_value"),),
+    counts=(
+        ("added", "records_added"),
+        ("replaced", "records_replaced"),
+        ("removed", "records_removed"),
+    ),
+    result_prefix="records_",
+    item_identity=("namespace", "key"),
+    item_values=("value_json",),
+    item_carried=("tuned_at",),
+)
+
+#: Every kind, in the order a commit writes, shows and reverts them.
+KINDS: tuple[Kind, ...] = (ENTRY_KIND, RECORD_KIND)
+
+_BY_NAME: Mapping[str, Kind] = {k.name: k for k in KINDS}
+
+
+def kind_named(name: str) -> Kind:
+    """The kind called ``name`` ("entry", "record"); ``KeyError`` for another."""
+    return _BY_NAME[name]
