@@ -37,7 +37,9 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,8 +48,10 @@ from sqlalchemy import Connection, Table, select
 from sqlalchemy.sql.elements import ColumnElement
 
 from ficache.fingerprint import Fingerprint
+from ficache.kinds import Kind
 from ficache.models import COMMITS as C
 from ficache.models import FINGERPRINTS as F
+from ficache.models import policy_text
 
 #: Resolutions that are not a source: the registry's value stays; the identity is removed.
 TARGET = "target"
@@ -61,34 +65,76 @@ ADDED, REPLACED, REMOVED, IDENTICAL, CONFLICTING = range(5)
 Candidate = tuple[int, Any]
 
 
+def _getter(item_type: type, names: Sequence[str]) -> Callable[[Any], Any]:
+    """A C-level getter of ``names`` of an item: by position on a named tuple
+    (``NewEntry``), by attribute otherwise (``NewRecord``)."""
+    fields = getattr(item_type, "_fields", None)
+    if fields is not None:
+        return operator.itemgetter(*(fields.index(name) for name in names))
+    return operator.attrgetter(*names)
+
+
 @dataclass(frozen=True)
 class MergeKind:
-    """What merging and reconciling need to know of one kind of stored result.
+    """What merging and reconciling need to know of one kind of stored result:
+    its description (``kinds.Kind``), the type of a writer's item, and two
+    things a merge plan reports by kind.
 
-    - ``table``/``changes``: its rows and its change log, each with
-      ``fingerprint_id``, ``scope``, the ``key_columns`` and ``commit_id``.
-    - ``value_columns``: its value in ``table``; ``old_value_columns``: the
-      value a change replaced or removed, in ``changes`` (the first is NULL
-      when the change holds none). One column: the value is that column's;
-      several: their tuple.
-    - ``split(candidate)``: ``(fingerprint, scope, key)``, the key being the
-      ``key_columns``' value (one column: a string; several: their tuple).
-    - ``value(candidate)``: the value compared, as the value columns read it.
-    - ``op(key, candidate)``: the group a plan counts it in ("" for one group).
+    - ``op(key, item)``: the group a plan counts an identity in ("" for one group).
     - ``conflict(digest, fingerprint id, scope, key, baseline, candidates,
       resolution)``: the kind's conflict object.
+
+    The rest is read off the description: a candidate's ``key`` is its
+    identity after fingerprint and scope (one column: that column's value;
+    several: their tuple), its ``value`` the value columns' (one column: its
+    value; several: their tuple; policies as text, as writers hand them over).
     """
 
-    name: str
-    table: Table
-    changes: Table
-    key_columns: tuple[str, ...]
-    value_columns: tuple[ColumnElement[Any], ...]
-    old_value_columns: tuple[ColumnElement[Any], ...]
-    split: Callable[[Any], tuple[Fingerprint, str, Any]]
-    value: Callable[[Any], Hashable]
+    kind: Kind
+    item_type: type
     op: Callable[[Any, Any], str]
     conflict: Callable[..., Any]
+
+    @functools.cached_property
+    def split(self) -> Callable[[Any], tuple[Fingerprint, str, Any]]:
+        """``item -> (fingerprint, scope, key)``."""
+        identity = self.kind.item_identity
+        if len(identity) == 1:
+            return _getter(self.item_type, ("fingerprint", "scope", *identity))
+        head, key = (
+            _getter(self.item_type, ("fingerprint", "scope")),
+            _getter(self.item_type, identity),
+        )
+        return lambda item: (*head(item), key(item))
+
+    @functools.cached_property
+    def value(self) -> Callable[[Any], Hashable]:
+        """``item -> value``, as ``value_columns`` read it."""
+        return _getter(self.item_type, self.kind.item_values)
+
+    @property
+    def key_columns(self) -> tuple[str, ...]:
+        return self.kind.identity
+
+    @functools.cached_property
+    def value_columns(self) -> tuple[ColumnElement[Any], ...]:
+        """The value in ``kind.rows``, policies as their text."""
+        return self._text(self.kind.rows, self.kind.values)
+
+    @functools.cached_property
+    def old_value_columns(self) -> tuple[ColumnElement[Any], ...]:
+        """The value a change replaced or removed, in ``kind.changes``, policies as text."""
+        old = [self.kind.old_column(name) for name in self.kind.values]
+        return self._text(self.kind.changes, old, self.kind.values)
+
+    def _text(
+        self, table: Table, columns: Sequence[str], names: Sequence[str] | None = None
+    ) -> tuple[ColumnElement[Any], ...]:
+        policies = self.kind.policy_columns
+        return tuple(
+            policy_text(table.c[column]) if name in policies else table.c[column]
+            for column, name in zip(columns, names or columns, strict=True)
+        )
 
     def identity(self, fp: Fingerprint, scope: str, key: Any) -> tuple[Any, ...]:
         """The identity a write names: ``(fingerprint, scope, *key columns)``."""
@@ -207,7 +253,7 @@ def _current(
     conn: Connection, kind: MergeKind, index_of_id: dict[int, int], by_group: Groups
 ) -> dict[Indexed, tuple[Any, float | None, int]]:
     """The registry's ``(value, tuned_at, commit id)`` of every candidate identity it holds."""
-    table, nk, nv = kind.table, len(kind.key_columns), len(kind.value_columns)
+    table, nk, nv = kind.kind.rows, len(kind.key_columns), len(kind.value_columns)
     rows = conn.execute(
         select(
             table.c.fingerprint_id,
@@ -236,7 +282,7 @@ def _tombstones(
 ) -> dict[Indexed, Any]:
     """Absent candidate identities whose latest change is a merge's removal, with the
     value it removed."""
-    changes, nk = kind.changes, len(kind.key_columns)
+    changes, nk = kind.kind.changes, len(kind.key_columns)
     rows = conn.execute(
         select(
             changes.c.fingerprint_id,

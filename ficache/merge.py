@@ -58,7 +58,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import operator
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -92,17 +91,13 @@ from ficache.kind_merge import (
     plan_kind,
     resolve,
 )
+from ficache.kinds import ENTRY_KIND, RECORD_KIND
 from ficache.models import ENTRIES as E
-from ficache.models import ENTRY_CHANGES as H
 from ficache.models import (
-    ENTRY_POLICY,
     ENTRY_VALUE_COLUMNS,
-    OLD_POLICY,
     SHARED_SCOPE,
 )
 from ficache.models import FINGERPRINTS as F
-from ficache.models import RECORD_CHANGES as RH
-from ficache.models import RECORDS as R
 from ficache.records import NewRecord, RecordWrite, record_values
 from ficache.registry_access import RegistryAccess
 from ficache.values import (
@@ -607,10 +602,6 @@ def _entry_conflict(
     )
 
 
-def _record_split(r: NewRecord) -> tuple[Fingerprint, str, tuple[str, str]]:
-    return (r.fingerprint, r.scope, (r.namespace, r.key))
-
-
 def _record_op(_key: tuple[str, str], _r: NewRecord) -> str:
     return ""  # records are counted as one group
 
@@ -637,37 +628,10 @@ def _record_conflict(
     )
 
 
-def _fields(*names: str) -> operator.itemgetter[Any]:
-    """A C-level getter of ``NewEntry`` fields by name (the planners' hot path)."""
-    return operator.itemgetter(*(NewEntry._fields.index(name) for name in names))
-
-
 #: Entries: one per (fingerprint, scope, key); value (runner, tactic, policy).
-ENTRY_MERGE = MergeKind(
-    "entries",
-    E,
-    H,
-    ("key",),
-    (E.c.runner, E.c.tactic, ENTRY_POLICY),
-    (H.c.old_runner, H.c.old_tactic, OLD_POLICY),
-    _fields("fingerprint", "scope", "key"),
-    _fields("runner", "tactic_json", "policy_json"),
-    _entry_op,
-    _entry_conflict,
-)
+ENTRY_MERGE = MergeKind(ENTRY_KIND, NewEntry, _entry_op, _entry_conflict)
 #: Namespaced records: one per (fingerprint, scope, namespace, key); value its JSON.
-RECORD_MERGE = MergeKind(
-    "records",
-    R,
-    RH,
-    ("namespace", "key"),
-    (R.c.value,),
-    (RH.c.old_value,),
-    _record_split,
-    operator.attrgetter("value_json"),
-    _record_op,
-    _record_conflict,
-)
+RECORD_MERGE = MergeKind(RECORD_KIND, NewRecord, _record_op, _record_conflict)
 
 
 def plan_merge(
