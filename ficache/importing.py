@@ -14,9 +14,9 @@ hold with different values (runner, tactic, policy; a record's JSON value).
 
 Invariants:
 - One rule with ``merge``, one machinery for every kind: a conflict is
-  resolved by ``ficache.kind_merge.resolve`` with no target (``reconcile``, over
-  ``merge``'s description of each kind), as a merge resolves the sources of a key the registry does
-  not hold (``keep``: the first input's value; ``theirs``: the last's;
+  resolved by ``ficache.kind_merge.resolve`` with no target (``reconcile``,
+  over ``merge``'s description of each kind), as a merge resolves the
+  sources of a key the registry does not hold (``keep``: the first input's value; ``theirs``: the last's;
   ``newest``: the latest tuned, by ``tuned_time.tuned_at``; ``vote``:
   the value most inputs hold). ``drop`` leaves the identity out of the import
   (an import never removes: the registry's value, if any, stays as it was);

@@ -42,7 +42,7 @@ import math
 import operator
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Table, select
 from sqlalchemy.sql.elements import ColumnElement
@@ -161,10 +161,16 @@ def resolve(
     if policy == "theirs":
         return candidates[-1]
     if policy == "newest":
-        best: str | Candidate = TARGET if target is not None else candidates[0]
-        best_at = _tuned(target[1]) if target is not None else _tuned(candidates[0][1].tuned_at)
+        best: str | Candidate
+        if target is not None:
+            _value, target_at = target
+            best, best_at = TARGET, _tuned(target_at)
+        else:
+            _source, first = best = candidates[0]
+            best_at = _tuned(first.tuned_at)
         for cand in candidates:
-            at = _tuned(cand[1].tuned_at)
+            _source, item = cand
+            at = _tuned(item.tuned_at)
             if at > best_at:
                 best, best_at = cand, at
         return best
@@ -177,7 +183,7 @@ def resolve(
         tied = {v for v, n in votes.items() if n == top}
         if len(tied) > 1 and target is not None:
             return TARGET
-        return next(c for c in candidates if kind.value(c[1]) in tied)
+        return next((n, item) for n, item in candidates if kind.value(item) in tied)
     if policy == "drop":
         return DROP
     return UNRESOLVED
@@ -199,7 +205,7 @@ class KindPlan:
     fingerprints: list[Fingerprint]  # by index, in order of first appearance
     target_ids: list[int | None]  # each one's id in the registry (None: new there)
     counts: dict[tuple[int, str, str], list[int]] = field(default_factory=dict)
-    conflicts: list[tuple[Indexed, Any]] = field(default_factory=list)
+    conflicts: dict[Indexed, Any] = field(default_factory=dict)  # identity -> conflict
     writes: list[Any] = field(default_factory=list)
     removals: list[tuple[Any, ...]] = field(default_factory=list)
     expected: list[tuple[tuple[Any, ...], int | None]] = field(default_factory=list)
@@ -244,32 +250,39 @@ def candidates_of(
     return list(fp_index), by_group
 
 
-def _pick(row: Sequence[Any], start: int, width: int) -> Any:
-    """``row[start]`` for one column, else the tuple of ``width`` columns from ``start``."""
-    return row[start] if width == 1 else tuple(row[start : start + width])
+def _one(columns: Sequence[Any]) -> Any:
+    """One column's value, or the tuple of several (a key, a value)."""
+    return columns[0] if len(columns) == 1 else tuple(columns)
+
+
+class Held(NamedTuple):
+    """What the registry holds for one candidate identity."""
+
+    value: Any
+    tuned_at: float | None
+    commit_id: int
 
 
 def _current(
     conn: Connection, kind: MergeKind, index_of_id: dict[int, int], by_group: Groups
-) -> dict[Indexed, tuple[Any, float | None, int]]:
-    """The registry's ``(value, tuned_at, commit id)`` of every candidate identity it holds."""
-    table, nk, nv = kind.kind.rows, len(kind.key_columns), len(kind.value_columns)
+) -> dict[Indexed, Held]:
+    """What the registry holds for every candidate identity it holds."""
+    table, nk = kind.kind.rows, len(kind.key_columns)
     rows = conn.execute(
         select(
             table.c.fingerprint_id,
             table.c.scope,
-            *(table.c[name] for name in kind.key_columns),
-            *kind.value_columns,
             table.c.tuned_at,
             table.c.commit_id,
+            *(table.c[name] for name in kind.key_columns),
+            *kind.value_columns,
         ).where(table.c.fingerprint_id.in_(sorted(index_of_id)))
     )
-    current: dict[Indexed, tuple[Any, float | None, int]] = {}
-    for row in rows:
-        index = index_of_id[row[0]]
-        key = _pick(row, 2, nk)
-        if key in by_group.get((index, row[1]), ()):
-            current[(index, row[1], key)] = (_pick(row, 2 + nk, nv), row[-2], row[-1])
+    current: dict[Indexed, Held] = {}
+    for fid, scope, tuned_at, commit_id, *rest in rows:
+        index, key = index_of_id[fid], _one(rest[:nk])
+        if key in by_group.get((index, scope), ()):
+            current[(index, scope, key)] = Held(_one(rest[nk:]), tuned_at, commit_id)
     return current
 
 
@@ -278,7 +291,7 @@ def _tombstones(
     kind: MergeKind,
     index_of_id: dict[int, int],
     by_group: Groups,
-    current: dict[Indexed, Any],
+    current: dict[Indexed, Held],
 ) -> dict[Indexed, Any]:
     """Absent candidate identities whose latest change is a merge's removal, with the
     value it removed."""
@@ -287,9 +300,9 @@ def _tombstones(
         select(
             changes.c.fingerprint_id,
             changes.c.scope,
-            *(changes.c[name] for name in kind.key_columns),
             changes.c.action,
             C.c.kind,
+            *(changes.c[name] for name in kind.key_columns),
             *kind.old_value_columns,
         )
         .join(C, C.c.id == changes.c.commit_id)
@@ -297,12 +310,12 @@ def _tombstones(
         .order_by(changes.c.id)
     )
     latest: dict[Indexed, tuple[str, str, Any, bool]] = {}
-    for row in rows:
-        index, key = index_of_id[row[0]], _pick(row, 2, nk)
-        ident = (index, row[1], key)
-        if key in by_group.get((index, row[1]), ()) and ident not in current:
-            old = row[4 + nk :]
-            latest[ident] = (row[2 + nk], row[3 + nk], _pick(old, 0, len(old)), old[0] is not None)
+    for fid, scope, action, commit_kind, *rest in rows:
+        index, key = index_of_id[fid], _one(rest[:nk])
+        ident = (index, scope, key)
+        if key in by_group.get((index, scope), ()) and ident not in current:
+            old = rest[nk:]
+            latest[ident] = (action, commit_kind, _one(old), old[0] is not None)
     return {
         ident: value
         for ident, (action, commit_kind, value, held) in latest.items()
@@ -324,7 +337,7 @@ def plan_kind(
     stored = dict(conn.execute(select(F.c.digest, F.c.id)).all())
     plan = KindPlan(fps, [stored.get(fp.digest) for fp in fps])
     index_of_id = {fid: i for i, fid in enumerate(plan.target_ids) if fid is not None}
-    current: dict[Indexed, tuple[Any, float | None, int]] = {}
+    current: dict[Indexed, Held] = {}
     tombstones: dict[Indexed, Any] = {}
     if index_of_id:
         current = _current(conn, kind, index_of_id, by_group)
@@ -341,7 +354,7 @@ def plan_kind(
         fp = fps[index]
         for key in sorted(candidates):
             cands = candidates[key]
-            first = cands[0][1]
+            _source, first = cands[0]
             op = ops.get(key)
             if op is None:
                 op = ops[key] = kind.op(key, first)
@@ -350,7 +363,7 @@ def plan_kind(
                 group = plan.counts[(index, scope, op)] = [0, 0, 0, 0, 0]
             now = current.get((index, scope, key)) if current else None
             if now is not None:
-                baseline = now[0]
+                baseline = now.value
             else:
                 baseline = tombstones.get((index, scope, key)) if tombstones else None
             value = value_of(first)
@@ -368,32 +381,29 @@ def plan_kind(
                     group[IDENTICAL] += 1
                 continue
             group[CONFLICTING] += 1
-            winner = resolve(policy, (now[0], now[1]) if now is not None else None, cands, kind)
-            resolution = winner if isinstance(winner, str) else f"source {winner[0]}"
-            if winner == DROP:
-                if now is not None:
+            target = (now.value, now.tuned_at) if now is not None else None
+            winner = resolve(policy, target, cands, kind)
+            if isinstance(winner, str):
+                resolution = winner
+                if winner == DROP and now is not None:
                     removals.append(identity(fp, scope, key))
-                    expected.append((removals[-1], now[2]))
+                    expected.append((removals[-1], now.commit_id))
                     group[REMOVED] += 1
-            elif not isinstance(winner, str):
-                chosen = winner[1]
+            else:
+                source, chosen = winner
+                resolution = f"source {source}"
                 if now is None:
                     writes.append(chosen)
                     expected.append((identity(fp, scope, key), None))
                     group[ADDED] += 1
-                elif value_of(chosen) != now[0]:
+                elif value_of(chosen) != now.value:
                     writes.append(chosen)
-                    expected.append((identity(fp, scope, key), now[2]))
+                    expected.append((identity(fp, scope, key), now.commit_id))
                     group[REPLACED] += 1
                 else:
                     resolution = TARGET
-            plan.conflicts.append(
-                (
-                    (index, scope, key),
-                    kind.conflict(
-                        fp.digest, plan.target_ids[index], scope, key, baseline, cands, resolution
-                    ),
-                )
+            plan.conflicts[(index, scope, key)] = kind.conflict(
+                fp.digest, plan.target_ids[index], scope, key, baseline, cands, resolution
             )
     return plan
 
@@ -466,7 +476,8 @@ def _settle(
     values = list(dict.fromkeys(kind.value(item) for _n, item in cands))
     done.duplicates += len(cands) - len(values)
     if len(values) == 1:
-        done.writes.append(cands[0][1])
+        _source, only = cands[0]
+        done.writes.append(only)
         return
     winner = resolve(policy, None, cands, kind)
     if isinstance(winner, str):  # dropped, or unresolved (``fail``)
@@ -474,8 +485,9 @@ def _settle(
         resolution = winner
     else:
         done.conflicts += len(values) - 1
-        done.writes.append(winner[1])
-        resolution = f"source {winner[0]}"
+        source, chosen = winner
+        done.writes.append(chosen)
+        resolution = f"source {source}"
     done.conflicting.append(kind.conflict(fp.digest, None, scope, key, None, cands, resolution))
 
 

@@ -700,18 +700,19 @@ def _plan(registry: RegistryAccess, sources: Sequence[MergeSource], policy: str)
     fps, ids = entries.fingerprints, entries.target_ids
 
     def order(ident: tuple[int, str, Any]) -> tuple[tuple[bool, int, str], str, Any]:
-        return (entries.order(ident[0]), *ident[1:])
+        index, scope, key_or_op = ident
+        return (entries.order(index), scope, key_or_op)
 
     groups = tuple(
-        MergeGroup(fps[i].digest, ids[i], fps[i].gpu, scope, op, *n)
-        for (i, scope, op), n in sorted(entries.counts.items(), key=lambda kv: order(kv[0]))
+        MergeGroup(fps[i].digest, ids[i], fps[i].gpu, scope, op, *entries.counts[(i, scope, op)])
+        for i, scope, op in sorted(entries.counts, key=order)
     )
     return MergePlan(
         registry.location.display,
         policy,
         tuple(s.summary for s in sources),
         groups,
-        tuple(c for _ident, c in sorted(entries.conflicts, key=lambda ic: order(ic[0]))),
+        tuple(entries.conflicts[ident] for ident in sorted(entries.conflicts, key=order)),
         tuple(entries.writes),
         tuple(entries.removals),
         tuple(entries.expected),
@@ -725,13 +726,17 @@ def _record_plan(plan: KindPlan) -> RecordMergePlan:
         sum(n[i] for n in plan.counts.values()) for i in (ADDED, REPLACED, REMOVED, IDENTICAL)
     )
     fps = plan.fingerprints
-    conflicts = sorted(plan.conflicts, key=lambda ic: (fps[ic[0][0]].digest, *ic[0][1:]))
+
+    def by_digest(ident: tuple[int, str, Any]) -> tuple[str, str, Any]:
+        index, scope, key = ident
+        return (fps[index].digest, scope, key)
+
     return RecordMergePlan(
         added,
         replaced,
         removed,
         identical,
-        tuple(c for _ident, c in conflicts),
+        tuple(plan.conflicts[ident] for ident in sorted(plan.conflicts, key=by_digest)),
         RecordWrite(tuple(plan.writes), tuple(plan.removals), tuple(plan.expected)),
     )
 

@@ -1046,11 +1046,8 @@ class _Verifier:
         for rid, fid, scope, ns, key, value, cid in self._stream(
             select(
                 R.c.id,
-                R.c.fingerprint_id,
-                R.c.scope,
-                R.c.namespace,
-                R.c.key,
-                R.c.value,
+                *(R.c[name] for name in RECORD_KIND.identity_columns),
+                *(R.c[name] for name in RECORD_KIND.values),
                 R.c.commit_id,
             ).order_by(R.c.id)
         ):
