@@ -1,9 +1,11 @@
 """Merge machinery written once for every kind of stored result: policies, plans, reconciling.
 
-A kind (entries, namespaced records, and the kinds to come) is described by a
-``MergeKind``: its tables, the columns of its identity and value, how to read
-one candidate (``split``: fingerprint, scope and key within them; ``value``),
-and the conflict object its plans report. Everything a merge or an import
+A kind (entries, namespaced records, and the kinds to come) is described
+once, by ``ficache.kinds.Kind`` (tables, identity and value columns, change
+rows); a ``MergeKind`` adds what merging needs besides: the type of a
+writer's item (read through the description's item fields: ``split`` gives
+fingerprint, scope and key, ``value`` the value compared), the group a plan
+counts an identity in, and the conflict object its plans report. Everything a merge or an import
 decides is decided here, the same way for every kind:
 
 - ``resolve``: the winner of one conflict under a policy (``ficache.merge``'s
@@ -132,7 +134,7 @@ class MergeKind:
     ) -> tuple[ColumnElement[Any], ...]:
         policies = self.kind.policy_columns
         return tuple(
-            policy_text(table.c[column]) if name in policies else table.c[column]
+            policy_text(table.c[column]).label(column) if name in policies else table.c[column]
             for column, name in zip(columns, names or columns, strict=True)
         )
 
@@ -279,10 +281,13 @@ def _current(
         ).where(table.c.fingerprint_id.in_(sorted(index_of_id)))
     )
     current: dict[Indexed, Held] = {}
+    one_key, one_value = nk == 1, len(kind.value_columns) == 1
+    make = tuple.__new__  # Held(...) by position, as a C call: one per row held
     for fid, scope, tuned_at, commit_id, *rest in rows:
-        index, key = index_of_id[fid], _one(rest[:nk])
+        index, key = index_of_id[fid], rest[0] if one_key else tuple(rest[:nk])
         if key in by_group.get((index, scope), ()):
-            current[(index, scope, key)] = Held(_one(rest[nk:]), tuned_at, commit_id)
+            value = rest[nk] if one_value else tuple(rest[nk:])
+            current[(index, scope, key)] = make(Held, (value, tuned_at, commit_id))
     return current
 
 
@@ -310,8 +315,9 @@ def _tombstones(
         .order_by(changes.c.id)
     )
     latest: dict[Indexed, tuple[str, str, Any, bool]] = {}
+    one_key = nk == 1
     for fid, scope, action, commit_kind, *rest in rows:
-        index, key = index_of_id[fid], _one(rest[:nk])
+        index, key = index_of_id[fid], rest[0] if one_key else tuple(rest[:nk])
         ident = (index, scope, key)
         if key in by_group.get((index, scope), ()) and ident not in current:
             old = rest[nk:]
@@ -344,6 +350,7 @@ def plan_kind(
         if policy == "drop":
             tombstones = _tombstones(conn, kind, index_of_id, by_group, current)
     value_of, identity = kind.value, kind.identity
+    flat = len(kind.key_columns) == 1  # the identity is (fingerprint, scope, key)
     writes, removals, expected = plan.writes, plan.removals, plan.expected
     ops: dict[Any, str] = {}
     # In (fingerprint, scope, key) order, so a large commit inserts in the order of
@@ -351,6 +358,7 @@ def plan_kind(
     # group's keys gives that order at a third of the cost of sorting identities.
     for index, scope in sorted(by_group):
         candidates = by_group[(index, scope)]
+        counts_of_op: dict[str, list[int]] = {}
         fp = fps[index]
         for key in sorted(candidates):
             cands = candidates[key]
@@ -358,24 +366,26 @@ def plan_kind(
             op = ops.get(key)
             if op is None:
                 op = ops[key] = kind.op(key, first)
-            group = plan.counts.get((index, scope, op))
+            group = counts_of_op.get(op)
             if group is None:
-                group = plan.counts[(index, scope, op)] = [0, 0, 0, 0, 0]
+                group = counts_of_op[op] = plan.counts.setdefault((index, scope, op), [0] * 5)
             now = current.get((index, scope, key)) if current else None
             if now is not None:
                 baseline = now.value
             else:
                 baseline = tombstones.get((index, scope, key)) if tombstones else None
-            value = value_of(first)
             agree = True
-            for _n, item in cands:
-                if value_of(item) != value:
-                    agree = False
-                    break
-            if agree and (baseline is None or baseline == value):
+            if len(cands) > 1 or baseline is not None:  # else one source, nothing to compare
+                value = value_of(first)
+                for _n, item in cands:
+                    if value_of(item) != value:
+                        agree = False
+                        break
+                agree = agree and (baseline is None or baseline == value)
+            if agree:
                 if now is None:
                     writes.append(first)
-                    expected.append((identity(fp, scope, key), None))
+                    expected.append(((fp, scope, key) if flat else identity(fp, scope, key), None))
                     group[ADDED] += 1
                 else:
                     group[IDENTICAL] += 1

@@ -47,8 +47,10 @@ Invariants:
   entry count and digest: the sha256 of a file's bytes; for a registry,
   the sha256 of its content (``registry_digest``).
 - Namespaced records (``ficache.records``) merge under the same policies in
-  the same plan and commit: a conflict is one (fingerprint, scope,
-  namespace, record key) with different values (``MergePlan.records``).
+  the same plan and commit, planned by the same code (``ficache.kind_merge``
+  over ``ENTRY_MERGE`` and ``RECORD_MERGE``, this module's descriptions): a
+  conflict is one (fingerprint, scope, namespace, record key) with different
+  values (``MergePlan.records``).
   ``newest`` compares their ``tuned_at`` (a file's mtime; a bundle carries
   no time for records, so they take the bundle file's mtime).
 """
