@@ -283,11 +283,12 @@ def _current(
     current: dict[Indexed, Held] = {}
     one_key, one_value = nk == 1, len(kind.value_columns) == 1
     make = tuple.__new__  # Held(...) by position, as a C call: one per row held
-    for fid, scope, tuned_at, commit_id, *rest in rows:
-        index, key = index_of_id[fid], rest[0] if one_key else tuple(rest[:nk])
+    for row in rows:  # (fingerprint id, scope, tuned_at, commit, *key, *value)
+        index, scope = index_of_id[row[0]], row[1]
+        key = row[4] if one_key else tuple(row[4 : 4 + nk])
         if key in by_group.get((index, scope), ()):
-            value = rest[nk] if one_value else tuple(rest[nk:])
-            current[(index, scope, key)] = make(Held, (value, tuned_at, commit_id))
+            value = row[4 + nk] if one_value else tuple(row[4 + nk :])
+            current[(index, scope, key)] = make(Held, (value, row[2], row[3]))
     return current
 
 
@@ -377,11 +378,13 @@ def plan_kind(
             agree = True
             if len(cands) > 1 or baseline is not None:  # else one source, nothing to compare
                 value = value_of(first)
-                for _n, item in cands:
-                    if value_of(item) != value:
-                        agree = False
-                        break
-                agree = agree and (baseline is None or baseline == value)
+                if baseline is not None and baseline != value:
+                    agree = False
+                elif len(cands) > 1:
+                    for _n, item in cands:
+                        if value_of(item) != value:
+                            agree = False
+                            break
             if agree:
                 if now is None:
                     writes.append(first)
