@@ -13,9 +13,10 @@ registry is no party to a conflict among the inputs, and a conflict is one
 hold with different values (runner, tactic, policy; a record's JSON value).
 
 Invariants:
-- One rule with ``merge``: a conflict is resolved by ``ficache.merge.resolve``
-  with no target, as a merge resolves the sources of a key the registry does
-  not hold (``keep``: the first input's value; ``theirs``: the last's;
+- One rule with ``merge``, one machinery for every kind: a conflict is
+  resolved by ``ficache.kind_merge.resolve`` with no target (``reconcile``,
+  over ``merge``'s description of each kind), as a merge resolves the
+  sources of a key the registry does not hold (``keep``: the first input's value; ``theirs``: the last's;
   ``newest``: the latest tuned, by ``tuned_time.tuned_at``; ``vote``:
   the value most inputs hold). ``drop`` leaves the identity out of the import
   (an import never removes: the registry's value, if any, stays as it was);
@@ -51,17 +52,18 @@ from ficache.bundle import Bundle, bundle_records
 from ficache.errors import FingerprintError, MergeConflictError
 from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import CacheFile
-from ficache.history import EntryValue
+from ficache.kind_merge import reconcile
 from ficache.merge import (
+    ENTRY_MERGE,
     POLICIES,
+    RECORD_MERGE,
     MergeConflict,
     MergeSource,
+    RecordConflict,
     plan_merge,
-    resolve,
-    resolve_record,
 )
 from ficache.models import SHARED_SCOPE
-from ficache.records import NewRecord, RecordConflict, records_of_file
+from ficache.records import NewRecord, records_of_file
 from ficache.registry_access import RegistryAccess
 from ficache.v2_store import (
     StoreContents,
@@ -188,21 +190,21 @@ def plan_import(inputs: Sequence[ImportInput], policy: str = "keep") -> ImportPl
             f"unknown conflict policy {policy!r}; expected one of {', '.join(POLICIES)}"
         )
     with paused_gc():
-        writes, duplicates, conflicts, conflicting = _reconcile_entries(inputs, policy)
-        record_writes, r_duplicates, r_conflicts, r_conflicting = _reconcile_records(inputs, policy)
+        entries = reconcile(ENTRY_MERGE, [i.entries for i in inputs], policy)
+        records = reconcile(RECORD_MERGE, [i.records for i in inputs], policy)
     return ImportPlan(
         policy,
         tuple(i.name for i in inputs),
         sum(len(i.entries) for i in inputs),
         sum(len(i.records) for i in inputs),
-        tuple(writes),
-        tuple(record_writes),
-        duplicates,
-        conflicts,
-        r_duplicates,
-        r_conflicts,
-        tuple(conflicting),
-        tuple(r_conflicting),
+        tuple(entries.writes),
+        tuple(records.writes),
+        entries.duplicates,
+        entries.conflicts,
+        records.duplicates,
+        records.conflicts,
+        tuple(entries.conflicting),
+        tuple(records.conflicting),
     )
 
 
@@ -251,111 +253,6 @@ def _file_fingerprint(
         f"{source} has no _metadata, so its environment is unknown; "
         "import it with --fingerprint ID|current"
     )
-
-
-def _reconcile_entries(
-    inputs: Sequence[ImportInput], policy: str
-) -> tuple[list[NewEntry], int, int, list[MergeConflict]]:
-    """The entry to write per identity, and the duplicates and conflicts among the inputs.
-
-    The hot path is one dict lookup per entry: each (fingerprint, scope) group
-    maps a key to the first (input number, entry) holding it, and only keys
-    held again get a candidate list. Entries come in runs of one fingerprint object and scope,
-    so a fingerprint is hashed once per run.
-    """
-    by_group: dict[tuple[Fingerprint, str], dict[str, tuple[int, NewEntry]]] = {}
-    again: dict[tuple[Fingerprint, str, str], list[tuple[int, NewEntry]]] = {}
-    for number, source in enumerate(inputs, start=1):
-        last_fp: Fingerprint | None = None
-        last_scope: str | None = None
-        group: dict[str, tuple[int, NewEntry]] = {}
-        for e in source.entries:  # (fingerprint, key, runner, tactic, policy, scope, ...)
-            if e[0] is not last_fp or e[5] != last_scope:
-                last_fp, last_scope = e[0], e[5]
-                group = by_group.setdefault((last_fp, last_scope), {})
-            cand = (number, e)
-            first = group.setdefault(e[1], cand)
-            if first is not cand:
-                ident = (e[0], e[5], e[1])
-                if ident not in again:
-                    again[ident] = [first]
-                again[ident].append(cand)
-    if not again:  # the common case: every identity once, in input order
-        return [e for source in inputs for e in source.entries], 0, 0, []
-    writes: list[NewEntry] = []
-    duplicates = conflicts = 0
-    conflicting: list[MergeConflict] = []
-    for (fp, scope), group in by_group.items():
-        for key, (_number, only) in group.items():
-            cands = again.get((fp, scope, key))
-            if cands is None:
-                writes.append(only)
-                continue
-            values = list(dict.fromkeys((e[2], e[3], e[4]) for _n, e in cands))
-            duplicates += len(cands) - len(values)
-            if len(values) == 1:
-                writes.append(cands[0][1])
-                continue
-            winner = resolve(policy, None, cands)
-            if isinstance(winner, str):  # dropped, or unresolved (``fail``)
-                conflicts += len(values)
-                resolution = winner
-            else:
-                conflicts += len(values) - 1
-                writes.append(winner[1])
-                resolution = f"source {winner[0]}"
-            conflicting.append(
-                MergeConflict(
-                    fp.digest,
-                    None,
-                    scope,
-                    key,
-                    None,
-                    tuple((n, EntryValue(e[2], e[3], e[4])) for n, e in cands),
-                    resolution,
-                )
-            )
-    return writes, duplicates, conflicts, conflicting
-
-
-def _reconcile_records(
-    inputs: Sequence[ImportInput], policy: str
-) -> tuple[list[NewRecord], int, int, list[RecordConflict]]:
-    """``_reconcile_entries`` for namespaced records."""
-    by_ident: dict[tuple[Fingerprint, str, str, str], list[tuple[int, NewRecord]]] = {}
-    for number, source in enumerate(inputs, start=1):
-        for r in source.records:
-            by_ident.setdefault(r.identity, []).append((number, r))
-    writes: list[NewRecord] = []
-    duplicates = conflicts = 0
-    conflicting: list[RecordConflict] = []
-    for (fp, scope, ns, key), cands in by_ident.items():
-        values = list(dict.fromkeys(r.value_json for _n, r in cands))
-        duplicates += len(cands) - len(values)
-        if len(values) == 1:
-            writes.append(cands[0][1])
-            continue
-        winner = resolve_record(policy, None, cands)
-        if isinstance(winner, str):
-            conflicts += len(values)
-            resolution = winner
-        else:
-            conflicts += len(values) - 1
-            writes.append(winner[1])
-            resolution = f"source {winner[0]}"
-        conflicting.append(
-            RecordConflict(
-                fp.digest,
-                None,
-                scope,
-                ns,
-                key,
-                None,
-                tuple((n, r.value_json) for n, r in cands),
-                resolution,
-            )
-        )
-    return writes, duplicates, conflicts, conflicting
 
 
 # --------------------------------------------------------------------------

@@ -47,19 +47,19 @@ Invariants:
   entry count and digest: the sha256 of a file's bytes; for a registry,
   the sha256 of its content (``registry_digest``).
 - Namespaced records (``ficache.records``) merge under the same policies in
-  the same plan and commit: a conflict is one (fingerprint, scope,
-  namespace, record key) with different values (``MergePlan.records``).
+  the same plan and commit, planned by the same code (``ficache.kind_merge``
+  over ``ENTRY_MERGE`` and ``RECORD_MERGE``, this module's descriptions): a
+  conflict is one (fingerprint, scope, namespace, record key) with different
+  values (``MergePlan.records``).
   ``newest`` compares their ``tuned_at`` (a file's mtime; a bundle carries
   no time for records, so they take the bundle file's mtime).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import json
-import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -83,17 +83,24 @@ from ficache.errors import (
 from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import MAX_FILE_BYTES, parse_cache_bytes, parse_key
 from ficache.history import EntryValue
-from ficache.models import COMMITS as C
+from ficache.kind_merge import (
+    ADDED,
+    IDENTICAL,
+    REMOVED,
+    REPLACED,
+    KindPlan,
+    MergeKind,
+    plan_kind,
+    resolve,
+)
+from ficache.kinds import ENTRY_KIND, RECORD_KIND
 from ficache.models import ENTRIES as E
-from ficache.models import ENTRY_CHANGES as H
 from ficache.models import (
-    ENTRY_POLICY,
     ENTRY_VALUE_COLUMNS,
-    OLD_POLICY,
     SHARED_SCOPE,
 )
 from ficache.models import FINGERPRINTS as F
-from ficache.records import NewRecord, RecordMergePlan, plan_record_merge, record_values
+from ficache.records import NewRecord, RecordWrite, record_values
 from ficache.registry_access import RegistryAccess
 from ficache.values import (
     NewEntry,
@@ -399,6 +406,58 @@ class MergeConflict:
 
 
 @dataclass(frozen=True)
+class RecordConflict:
+    """One record holding different values, and how the policy resolved it."""
+
+    fingerprint: str  # digest
+    fingerprint_id: int | None
+    scope: str
+    namespace: str
+    key: str
+    target: str | None  # the registry's value (for ``drop``: a dropped one)
+    sources: tuple[tuple[int, str], ...]  # (source number from 1, value)
+    resolution: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "fingerprint": self.fingerprint,
+            "fingerprint_id": self.fingerprint_id,
+            "scope": self.scope,
+            "namespace": self.namespace,
+            "key": self.key,
+            "target": json.loads(self.target) if self.target is not None else None,
+            "sources": [{"source": n, "value": json.loads(v)} for n, v in self.sources],
+            "resolution": self.resolution,
+        }
+
+
+@dataclass(frozen=True)
+class RecordMergePlan:
+    """The record part of a ``MergePlan``."""
+
+    added: int = 0
+    replaced: int = 0
+    removed: int = 0
+    identical: int = 0
+    conflicts: tuple[RecordConflict, ...] = ()
+    write: RecordWrite = field(default_factory=RecordWrite, repr=False)
+
+    @property
+    def candidates(self) -> int:
+        return self.added + self.replaced + self.removed + self.identical + len(self.conflicts)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "added": self.added,
+            "replaced": self.replaced,
+            "removed": self.removed,
+            "identical": self.identical,
+            "conflicting": len(self.conflicts),
+            "conflicts": [c.as_json() for c in self.conflicts],
+        }
+
+
+@dataclass(frozen=True)
 class MergePlan:
     """What a merge would do; compare plans with ``==``, apply with ``execute``."""
 
@@ -513,54 +572,68 @@ class MergePlan:
             )
 
 
-def _value(e: NewEntry) -> _Value:
-    return (e.runner, e.tactic_json, e.policy_json)
+# --------------------------------------------------------------------------
+# The two kinds a merge plans (``ficache.kind_merge`` decides for both).
 
 
-def _tuned(t: float | None) -> float:
-    return t if t is not None else -math.inf
+def _entry_op(key: str, e: NewEntry) -> str:
+    return e.fields.op if e.fields is not None else parse_key(key).op
 
 
-_TARGET = "target"
-_DROP = "dropped"
+def _entry_value(e: NewEntry) -> EntryValue:
+    return EntryValue(e.runner, e.tactic_json, e.policy_json)
 
 
-def resolve(
-    policy: str,
-    target: tuple[Any, float | None] | None,
-    candidates: list[tuple[int, Any]],
-    value: Any = _value,
-) -> str | tuple[int, Any]:
-    """The winner of a conflict: ``_TARGET``, ``_DROP``, "unresolved" or a candidate.
+def _entry_conflict(
+    digest: str,
+    fingerprint_id: int | None,
+    scope: str,
+    key: str,
+    baseline: _Value | None,
+    candidates: Sequence[tuple[int, NewEntry]],
+    resolution: str,
+) -> MergeConflict:
+    return MergeConflict(
+        digest,
+        fingerprint_id,
+        scope,
+        key,
+        EntryValue(*baseline) if baseline is not None else None,
+        tuple((n, _entry_value(e)) for n, e in candidates),
+        resolution,
+    )
 
-    Candidates are ``(source number, NewEntry)``, or anything with a
-    ``tuned_at`` whose value ``value(candidate)`` gives (records).
-    """
-    if policy == "keep":
-        return _TARGET if target is not None else candidates[0]
-    if policy == "theirs":
-        return candidates[-1]
-    if policy == "newest":
-        best: str | tuple[int, Any] = _TARGET if target is not None else candidates[0]
-        best_at = _tuned(target[1]) if target is not None else _tuned(candidates[0][1].tuned_at)
-        for cand in candidates:
-            at = _tuned(cand[1].tuned_at)
-            if at > best_at:
-                best, best_at = cand, at
-        return best
-    if policy == "vote":
-        votes: dict[Any, int] = {}
-        for _n, e in candidates:
-            v = value(e)
-            votes[v] = votes.get(v, 0) + 1
-        top = max(votes.values())
-        tied = {v for v, n in votes.items() if n == top}
-        if len(tied) > 1 and target is not None:
-            return _TARGET
-        return next(c for c in candidates if value(c[1]) in tied)
-    if policy == "drop":
-        return _DROP
-    return "unresolved"
+
+def _record_op(_key: tuple[str, str], _r: NewRecord) -> str:
+    return ""  # records are counted as one group
+
+
+def _record_conflict(
+    digest: str,
+    fingerprint_id: int | None,
+    scope: str,
+    key: tuple[str, str],
+    baseline: str | None,
+    candidates: Sequence[tuple[int, NewRecord]],
+    resolution: str,
+) -> RecordConflict:
+    namespace, record_key = key
+    return RecordConflict(
+        digest,
+        fingerprint_id,
+        scope,
+        namespace,
+        record_key,
+        baseline,
+        tuple((n, r.value_json) for n, r in candidates),
+        resolution,
+    )
+
+
+#: Entries: one per (fingerprint, scope, key); value (runner, tactic, policy).
+ENTRY_MERGE = MergeKind(ENTRY_KIND, NewEntry, _entry_op, _entry_conflict)
+#: Namespaced records: one per (fingerprint, scope, namespace, key); value its JSON.
+RECORD_MERGE = MergeKind(RECORD_KIND, NewRecord, _record_op, _record_conflict)
 
 
 def plan_merge(
@@ -570,22 +643,7 @@ def plan_merge(
     if policy not in POLICIES:
         raise ValueError(f"unknown merge policy {policy!r}; expected one of {', '.join(POLICIES)}")
     with paused_gc():
-        plan = _plan(registry, sources, policy)
-    if not any(s.records for s in sources):
-        return plan
-    try:
-        with registry.engine.connect() as conn:
-            records = plan_record_merge(
-                conn,
-                [s.records for s in sources],
-                policy,
-                resolve_record,
-                target_word=_TARGET,
-                drop_word=_DROP,
-            )
-    except DatabaseError as exc:
-        raise schema.translate_operational_error(exc, registry.location) from None
-    return dataclasses.replace(plan, records=records)
+        return _plan(registry, sources, policy)
 
 
 #: Plans one merge makes at most while other writers keep committing to the rows it
@@ -629,222 +687,60 @@ def merge_sources(
     raise AssertionError("unreachable")  # the loop returns or raises
 
 
-def _record_value(r: NewRecord) -> str:
-    return r.value_json
-
-
-def resolve_record(
-    policy: str, target: tuple[str, float | None] | None, candidates: list[tuple[int, NewRecord]]
-) -> str | tuple[int, Any]:
-    return resolve(policy, target, candidates, _record_value)
-
-
 def _plan(registry: RegistryAccess, sources: Sequence[MergeSource], policy: str) -> MergePlan:
-    # Candidates per (fingerprint index, scope), then per key, in source
-    # order. Entries come in runs of one fingerprint object and one scope, so
-    # a fingerprint is hashed once per run and an entry costs one lookup by
-    # its key (a string: Python keeps its hash).
-    fp_index: dict[Fingerprint, int] = {}
-    by_group: dict[tuple[int, str], dict[str, list[tuple[int, NewEntry]]]] = {}
-    for number, source in enumerate(sources, start=1):
-        last_fp: Fingerprint | None = None
-        last_scope: str | None = None
-        index = -1
-        candidates: dict[str, list[tuple[int, NewEntry]]] = {}
-        # A NewEntry is (fingerprint, key, runner, tactic, policy, scope, fields,
-        # tuned_at, selection): read by index in the hot loops.
-        for e in source.entries:
-            if e[0] is not last_fp or e[5] != last_scope:
-                if e[0] is not last_fp:
-                    last_fp = e[0]
-                    index = fp_index.setdefault(last_fp, len(fp_index))
-                last_scope = e[5]
-                candidates = by_group.setdefault((index, last_scope), {})
-            found = candidates.get(e[1])
-            if found is None:
-                candidates[e[1]] = [(number, e)]
-            elif found[-1][0] == number:  # a duplicate within one source: the later wins
-                found[-1] = (number, e)
-            else:
-                found.append((number, e))
-    fps = list(fp_index)
-    target_ids: list[int | None] = [None] * len(fps)
-    index_of_id: dict[int, int] = {}
-    # The registry's entries of those fingerprints: value, tuned_at, commit.
-    current: dict[tuple[int, str, str], tuple[_Value, float | None, int]] = {}
-    tombstones: dict[tuple[int, str, str], _Value] = {}
+    """Both kinds planned on one connection (one read of the registry), then shaped."""
     try:
         with registry.engine.connect() as conn:
-            stored = dict(conn.execute(select(F.c.digest, F.c.id)).all())
-            target_ids = [stored.get(fp.digest) for fp in fps]
-            index_of_id = {fid: i for i, fid in enumerate(target_ids) if fid is not None}
-            if index_of_id:
-                rows = conn.execute(
-                    select(
-                        E.c.fingerprint_id,
-                        E.c.scope,
-                        E.c.key,
-                        E.c.runner,
-                        E.c.tactic,
-                        ENTRY_POLICY,
-                        E.c.tuned_at,
-                        E.c.commit_id,
-                    ).where(E.c.fingerprint_id.in_(sorted(index_of_id)))
-                )
-                for fid, scope, key, runner, tactic, pol, tuned, cid in rows:
-                    index = index_of_id[fid]
-                    if key in by_group.get((index, scope), ()):
-                        current[(index, scope, key)] = ((runner, tactic, pol), tuned, cid)
-                if policy == "drop":
-                    tombstones = _tombstones(conn, index_of_id, _Identities(by_group), current)
+            entries = plan_kind(conn, ENTRY_MERGE, [s.entries for s in sources], policy)
+            records = (
+                _record_plan(plan_kind(conn, RECORD_MERGE, [s.records for s in sources], policy))
+                if any(s.records for s in sources)
+                else RecordMergePlan()
+            )
     except DatabaseError as exc:
         raise schema.translate_operational_error(exc, registry.location) from None
+    fps, ids = entries.fingerprints, entries.target_ids
 
-    counts: dict[tuple[int, str, str], list[int]] = {}  # (fp index, scope, op) -> 5 counts
-    ops: dict[str, str] = {}
-    conflicts: list[tuple[tuple[int, str, str], MergeConflict]] = []
-    writes: list[NewEntry] = []
-    removals: list[Identity] = []
-    expected: list[tuple[Identity, int | None]] = []
-    # In (fingerprint, scope, key) order, so a large commit inserts in the
-    # order of the registry's unique index (shuffled: 25% slower at 300k).
-    # Sorting each group's keys gives that order at a third of the cost of
-    # sorting (index, scope, key) tuples.
-    for index, scope in sorted(by_group):
-        candidates = by_group[(index, scope)]
-        counts_of_op: dict[str, list[int]] = {}
-        fp = fps[index]
-        fp_digest = fp.digest  # a property: hashes the fingerprint's JSON each time
-        for key in sorted(candidates):
-            cands = candidates[key]
-            first = cands[0][1]
-            if (fields := first[6]) is not None:
-                op = fields.op
-            else:
-                op = ops.get(key) or ops.setdefault(key, parse_key(key).op)
-            group = counts_of_op.get(op)
-            if group is None:
-                group = counts_of_op[op] = counts.setdefault((index, scope, op), [0, 0, 0, 0, 0])
-            now = current.get((index, scope, key)) if current else None
-            if now is not None:
-                baseline: _Value | None = now[0]
-            else:
-                baseline = tombstones.get((index, scope, key)) if tombstones else None
-            value = (first[2], first[3], first[4])  # runner, tactic, policy
-            agree = True
-            for _n, e in cands:  # the hot loop: plain comparisons, no tuples
-                if e[3] != value[1] or e[4] != value[2] or e[2] != value[0]:
-                    agree = False
-                    break
-            if agree and (baseline is None or baseline == value):
-                if now is None:
-                    writes.append(first)
-                    expected.append(((fp, scope, key), None))
-                    group[0] += 1
-                else:
-                    group[3] += 1
-                continue
-            group[4] += 1
-            winner = resolve(policy, (now[0], now[1]) if now is not None else None, cands)
-            resolution = winner if isinstance(winner, str) else f"source {winner[0]}"
-            if winner == _DROP:
-                if now is not None:
-                    removals.append((fp, scope, key))
-                    expected.append(((fp, scope, key), now[2]))
-                    group[2] += 1
-            elif not isinstance(winner, str):
-                chosen = winner[1]
-                if now is None:
-                    writes.append(chosen)
-                    expected.append(((fp, scope, key), None))
-                    group[0] += 1
-                elif _value(chosen) != now[0]:
-                    writes.append(chosen)
-                    expected.append(((fp, scope, key), now[2]))
-                    group[1] += 1
-                else:
-                    resolution = _TARGET
-            conflicts.append(
-                (
-                    (index, scope, key),
-                    MergeConflict(
-                        fp_digest,
-                        target_ids[index],
-                        scope,
-                        key,
-                        EntryValue(*baseline) if baseline is not None else None,
-                        tuple((n, EntryValue(*_value(e))) for n, e in cands),
-                        resolution,
-                    ),
-                )
-            )
-
-    def order(index: int) -> tuple[bool, int, str]:
-        fid = target_ids[index]
-        return (fid is None, fid or 0, fps[index].digest)
+    def order(ident: tuple[int, str, Any]) -> tuple[tuple[bool, int, str], str, Any]:
+        index, scope, key_or_op = ident
+        return (entries.order(index), scope, key_or_op)
 
     groups = tuple(
-        MergeGroup(fps[i].digest, target_ids[i], fps[i].gpu, scope, op, *n)
-        for (i, scope, op), n in sorted(counts.items(), key=lambda kv: (order(kv[0][0]), kv[0][1:]))
-    )
-    ordered_conflicts = tuple(
-        c for ident, c in sorted(conflicts, key=lambda ic: (order(ic[0][0]), ic[0][1:]))
+        MergeGroup(fps[i].digest, ids[i], fps[i].gpu, scope, op, *entries.counts[(i, scope, op)])
+        for i, scope, op in sorted(entries.counts, key=order)
     )
     return MergePlan(
         registry.location.display,
         policy,
         tuple(s.summary for s in sources),
         groups,
-        ordered_conflicts,
-        tuple(writes),
-        tuple(removals),
-        tuple(expected),
+        tuple(entries.conflicts[ident] for ident in sorted(entries.conflicts, key=order)),
+        tuple(entries.writes),
+        tuple(entries.removals),
+        tuple(entries.expected),
+        records,
     )
 
 
-class _Identities:
-    """``ident in planned``: is (fingerprint index, scope, key) among the candidates."""
+def _record_plan(plan: KindPlan) -> RecordMergePlan:
+    """The records' part: totals over every group, conflicts by (digest, scope, key)."""
+    added, replaced, removed, identical = (
+        sum(n[i] for n in plan.counts.values()) for i in (ADDED, REPLACED, REMOVED, IDENTICAL)
+    )
+    fps = plan.fingerprints
 
-    def __init__(self, by_group: dict[tuple[int, str], dict[str, Any]]) -> None:
-        self.by_group = by_group
-
-    def __contains__(self, ident: tuple[int, str, str]) -> bool:
+    def by_digest(ident: tuple[int, str, Any]) -> tuple[str, str, Any]:
         index, scope, key = ident
-        return key in self.by_group.get((index, scope), ())
+        return (fps[index].digest, scope, key)
 
-
-def _tombstones(
-    conn: Any,
-    index_of_id: dict[int, int],
-    candidates: _Identities,
-    current: dict[tuple[int, str, str], Any],
-) -> dict[tuple[int, str, str], _Value]:
-    """Absent entries whose latest change is a merge's removal, with the value it removed."""
-    latest: dict[tuple[int, str, str], tuple[str, str, _Value]] = {}
-    rows = conn.execute(
-        select(
-            H.c.fingerprint_id,
-            H.c.scope,
-            H.c.key,
-            H.c.action,
-            C.c.kind,
-            H.c.old_runner,
-            H.c.old_tactic,
-            OLD_POLICY,
-        )
-        .join(C, C.c.id == H.c.commit_id)
-        .where(H.c.fingerprint_id.in_(sorted(index_of_id)))
-        .order_by(H.c.id)
+    return RecordMergePlan(
+        added,
+        replaced,
+        removed,
+        identical,
+        tuple(plan.conflicts[ident] for ident in sorted(plan.conflicts, key=by_digest)),
+        RecordWrite(tuple(plan.writes), tuple(plan.removals), tuple(plan.expected)),
     )
-    for fid, scope, key, action, kind, runner, tactic, pol in rows:
-        ident = (index_of_id[fid], scope, key)
-        if ident in candidates and ident not in current:
-            latest[ident] = (action, kind, (runner, tactic, pol))
-    return {
-        ident: value
-        for ident, (action, kind, value) in latest.items()
-        if action == "removed" and kind == "merge" and value[0] is not None
-    }
 
 
 __all__ = [
@@ -859,6 +755,9 @@ __all__ = [
     "plan_merge",
     "read_sources",
     "registry_digest",
+    "ENTRY_MERGE",
+    "RECORD_MERGE",
+    "RecordConflict",
+    "RecordMergePlan",
     "resolve",
-    "resolve_record",
 ]

@@ -100,8 +100,9 @@ Rows (SQL joins for orphans, the rest in Python over the bulk reads)
 - ``entry_lost``: every entry the replay ends with exists (nothing is removed
   without a ``removed`` change).
 
-Namespaced records (``ficache.records.check``, the same rules for the
-``records`` and ``record_changes`` tables)
+Namespaced records (the same rules for the ``records`` and ``record_changes``
+tables; the change log is replayed by the entries' replay, over the kind's
+description, ``kinds.Kind``)
 - ``orphan_record``: every record and record change names an existing
   fingerprint and commit.
 - ``bad_record``: scopes are ``validate_scope``'s form, namespaces
@@ -110,9 +111,13 @@ Namespaced records (``ficache.records.check``, the same rules for the
   ``records_removed`` equal its record change rows per action (a commit
   with record changes only is not empty).
 - ``record_unlogged``: replaying the record changes in id order, each follows
-  the log (an added record was absent, a replaced or removed one held the
-  old value and commit the change names), and the replay ends with exactly
-  the stored records, each the value its commit wrote.
+  the log (the rules of ``bad_change`` and ``log_inconsistent``: an added
+  record was absent, a replaced or removed one held the old value and commit
+  the change names; every change but a removal holds the value it wrote),
+  and the replay ends with exactly the stored records, each the value its
+  commit wrote.
+- ``record_revert_mismatch``: a revert commit's record changes are the
+  inverse of its target's (as ``revert_mismatch`` for entries).
 
 ``Checked`` counts the rows the data checks read, table by table, the
 records tables included (``records``, ``record_changes``).
@@ -133,10 +138,11 @@ the history says.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from sys import intern
@@ -162,17 +168,104 @@ from sqlalchemy.pool import NullPool
 
 from ficache import records as rec
 from ficache import schema
-from ficache.errors import FingerprintError, RegistryError
+from ficache.errors import FingerprintError, RecordError, RegistryError
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
-from ficache.flashinfer_format import canonical_json, parse_key, selection_json
+from ficache.flashinfer_format import canonical_json, check_namespace, parse_key, selection_json
+from ficache.kinds import ACTIONS, ENTRY_KIND, RECORD_KIND, Kind
 from ficache.models import COMMITS as C
 from ficache.models import ENTRIES as E
 from ficache.models import ENTRY_CHANGES as H
 from ficache.models import FINGERPRINTS as F
 from ficache.models import POLICIES as P
+from ficache.models import RECORD_CHANGES as RH
+from ficache.models import RECORDS as R
 from ficache.models import Base
 from ficache.policies import policy_digest
 from ficache.registry import COMMIT_KINDS, validate_scope
+
+#: Kinds of problems the records' checks report, with what each means.
+_RECORD_KINDS = {
+    "orphan_record": "a record or record change names a missing fingerprint or commit",
+    "bad_record": "a record's scope, namespace or value is not what writers store",
+    "record_counts": "a commit's record counts differ from its record changes",
+    "record_unlogged": "a record is not what the record change log last wrote",
+    "record_revert_mismatch": "a revert's record changes are not the inverse of its target's",
+}
+
+
+@dataclass(frozen=True)
+class _Log:
+    """What the replay needs of one kind beyond its description (``kinds.Kind``):
+    the problem kinds its findings are reported as, and two facts of its history.
+
+    - ``reports_empty``: this kind's count check also reports commits without
+      changes of any kind (once, for every kind: the entries do it).
+    - ``new_may_be_unknown``: changes may lack the value they wrote (entry
+      changes recorded before migration 0002); otherwise that is a bad change.
+    """
+
+    kind: Kind
+    change_noun: str  # how a message names one change row
+    order: str  # a change out of commit order
+    bad_change: str  # a change row's action or values are invalid
+    log: str  # a change contradicts the replayed log
+    counts: str  # a commit's counts differ from its change rows
+    revert: str  # a revert does not invert its target
+    counts_prefix: str = ""
+    reports_empty: bool = False
+    new_may_be_unknown: bool = False
+
+    @functools.cached_property
+    def change_columns(self) -> tuple[Any, ...]:
+        """A change row as the replay reads it: id, commit, fingerprint, scope, the
+        identity, action, old value, old commit, new value (policies by id)."""
+        kind, changes = self.kind, self.kind.changes.c
+        return (
+            changes.id,
+            changes.commit_id,
+            changes.fingerprint_id,
+            changes.scope,
+            *(changes[name] for name in kind.identity),
+            changes.action,
+            *(changes[kind.old_column(name)] for name in kind.values),
+            changes.old_commit_id,
+            *(changes[kind.new_column(name) or ""] for name in kind.values),
+        )
+
+    @functools.cached_property
+    def positions(self) -> tuple[int, int, int, int, tuple[int, ...]]:
+        """Where ``change_columns`` put the action, the old value, the old commit and
+        the new value; and which value columns a value always holds (not NULL)."""
+        at_action = 4 + len(self.kind.identity)
+        at_old_commit = at_action + 1 + len(self.kind.values)
+        required = tuple(
+            i for i, name in enumerate(self.kind.values) if not self.kind.rows.c[name].nullable
+        )
+        return at_action, at_action + 1, at_old_commit, at_old_commit + 1, required
+
+
+_ENTRY_LOG = _Log(
+    ENTRY_KIND,
+    "change",
+    order="log_inconsistent",
+    bad_change="bad_change",
+    log="log_inconsistent",
+    counts="commit_counts",
+    revert="revert_mismatch",
+    reports_empty=True,
+    new_may_be_unknown=True,
+)
+_RECORD_LOG = _Log(
+    RECORD_KIND,
+    "record change",
+    order="record_unlogged",
+    bad_change="record_unlogged",
+    log="record_unlogged",
+    counts="record_counts",
+    revert="record_revert_mismatch",
+    counts_prefix="record changes: ",
+)
+
 
 #: Every kind of problem, in report order, with what it means.
 KINDS: dict[str, str] = {
@@ -199,7 +292,7 @@ KINDS: dict[str, str] = {
     "entry_unlogged": "an entry is not what the change log last wrote",
     "entry_value": "an entry's value differs from the value the log wrote",
     "entry_lost": "the change log holds an entry the entries table lacks",
-    **rec.PROBLEM_KINDS,
+    **_RECORD_KINDS,
 }
 
 #: Foreign keys the orphan checks cover: ``(table, parent table)``.
@@ -412,6 +505,20 @@ def _selection_problem(value: str) -> str | None:
     return None
 
 
+def _record_problem(scope: str, namespace: str, values: Iterable[str | None]) -> str | None:
+    """Why a record's scope, namespace or a value is not what writers store, or None."""
+    try:
+        if validate_scope(scope) != scope:
+            return f"scope {scope[:80]!r} is not in its canonical form"
+        check_namespace(namespace)
+        for value in values:
+            if value is not None:
+                rec.canonical_value(value)
+    except (ValueError, RecordError) as exc:
+        return str(exc)
+    return None
+
+
 class _Verifier:
     def __init__(self, conn: Connection, location: schema.Location) -> None:
         self.conn = conn
@@ -424,7 +531,6 @@ class _Verifier:
         self._bad_keys: dict[str, str] = {}
         self._good_scopes: set[str] = set()
         self._good_tactics: set[str] = set()
-        self._record_commits: set[int] = set()  # commits with record changes
 
     def problem(
         self, kind: str, message: str, table: str | None = None, row_id: int | None = None
@@ -716,25 +822,11 @@ class _Verifier:
         )
         self._fingerprints(fingerprints)
         reverts = self._commits(commits)
-        self._record_commits = rec.commits_with_record_changes(self.conn)
-        changes = self._stream(
-            select(
-                H.c.id,
-                H.c.commit_id,
-                H.c.fingerprint_id,
-                H.c.scope,
-                H.c.key,
-                H.c.action,
-                H.c.old_runner,
-                H.c.old_tactic,
-                H.c.old_policy_id,
-                H.c.old_commit_id,
-                H.c.new_runner,
-                H.c.new_tactic,
-                H.c.new_policy_id,
-            ).order_by(H.c.id)
+        record_commits = {cid for (cid,) in self.conn.execute(select(RH.c.commit_id).distinct())}
+        changes = self._stream(select(*_ENTRY_LOG.change_columns).order_by(H.c.id))
+        state, n_changes = self._replay(
+            _ENTRY_LOG, changes, reverts, self._entry_change, record_commits
         )
-        state, n_changes = self._replay(changes, commits, reverts)
         entries = self._stream(
             select(
                 E.c.id,
@@ -751,16 +843,14 @@ class _Verifier:
         n_entries = self._entries(entries, state)
         n_policies = self._policies()
         self._selections()
-        record_rows: Counter[str] = Counter()
-        for kind, message, table, row_id in rec.check(self.conn, record_rows):
-            self.problem(kind, message, table, row_id)
+        n_records, n_record_changes = self._records(reverts)
         return Checked(
             len(fingerprints),
             n_entries,
             len(commits),
             n_changes,
-            record_rows["records"],
-            record_rows["record_changes"],
+            n_records,
+            n_record_changes,
             n_policies,
         )
 
@@ -902,142 +992,261 @@ class _Verifier:
                 )
         return count
 
+    def _entry_change(self, where: tuple[str, int], row: tuple[Any, ...]) -> None:
+        """Scope, key and tactics of one entry change (``_ENTRY_LOG.change_columns``)."""
+        _hid, _cid, _fid, scope, key, _action, _runner, old_tactic, *_old, new_tactic, _new = row
+        if not (  # the common case, values the entries already showed valid, inline
+            scope in self._good_scopes
+            and key in self._good_keys
+            and (old_tactic is None or old_tactic in self._good_tactics)
+            and (new_tactic is None or new_tactic in self._good_tactics)
+        ):
+            self._check_row(where, scope, key, (("old ", old_tactic), ("new ", new_tactic)))
+
+    def _records(self, reverts: Mapping[int, int]) -> tuple[int, int]:
+        """The records tables: orphans, then the replay of their change log (the
+        entries' rules), then every stored record against it. Returns the numbers
+        of records and record changes read."""
+        for table, name in ((R, "record"), (RH, "record change")):
+            for column, parent, what in (
+                ("fingerprint_id", F, "fingerprint"),
+                ("commit_id", C, "commit"),
+            ):
+                ref = table.c[column]
+                query = (
+                    select(table.c.id, ref)
+                    .select_from(table.outerjoin(parent, parent.c.id == ref))
+                    .where(parent.c.id.is_(None))
+                    .order_by(table.c.id)
+                )
+                for row_id, missing in self.conn.execute(query):
+                    self.problem(
+                        "orphan_record",
+                        f"{name} {row_id}: {what} {missing} is missing",
+                        table.name,
+                        row_id,
+                    )
+        entry_commits = {cid for (cid,) in self.conn.execute(select(H.c.commit_id).distinct())}
+        changes = self._stream(select(*_RECORD_LOG.change_columns).order_by(RH.c.id))
+        state, n_changes = self._replay(
+            _RECORD_LOG, changes, reverts, self._record_change, entry_commits
+        )
+        return self._stored_records(state), n_changes
+
+    def _record_change(self, where: tuple[str, int], row: tuple[Any, ...]) -> None:
+        """Scope, namespace and values of one record change (``_RECORD_LOG.change_columns``)."""
+        hid, _cid, _fid, scope, namespace, _key, _action, old, _old_cid, new = row
+        problem = _record_problem(scope, namespace, (old, new))
+        if problem is not None:
+            self.problem("bad_record", f"record change {hid}: {problem}", *where)
+
+    def _stored_records(self, state: dict[tuple[Any, ...], Any]) -> int:
+        """Every stored record is what the replayed log ends with; returns their number."""
+        count = 0
+        for rid, fid, scope, ns, key, value, cid in self._stream(
+            select(
+                R.c.id,
+                *(R.c[name] for name in RECORD_KIND.identity_columns),
+                *(R.c[name] for name in RECORD_KIND.values),
+                R.c.commit_id,
+            ).order_by(R.c.id)
+        ):
+            count += 1
+            problem = _record_problem(scope, ns, (value,))
+            if problem is not None:
+                self.problem("bad_record", f"record {rid}: {problem}", "records", rid)
+            logged = state.pop((fid, scope, ns, key), None)
+            if logged is None:
+                self.problem(
+                    "record_unlogged", f"record {rid}: no record change holds it", "records", rid
+                )
+            elif logged != (cid, value):
+                self.problem(
+                    "record_unlogged",
+                    f"record {rid} is not what commit {logged[0]} wrote",
+                    "records",
+                    rid,
+                )
+        for (fid, scope, ns, key), (cid, _value) in state.items():
+            self.problem(
+                "record_unlogged",
+                f"commit {cid} wrote a record that is missing (fingerprint {fid}, scope {scope}, "
+                f"namespace {ns[:80]}, key {key[:80]!r})",
+            )
+        return count
+
     def _replay(
         self,
+        log: _Log,
         rows: Iterable[tuple[Any, ...]],
-        commits: Sequence[tuple[Any, ...]],
         reverts: Mapping[int, int],
-    ) -> tuple[dict[_Ident, Any], int]:
-        """Check every change, in commit order, replaying the log.
+        check_row: Callable[[tuple[str, int], tuple[Any, ...]], None],
+        other_changes: set[int],
+    ) -> tuple[dict[tuple[Any, ...], Any], int]:
+        """Check every change of ``log``'s kind, in commit order, replaying its log.
 
-        Returns the entries the log ends with, ``ident -> (commit, runner,
-        tactic, policy)`` (the value None when the log does not hold it: a
-        change recorded before migration 0002), and the number of changes.
+        ``rows`` are ``log.change_columns``, in change id order; ``check_row``
+        checks one row's own columns. Then each commit's counts
+        (``_check_counts``; ``other_changes``: the commits with changes of other
+        kinds) and each revert, on the rows of reverts and their targets kept on
+        the way. Returns the rows the log ends with, ``identity -> (commit,
+        *value)`` (the value's first column None when the log does not hold it:
+        an entry change recorded before migration 0002), and the number of
+        changes.
+
+        Over the guide's length: it is one pass over the largest table with
+        each check inline (155k changes in ``benchmarks/verify_100k.py``).
         """
         kept_for_reverts = set(reverts) | set(reverts.values())
         by_commit: dict[int, list[tuple[Any, ...]]] = {}
         counts: Counter[tuple[int, str]] = Counter()  # (commit, action) -> changes
-        state: dict[_Ident, Any] = {}
-        in_commit: set[_Ident] = set()
+        state: dict[tuple[Any, ...], Any] = {}
+        in_commit: set[tuple[Any, ...]] = set()
         last_commit = None
-        problem = self.problem
-        good_scopes, good_keys = self._good_scopes, self._good_keys
-        good_tactics = self._good_tactics
+        problem, noun, item = self.problem, log.change_noun, log.kind.name
+        at_action, at_old, at_old_commit, at_new, required = log.positions
+        first_required = required[0]
         for row in rows:
-            (hid, cid, fid, scope, key, action, old_runner, old_tactic, old_policy, old_cid,
-             new_runner, new_tactic, new_policy) = row  # fmt: skip
+            hid, cid, action = row[0], row[1], row[at_action]
             counts[cid, action] += 1
-            where = ("entry_changes", hid)
+            where = (log.kind.changes.name, hid)
             if cid != last_commit:
                 if last_commit is not None and cid < last_commit:
                     problem(
-                        "log_inconsistent",
-                        f"change {hid} of commit {cid} follows changes of commit {last_commit}",
+                        log.order,
+                        f"{noun} {hid} of commit {cid} follows changes of commit {last_commit}",
                         *where,
                     )
                 in_commit.clear()
                 last_commit = cid
             if cid in kept_for_reverts:
                 by_commit.setdefault(cid, []).append(row)
-            if not (  # the common case, values the entries already showed valid, inline
-                scope in good_scopes
-                and key in good_keys
-                and (old_tactic is None or old_tactic in good_tactics)
-                and (new_tactic is None or new_tactic in good_tactics)
-            ):
-                self._check_row(where, scope, key, (("old ", old_tactic), ("new ", new_tactic)))
+            check_row(where, row)
             if action not in _INVERSE:
-                problem("bad_change", f"change {hid}: unknown action {_short(str(action))}", *where)
+                problem(
+                    log.bad_change, f"{noun} {hid}: unknown action {_short(str(action))}", *where
+                )
                 continue
-            ident = (fid, scope, key)
+            ident = row[2:at_action]  # (fingerprint id, scope, *identity)
             if ident in in_commit:
                 problem(
-                    "bad_change",
-                    f"change {hid}: a second change to its entry in commit {cid}",
+                    log.bad_change,
+                    f"{noun} {hid}: a second change to its {item} in commit {cid}",
                     *where,
                 )
             in_commit.add(ident)
-            if action == "added" and old_runner is not None:
-                problem("bad_change", f"change {hid}: an added entry with an old value", *where)
-            if action != "added" and (old_runner is None or old_tactic is None):
+            old = row[at_old:at_old_commit]
+            new = row[at_new:]
+            if action == "added" and old[first_required] is not None:
+                problem(log.bad_change, f"{noun} {hid}: an added {item} with an old value", *where)
+            if action != "added" and any(old[i] is None for i in required):
                 problem(
-                    "bad_change", f"change {hid}: a {action} entry without its old value", *where
+                    log.bad_change, f"{noun} {hid}: a {action} {item} without its old value", *where
                 )
-            if action == "removed" and (new_runner, new_tactic, new_policy) != (None, None, None):
-                problem("bad_change", f"change {hid}: a removed entry with a new value", *where)
+            if action == "removed" and any(v is not None for v in new):
+                problem(log.bad_change, f"{noun} {hid}: a removed {item} with a new value", *where)
+            elif action != "removed" and not log.new_may_be_unknown and new[first_required] is None:
+                problem(
+                    log.bad_change, f"{noun} {hid}: a {action} {item} without its new value", *where
+                )
             before = state.get(ident)
             if action == "added":
                 if before is not None:
                     problem(
-                        "log_inconsistent",
-                        f"change {hid} (commit {cid}) adds an entry commit {before[0]} holds",
+                        log.log,
+                        f"{noun} {hid} (commit {cid}) adds an {item} commit {before[0]} holds",
                         *where,
                     )
             elif before is None:
                 problem(
-                    "log_inconsistent",
-                    f"change {hid} (commit {cid}): {action} an entry no earlier change holds",
+                    log.log,
+                    f"{noun} {hid} (commit {cid}): {action} an {item} no earlier change holds",
                     *where,
                 )
             else:
+                old_cid = row[at_old_commit]
                 if old_cid != before[0]:
                     problem(
-                        "log_inconsistent",
-                        f"change {hid} (commit {cid}): old commit {old_cid}, the log's {before[0]}",
+                        log.log,
+                        f"{noun} {hid} (commit {cid}): old commit {old_cid}, the log's {before[0]}",
                         *where,
                     )
-                if before[1] is not None and (old_runner, old_tactic, old_policy) != before[1:]:
+                if before[1] is not None and old != before[1:]:
                     problem(
-                        "log_inconsistent",
-                        f"change {hid} (commit {cid}): old value is not the one commit "
+                        log.log,
+                        f"{noun} {hid} (commit {cid}): old value is not the one commit "
                         f"{before[0]} wrote",
                         *where,
                     )
             if action == "removed":
                 state.pop(ident, None)
             else:
-                state[ident] = (cid, new_runner, new_tactic, new_policy)
+                state[ident] = (cid, *new)
+        self._check_counts(log, counts, other_changes)
+        for cid, target in sorted(reverts.items()):
+            self._check_revert(log, cid, target, by_commit.get(cid, []), by_commit.get(target, []))
+        return state, counts.total()
 
+    def _check_counts(
+        self, log: _Log, counts: Counter[tuple[int, str]], other_changes: set[int]
+    ) -> None:
+        """A commit's counts of ``log``'s kind equal its change rows per action; with
+        ``log.reports_empty``, a commit without changes of any kind is reported once."""
         has_changes = {cid for cid, _action in counts}
-        for cid, _kind, added, replaced, removed, _provenance, _target in commits:
+        columns = [C.c[log.kind.count_column(action)] for action in ACTIONS]
+        for cid, *stored in self._stream(select(C.c.id, *columns).order_by(C.c.id)):
             if (
-                cid not in has_changes
-                and cid not in self._record_commits
-                and added == replaced == removed == 0
+                log.reports_empty
+                and cid not in has_changes
+                and cid not in other_changes
+                and not any(stored)
             ):
                 self.problem("empty_commit", f"commit {cid} has no changes", "commits", cid)
                 continue
-            stored = {"added": added, "replaced": replaced, "removed": removed}
             differ = [
-                f"{counts[cid, action]} {action} (the commit says {stored[action]})"
-                for action in ("added", "replaced", "removed")
-                if counts[cid, action] != stored[action]
+                f"{counts[cid, action]} {action} (the commit says {said})"
+                for action, said in zip(ACTIONS, stored, strict=True)
+                if counts[cid, action] != said
             ]
             if differ:
                 self.problem(
-                    "commit_counts", f"commit {cid} has {', '.join(differ)}", "commits", cid
+                    log.counts,
+                    f"commit {cid} has {log.counts_prefix}{', '.join(differ)}",
+                    "commits",
+                    cid,
                 )
-        for cid, target in sorted(reverts.items()):
-            self._check_revert(cid, target, by_commit.get(cid, []), by_commit.get(target, []))
-        return state, counts.total()
 
     def _check_revert(
-        self, cid: int, target: int, done: list[tuple[Any, ...]], undone: list[tuple[Any, ...]]
+        self,
+        log: _Log,
+        cid: int,
+        target: int,
+        done: list[tuple[Any, ...]],
+        undone: list[tuple[Any, ...]],
     ) -> None:
-        expected = {(r[2], r[3], r[4]): r for r in undone}
+        """A revert's changes of ``log``'s kind are the inverse of its target's: the same
+        rows, added for removed, removed for added, replaced for replaced, writing back
+        the target's old values."""
+        at_action, at_old, at_old_commit, at_new, _required = log.positions
+        expected = {r[2:at_action]: r for r in undone}
         wrong = 0
         for row in done:
-            original = expected.pop((row[2], row[3], row[4]), None)
-            if original is None or row[5] != _INVERSE.get(original[5]):
+            original = expected.pop(row[2:at_action], None)
+            if original is None or row[at_action] != _INVERSE.get(original[at_action]):
                 wrong += 1
                 continue
             # What it wrote back (unknown in rows from before 0002) is what the target replaced.
-            wrong += row[5] != "removed" and row[10] is not None and row[10:13] != original[6:9]
+            wrong += (
+                row[at_action] != "removed"
+                and row[at_new] is not None
+                and row[at_new:] != original[at_old:at_old_commit]
+            )
         wrong += len(expected)
         if wrong:
             self.problem(
-                "revert_mismatch",
-                f"commit {cid} reverts commit {target}, but {wrong} of its entries do not undo it",
+                log.revert,
+                f"commit {cid} reverts commit {target}, but {wrong} of its {log.kind.plural} "
+                "do not undo it",
                 "commits",
                 cid,
             )

@@ -1000,6 +1000,35 @@ def test_registry_write_removes_in_the_same_commit(registry_db: str) -> None:
             )
 
 
+def test_a_drop_plan_keeps_the_tombstones_of_its_candidates_only(registry_db: str) -> None:
+    """``drop`` reads a merge's removals as tombstones; it keeps those of the identities
+    its sources hold, as for entries, so planning one record against a long history of
+    removed records holds no copy of that history (20,000 tombstones held cost 9 MB)."""
+    import tracemalloc
+
+    from ficache.merge import MergeSource
+    from ficache.records import NewRecord, RecordWrite
+
+    removed = [NewRecord(H200_FP, "ns", f"key-{i:06d}", "1") for i in range(20_000)]
+    source = MergeSource("s", "flashinfer", "", (), (NewRecord(H200_FP, "ns", "key-000000", "2"),))
+    with Registry.open(registry_db) as reg:
+        reg.write([], kind="import", records=removed)
+        reg.write(
+            [], kind="merge", records=RecordWrite(removals=tuple(r.identity for r in removed))
+        )
+        plan_merge(reg, [source], "drop")  # statements compiled and cached outside the trace
+        tracemalloc.start()
+        try:
+            plan = plan_merge(reg, [source], "drop")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    [conflict] = plan.records.conflicts
+    assert (conflict.key, conflict.target, conflict.resolution) == ("key-000000", "1", "dropped")
+    assert peak < 2_000_000  # the one candidate's plan, far below the history's size
+
+
 # -- one tuned_at rule for every ingest path -------------------------------------
 
 RECORDS = {"_records": {"trtllm_moe_da": {"bucket8": {"tiles": [1, 2]}}}}

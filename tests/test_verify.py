@@ -701,6 +701,39 @@ def test_damage_to_records_is_found_read_only(
     found_read_only(cli, registry_db, backend, dump_db, damage, *RECORD_DAMAGE[damage], request)
 
 
+#: Damage to a record revert (``build_records`` and commit 9, the revert of commit 8: record
+#: change 4 replaces record 1's 3 by 1 again): ``(statements, {kind: count}, first message)``.
+RECORD_REVERT_DAMAGE = {
+    "record revert writes back another value": (
+        [
+            "UPDATE record_changes SET new_value = '4' WHERE id = 4",
+            "UPDATE records SET value = '4' WHERE id = 1",
+        ],
+        {"record_revert_mismatch": 1},
+        "commit 9 reverts commit 8, but 1 of its records do not undo it",
+    ),
+    "record revert of another commit": (  # commit 7 added records 1 and 2; 9 replaced 1
+        ["UPDATE commits SET reverts_commit_id = 7 WHERE id = 9"],
+        {"record_revert_mismatch": 1},
+        "commit 9 reverts commit 7, but 2 of its records do not undo it",
+    ),
+}
+
+
+@both_backends
+@pytest.mark.parametrize("damage", RECORD_REVERT_DAMAGE, ids=list(RECORD_REVERT_DAMAGE))
+def test_a_record_revert_that_does_not_invert_its_target_is_found(
+    cli, registry_db: str, backend: str, dump_db, damage: str, request: pytest.FixtureRequest
+) -> None:
+    """As for entries: a revert's record changes are the inverse of its target's."""
+    build_records(registry_db)
+    with Registry.open(registry_db) as reg:
+        assert reg.revert(8).records_replaced == 1
+    assert verify(registry_db).ok
+    statements, counts, first = RECORD_REVERT_DAMAGE[damage]
+    found_read_only(cli, registry_db, backend, dump_db, damage, statements, counts, first, request)
+
+
 #: A second entry with entry 7's identity (H200, shared, m128), as a restore tool might insert it.
 DUPLICATE_ENTRY = (
     "INSERT INTO entries (fingerprint_id, scope, key, op, runner, tactic, policy_id, commit_id, "
@@ -1159,6 +1192,10 @@ OTHER_DAMAGE_CASES = {
             (
                 "duplicate_entry",
                 "test_a_duplicate_entry_is_refused_and_found_once_the_constraint_is_gone",
+            ),
+            (
+                "record_revert_mismatch",
+                "test_a_record_revert_that_does_not_invert_its_target_is_found",
             ),
         )
         for backend in ("sqlite", "postgres")
