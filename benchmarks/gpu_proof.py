@@ -122,8 +122,9 @@ def proof_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     logging.getLogger("flashinfer").setLevel(logging.WARNING)
     logging.getLogger("alembic").setLevel(logging.WARNING)
     os.environ["XDG_CACHE_HOME"] = str(Path(root) / "user-cache")
-    torch.cuda.set_device(rank)
-    out: dict[str, Any] = {"rank": rank, "gpu": torch.cuda.get_device_name(rank)}
+    device = rank % torch.cuda.device_count()  # one GPU: the ranks share it (gloo group)
+    torch.cuda.set_device(device)
+    out: dict[str, Any] = {"rank": rank, "gpu": torch.cuda.get_device_name(device)}
 
     # (The first start also pays FlashInfer's one-time JIT build of its timing kernel.)
     out["independent"] = _start(Path(root) / "independent.db", synchronize=False)
