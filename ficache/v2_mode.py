@@ -396,3 +396,10 @@ class V2ModeTuner:
 
     def set_process_group(self, group: Any | None) -> None:
         self.inner.set_process_group(group)
+
+    def __getattr__(self, name: str) -> Any:
+        """Optional tuner abilities (``replay``, for a replay start) are the inner tuner's:
+        wrapping for v2 mode must never take one away (absent there: absent here)."""
+        if name in ("replay",):
+            return getattr(self.inner, name)
+        raise AttributeError(name)
