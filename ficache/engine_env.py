@@ -3,6 +3,10 @@
 Every engine plugin calls these functions rather than reading the variables
 itself, so one variable means one thing whichever engine runs the start.
 
+- ``FICACHE_<ENGINE>`` / ``FICACHE_ADOPT`` (``switch``): on unless ``0``,
+  ``false``, ``off`` or ``no``.
+- ``FICACHE_REGISTRY_TIMEOUT`` (``registry_timeout``): seconds a start waits,
+  per phase, on a registry server that stopped answering (default 60).
 - ``FICACHE_MODE`` (``start_mode``): how a start uses the registry. ``tune``
   (the default): serve the registry, let FlashInfer profile what is missing,
   commit it. ``replay``: serve the registry and never profile; a key the
@@ -21,10 +25,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger("ficache.engine")
 
 ENV_MODE = "FICACHE_MODE"
+ENV_ADOPT = "FICACHE_ADOPT"
+ENV_REGISTRY_TIMEOUT = "FICACHE_REGISTRY_TIMEOUT"
 #: The modes a warm start knows (``ficache.sync.MODES`` is this tuple).
 MODES: tuple[str, ...] = ("tune", "replay")
 DEFAULT_MODE = "tune"
@@ -60,6 +68,96 @@ def start_mode() -> str:
     return DEFAULT_MODE
 
 
+def switch(name: str) -> bool:
+    """An on/off variable, on by default: off for ``0``, ``false``, ``off``, ``no``."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def registry_timeout(warn_once: Callable[[str, str], None] = _warn_once) -> float:
+    """``FICACHE_REGISTRY_TIMEOUT``: seconds a start waits, per phase, on a registry server
+    that stopped answering (``ficache.deadline``; default 60). A value that is not a
+    positive number is one warning (``warn_once(key, message)``: the plugin's own
+    logger), and the default."""
+    from ficache.deadline import DEFAULT_REGISTRY_TIMEOUT_S
+
+    raw = os.environ.get(ENV_REGISTRY_TIMEOUT, "").strip()
+    if not raw:
+        return DEFAULT_REGISTRY_TIMEOUT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        warn_once(
+            "timeout",
+            f"ficache: {ENV_REGISTRY_TIMEOUT}={raw!r} is not a positive number of seconds; "
+            f"using {DEFAULT_REGISTRY_TIMEOUT_S:g}",
+        )
+        return DEFAULT_REGISTRY_TIMEOUT_S
+    return seconds
+
+
+def adopt_at_start(
+    sources: Callable[[], Any],
+    *,
+    what: str,
+    known: Any,
+    provenance: dict[str, Any],
+    timeout: float,
+    log: logging.Logger,
+    with_stores: bool = False,
+) -> None:
+    """Rank 0, a plugin's first start: adopt the engine's own tuning files (``sources()``
+    gives their ``ficache.adopt.Sources``; called here, so that a failure to import or
+    find them is a warning too; ``what`` names them in the log, e.g. "vLLM's FlashInfer
+    autotune caches") when the registry (``FICACHE_DB``) holds nothing for this
+    environment (``ficache.adopt.adopt_into_empty_registry``), before rank 0 exports, so
+    every rank loads what was adopted. One info line says what was adopted
+    (``with_stores``: also how many v2 environments). Never raises: any failure is one
+    warning on ``log``, and the start goes on without it."""
+    try:
+        from ficache.adopt import adopt_into_empty_registry
+        from ficache.fingerprint import collect
+
+        outcome = adopt_into_empty_registry(
+            os.environ.get("FICACHE_DB"),
+            collect(),
+            sources(),
+            known=known,
+            provenance=provenance,
+            registry_timeout=timeout,
+        )
+    except Exception as exc:  # noqa: BLE001 - adoption must never stop a start
+        log.warning(
+            "ficache: did not adopt %s (%s: %s); starting without them",
+            what,
+            type(exc).__name__,
+            exc,
+        )
+        return
+    if outcome is None:
+        return  # the registry already holds entries for this environment
+    adopted, result = outcome.plan, outcome.result
+    if adopted.is_empty:
+        log.debug("ficache: none of %s to adopt under %s", what, adopted.sources.display)
+        return
+    log.info(
+        "ficache: adopted %s into the registry: %d entries (%d shared, %d scoped)%s from "
+        "%d file(s) in %d layout(s)%s, %d added%s; skipped %d",
+        what,
+        len(adopted.entries),
+        adopted.shared,
+        adopted.scoped,
+        f" and {len(adopted.records)} records" if adopted.records else "",
+        adopted.files,
+        len(adopted.layouts),
+        f" and {len(adopted.stores)} v2 environment(s)" if with_stores else "",
+        result.added,
+        f" (commit {result.commit_id})" if result.commit_id is not None else "",
+        adopted.skipped_count,
+    )
+
+
 def start_kind(status: str, mode: str) -> str:
     """A plugin log line's first word: the start's status (``cold``, ``warm``, ...), or
     ``replay`` for a replay start that used the registry (an uncached one says
@@ -73,4 +171,16 @@ def missed_clause(mode: str, missed: int) -> str:
     return f", missed {missed}" if mode == "replay" else ""
 
 
-__all__ = ["DEFAULT_MODE", "ENV_MODE", "MODES", "missed_clause", "start_kind", "start_mode"]
+__all__ = [
+    "DEFAULT_MODE",
+    "ENV_ADOPT",
+    "ENV_MODE",
+    "ENV_REGISTRY_TIMEOUT",
+    "MODES",
+    "adopt_at_start",
+    "missed_clause",
+    "registry_timeout",
+    "start_kind",
+    "start_mode",
+    "switch",
+]

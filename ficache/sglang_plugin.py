@@ -111,6 +111,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from ficache import engine_env
 from ficache.engine_env import missed_clause, start_kind
 from ficache.tuner import FlashInferTuner, Row
 
@@ -124,8 +125,8 @@ TARGET_MODULE = "sglang.srt.model_executor.runner.flashinfer_autotune"
 TARGET_FUNCTION = "flashinfer_autotune_context"
 TARGET = f"{TARGET_MODULE}.{TARGET_FUNCTION}"
 ENV_SWITCH = "FICACHE_SGLANG"
-ENV_ADOPT = "FICACHE_ADOPT"
-ENV_REGISTRY_TIMEOUT = "FICACHE_REGISTRY_TIMEOUT"
+ENV_ADOPT = engine_env.ENV_ADOPT
+ENV_REGISTRY_TIMEOUT = engine_env.ENV_REGISTRY_TIMEOUT
 #: SGLang releases the hook was written against -> the target module's attributes it
 #: relies on (the context, and the path function it looks up as a module global).
 KNOWN_VERSIONS: dict[str, tuple[str, ...]] = {
@@ -141,38 +142,18 @@ _last_report: WarmStartReport | None = None
 _passes: dict[int, int] = {}
 
 
-def _switch(name: str) -> bool:
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
-
-
 def enabled() -> bool:
-    return _switch(ENV_SWITCH)
+    return engine_env.switch(ENV_SWITCH)
 
 
 def adopt_enabled() -> bool:
     """``FICACHE_ADOPT`` (default on): adopt SGLang's own files into an empty registry."""
-    return _switch(ENV_ADOPT)
+    return engine_env.switch(ENV_ADOPT)
 
 
 def registry_timeout() -> float:
     """``FICACHE_REGISTRY_TIMEOUT`` (default 60 s); not a positive number: one warning."""
-    from ficache.deadline import DEFAULT_REGISTRY_TIMEOUT_S
-
-    raw = os.environ.get(ENV_REGISTRY_TIMEOUT, "").strip()
-    if not raw:
-        return DEFAULT_REGISTRY_TIMEOUT_S
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if not 0 < seconds < float("inf"):
-        _warn_once(
-            "timeout",
-            f"ficache: {ENV_REGISTRY_TIMEOUT}={raw!r} is not a positive number of seconds; "
-            f"using {DEFAULT_REGISTRY_TIMEOUT_S:g}",
-        )
-        return DEFAULT_REGISTRY_TIMEOUT_S
-    return seconds
+    return engine_env.registry_timeout(_warn_once)
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -448,43 +429,19 @@ def _adopt_sglang_files(plan: _Plan, model_runner: Any) -> None:
 
     Never raises: any failure is one warning, and the start goes on without it.
     """
-    try:
-        from ficache.adopt import adopt_into_empty_registry, sglang_sources
-        from ficache.fingerprint import collect
 
-        outcome = adopt_into_empty_registry(
-            os.environ.get("FICACHE_DB"),
-            collect(),
-            sglang_sources(),
-            known=_known_layout(plan, model_runner),
-            provenance=plan.provenance,
-            registry_timeout=registry_timeout(),
-        )
-    except Exception as exc:  # noqa: BLE001 - adoption must never stop a start
-        logger.warning(
-            "ficache: did not adopt SGLang's own FlashInfer autotune files (%s: %s); "
-            "starting without them",
-            type(exc).__name__,
-            exc,
-        )
-        return
-    if outcome is None:
-        return  # the registry already holds entries for this environment
-    adopted = outcome.plan
-    if adopted.is_empty:
-        logger.debug("ficache: no SGLang autotune file to adopt under %s", adopted.sources.display)
-        return
-    logger.info(
-        "ficache: adopted SGLang's FlashInfer autotune files into the registry: %d entries "
-        "(%d shared, %d scoped) from %d file(s) in %d layout(s), %d added%s; skipped %d",
-        len(adopted.entries),
-        adopted.shared,
-        adopted.scoped,
-        adopted.files,
-        len(adopted.layouts),
-        outcome.result.added,
-        f" (commit {outcome.result.commit_id})" if outcome.result.commit_id is not None else "",
-        adopted.skipped_count,
+    def sources() -> Any:
+        from ficache.adopt import sglang_sources
+
+        return sglang_sources()
+
+    engine_env.adopt_at_start(
+        sources,
+        what="SGLang's FlashInfer autotune files",
+        known=_known_layout(plan, model_runner),
+        provenance=plan.provenance,
+        timeout=registry_timeout(),
+        log=logger,
     )
 
 

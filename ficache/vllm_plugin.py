@@ -126,6 +126,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from ficache import engine_env
 from ficache.engine_env import missed_clause, start_kind
 
 if TYPE_CHECKING:
@@ -137,8 +138,8 @@ logger = logging.getLogger("ficache.vllm")
 TARGET_MODULE = "vllm.model_executor.warmup.kernel_warmup"
 TARGET_FUNCTION = "flashinfer_autotune"
 ENV_SWITCH = "FICACHE_VLLM"
-ENV_ADOPT = "FICACHE_ADOPT"
-ENV_REGISTRY_TIMEOUT = "FICACHE_REGISTRY_TIMEOUT"
+ENV_ADOPT = engine_env.ENV_ADOPT
+ENV_REGISTRY_TIMEOUT = engine_env.ENV_REGISTRY_TIMEOUT
 #: vLLM's module of autotune cache helpers (where its deployment directory is named).
 CACHE_HELPERS_MODULE = "vllm.model_executor.warmup.flashinfer_autotune_cache"
 #: Module attributes of ``kernel_warmup`` the wrapper relies on, whatever vLLM's version.
@@ -159,40 +160,20 @@ _warned: set[str] = set()
 _last_report: WarmStartReport | None = None
 
 
-def _switch(name: str) -> bool:
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
-
-
 def enabled() -> bool:
-    return _switch(ENV_SWITCH)
+    return engine_env.switch(ENV_SWITCH)
 
 
 def adopt_enabled() -> bool:
     """``FICACHE_ADOPT`` (default on): adopt vLLM's own caches into an empty registry."""
-    return _switch(ENV_ADOPT)
+    return engine_env.switch(ENV_ADOPT)
 
 
 def registry_timeout() -> float:
     """``FICACHE_REGISTRY_TIMEOUT``: seconds a start waits, per phase, on a registry
     server that stopped answering (``ficache.deadline``; default 60). A value that is
     not a positive number is one warning, and the default."""
-    from ficache.deadline import DEFAULT_REGISTRY_TIMEOUT_S
-
-    raw = os.environ.get(ENV_REGISTRY_TIMEOUT, "").strip()
-    if not raw:
-        return DEFAULT_REGISTRY_TIMEOUT_S
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if not 0 < seconds < float("inf"):
-        _warn_once(
-            "timeout",
-            f"ficache: {ENV_REGISTRY_TIMEOUT}={raw!r} is not a positive number of seconds; "
-            f"using {DEFAULT_REGISTRY_TIMEOUT_S:g}",
-        )
-        return DEFAULT_REGISTRY_TIMEOUT_S
-    return seconds
+    return engine_env.registry_timeout(_warn_once)
 
 
 def register() -> None:
@@ -514,47 +495,20 @@ def _adopt_vllm_caches(plan: _Plan, runner: Any) -> None:
 
     Never raises: any failure is one warning, and the start goes on without it.
     """
-    try:
-        from ficache.adopt import adopt_into_empty_registry, default_sources
-        from ficache.fingerprint import collect
 
-        outcome = adopt_into_empty_registry(
-            os.environ.get("FICACHE_DB"),
-            collect(),
-            default_sources(),
-            known=_known_layout(plan, runner),
-            provenance=plan.provenance,
-            registry_timeout=registry_timeout(),
-        )
-    except Exception as exc:  # noqa: BLE001 - adoption must never stop a start
-        logger.warning(
-            "ficache: did not adopt vLLM's own FlashInfer autotune caches (%s: %s); "
-            "starting without them",
-            type(exc).__name__,
-            exc,
-        )
-        return
-    if outcome is None:
-        return  # the registry already holds entries for this environment
-    adopted = outcome.plan
-    if adopted.is_empty:
-        logger.debug("ficache: no vLLM autotune cache to adopt under %s", adopted.sources.display)
-        return
-    result = outcome.result
-    logger.info(
-        "ficache: adopted vLLM's FlashInfer autotune caches into the registry: %d entries "
-        "(%d shared, %d scoped)%s from %d file(s) in %d layout(s) and %d v2 environment(s), "
-        "%d added%s; skipped %d",
-        len(adopted.entries),
-        adopted.shared,
-        adopted.scoped,
-        f" and {len(adopted.records)} records" if adopted.records else "",
-        adopted.files,
-        len(adopted.layouts),
-        len(adopted.stores),
-        result.added,
-        f" (commit {result.commit_id})" if result.commit_id is not None else "",
-        adopted.skipped_count,
+    def sources() -> Any:
+        from ficache.adopt import default_sources
+
+        return default_sources()
+
+    engine_env.adopt_at_start(
+        sources,
+        what="vLLM's FlashInfer autotune caches",
+        known=_known_layout(plan, runner),
+        provenance=plan.provenance,
+        timeout=registry_timeout(),
+        log=logger,
+        with_stores=True,
     )
 
 

@@ -186,9 +186,19 @@ def test_register_never_raises(
     ]
 
 
+@pytest.mark.parametrize("managed_store", [False, True])
 def test_unsupported_shape_runs_the_original_unchanged_with_one_warning(
-    standin_target: str, caplog: pytest.LogCaptureFixture
+    standin_target: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    managed_store: bool,
 ) -> None:
+    # The stand-in lacks vLLM's file-cache helpers. Without FlashInfer's managed store
+    # the plugin has no way to serve it; with one it would serve it through the store,
+    # and steps aside only because this machine has no vLLM (its process groups).
+    from ficache import v2_mode
+
+    monkeypatch.setattr(v2_mode, "available", lambda: managed_store)
     module = importlib.import_module(standin_target)
     plugin.register()
     runner = object()
@@ -198,7 +208,13 @@ def test_unsupported_shape_runs_the_original_unchanged_with_one_warning(
     assert module.calls == [(runner, True), (runner, False)]
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 1, messages
-    assert "lacks resolve_rank_flashinfer_autotune_file, use_flashinfer_autotune_v2" in messages[0]
+    if managed_store:
+        assert "cannot import vllm.distributed.parallel_state" in messages[0]
+    else:
+        assert (
+            "lacks resolve_rank_flashinfer_autotune_file, use_flashinfer_autotune_v2 and this "
+            "FlashInfer has no managed store" in messages[0]
+        )
     assert plugin.last_report() is None
 
 
