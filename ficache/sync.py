@@ -28,10 +28,11 @@ On enter:
    exactly its slice.
 2. Rank 0 opens the registry and exports one slice per rank for its own
    fingerprint (``ficache.slices``): the shared entries plus that rank's
-   entries scoped to ``layout``. It marks the fingerprints the slices came
-   from as served now (``ficache.usage.mark_served``: one statement, a wait
-   of at most 0.25 s, skipped silently when the registry is read-only or
-   busy; never a reason for a start to fail).
+   entries scoped to ``layout``. After the exit steps it marks the
+   fingerprints the slices came from as served (``ficache.usage.mark_served``:
+   one statement, a wait of at most 0.25 s, skipped silently when the
+   registry is read-only or busy, or when the start's commit met the registry
+   failing; never a reason for a start to fail).
 3. One broadcast carries the slices (a base every rank loads, plus an
    overlay per rank where its scoped entries differ), or the reason there
    are none.
@@ -577,6 +578,7 @@ class _Verdict:
     outcome_unknown: str | None = None  # why rank 0's commit outcome never arrived (step 9)
     readonly: bool = False  # the registry can be read, not written (step 3)
     rank_failed: bool = False  # a rank raised, or could not take part (step 8)
+    commit_failed: bool = False  # rank 0's commit met the registry failing (step 9)
 
 
 @dataclass
@@ -1074,7 +1076,6 @@ class WarmStart:
         """Rank 0: what every rank needs to load its slice, or why there is nothing."""
         from ficache import schema
         from ficache.slices import cached_slices, export_slices
-        from ficache.usage import mark_served
 
         fp = self._enter.fp
         if fp is None:
@@ -1087,8 +1088,6 @@ class WarmStart:
             # The warm path opened no registry: mark the SQLite file directly,
             # and tell a read-only file as ``Registry.open`` would.
             location = schema.resolve(self.db)
-            if self.mode != "replay":  # a replay start marks at exit, with its misses
-                mark_served(location, slices.fingerprint_ids)
             with suppress(OSError):
                 path = location.path
                 readonly = path is not None and schema.is_read_only_file(path)
@@ -1097,8 +1096,6 @@ class WarmStart:
             def read() -> tuple[bool, Any]:
                 with self._registry() as reg:
                     exported = export_slices(reg, fp, layout, world, use_cache=self.slice_cache)
-                    if self.mode != "replay":  # a replay start marks at exit, with its misses
-                        mark_served(reg, exported.fingerprint_ids)  # never raises, bounded wait
                     return reg.readonly, exported
 
             try:
@@ -1217,8 +1214,7 @@ class WarmStart:
             getattr(self, step)(state)
             if phase is not None:
                 t = self._phase(phase, t)
-        if self._replay is not None:
-            self._mark_replay_start()
+        self._mark_start()
         self._finish(state.outcome, exc)
 
     def _step_read_tuner(self, state: _ExitState) -> None:
@@ -1293,12 +1289,24 @@ class WarmStart:
             self._warn(f"replay mode: could not leave it cleanly: {_one_line(exc)}")
         self.report.missed = len(getattr(replay.lookups, "missed", ()))
 
-    def _mark_replay_start(self) -> None:
-        """After step 9, rank 0 in replay mode: the served mark, counting this start and its
-        misses (``ficache.usage.mark_served``), now that the block ran. In tune mode the
-        export (step 2) marks; a replay start marks here instead: still one UPDATE per
-        start, bounded and never raising, and only when the ranks used their slices."""
-        if self.report.rank != 0 or not self._served_ids or self._verdict.uncached is not None:
+    def _mark_misses(self) -> int | None:
+        """What the served mark counts as this start's misses: None for a tune start."""
+        return self.report.missed if self._replay is not None else None
+
+    def _mark_start(self) -> None:
+        """After step 9, rank 0: the served mark (``ficache.usage.mark_served``), counting
+        this start and, in replay mode, its misses, now that the block ran: one UPDATE per
+        start, bounded and never raising, and only when the ranks used their slices. A
+        start whose commit met the registry failing (a full disk, a lost server) leaves no
+        mark either: the registry stays exactly as it was, and the counts stay a lower
+        bound (``ficache.usage``)."""
+        verdict = self._verdict
+        if (
+            self.report.rank != 0
+            or not self._served_ids
+            or verdict.uncached is not None
+            or verdict.commit_failed
+        ):
             return
         from ficache import schema
         from ficache.usage import mark_served
@@ -1306,12 +1314,12 @@ class WarmStart:
         try:
             location = schema.resolve(self.db)
             if location.path is not None:
-                mark_served(location, self._served_ids, missed=self.report.missed)
+                mark_served(location, self._served_ids, missed=self._mark_misses())
                 return
             with self._deadline(), self._registry() as reg:
-                mark_served(reg, self._served_ids, missed=self.report.missed)
+                mark_served(reg, self._served_ids, missed=self._mark_misses())
         except Exception as exc:  # noqa: BLE001 - the mark never fails a start
-            logger.debug("ficache: the replay start's mark was skipped: %s", _one_line(exc))
+            logger.debug("ficache: the start's served mark was skipped: %s", _one_line(exc))
 
     def _step_exchange(self, state: _ExitState) -> None:
         """8. One all-gather of every rank's ``StatusReport`` (the status exchange), made by
@@ -1562,11 +1570,13 @@ class WarmStart:
                 )
 
         verdict = self._verdict
+        verdict.commit_failed = True  # until the write returns
         try:
             with self._deadline():
                 startup_commit.count_written(
                     retry_transient(write, within=self.registry_timeout), result
                 )
+                verdict.commit_failed = False
                 self._export_final(fp, result)
         except RegistryTimeoutError as exc:
             verdict.no_commit = (

@@ -7,8 +7,10 @@ the running environment, ``Registry.serving``). Rank 0 then records it with
 (``fingerprints.last_served_at = now``) and, from revision
 ``0008_start_counts`` on, the counts (``served_starts + 1``; a replay start
 also ``replay_starts + 1`` and ``replay_misses + N``, its misses). A start
-in tune mode marks at the export; a start in replay mode marks once its
-block ran (``ficache.sync``), because only then does it know its misses.
+marks once its block ran and its commit (if any) was tried (``ficache.sync``):
+a replay start only then knows its misses, and a start whose commit met the
+registry failing (a full disk, a server gone) leaves no mark, so such a
+registry is left exactly as it was.
 ``ficache prune --unused-for AGE`` removes the entries of fingerprints no
 start has served for ``AGE`` (``Registry.plan_prune(unused_for_seconds=...)``),
 and ``ficache fingerprints`` / ``ficache stats`` show the marks and counts.
@@ -58,8 +60,8 @@ logger = logging.getLogger(__name__)
 
 #: The longest a start waits for the lock the mark needs; past it the mark is skipped.
 SERVED_MARK_TIMEOUT_S = 0.25
-#: A mark younger than this is not written again: servers restarting within the
-#: hour write nothing, and ages of days (``--unused-for 30d``) lose no precision.
+#: A mark time younger than this is not moved: the counters still grow at every mark,
+#: and ages of days (``--unused-for 30d``) lose no precision.
 SERVED_MARK_RESOLUTION_S = 3600.0
 
 

@@ -1133,7 +1133,8 @@ RANGE = "is not in the range 1<=x<=9223372036854775807."
         (
             ["import", "--from-vllm", NO_USER],
             1,
-            f"error: cannot find the home directory in '{NO_USER}'; give vLLM's cache root\n",
+            f"error: cannot find the home directory in '{NO_USER}'; give vLLM's cache root "
+            "(VLLM_CACHE_ROOT, default ~/.cache/vllm) or its VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR\n",
         ),
         (
             ["--db", "r\udcff.db", "stats"],
