@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -207,6 +208,20 @@ def cache_file(tmp_path: Path) -> Callable[..., Path]:
         return path
 
     return write
+
+
+@pytest.fixture(autouse=True)
+def _no_managed_store_outlives_its_test() -> Iterator[None]:
+    """A FlashInfer managed store a test's start attached (v2 mode keeps it attached for the
+    life of the process, as a server's) is detached after that test, so the next test in
+    this process starts as a fresh server would, not in the previous test's store."""
+    yield
+    autotuner_module = sys.modules.get("flashinfer.autotuner")
+    if autotuner_module is None:
+        return
+    tuner = getattr(autotuner_module.AutoTuner, "_instance", None)
+    if tuner is not None and getattr(tuner, "_managed_cache", None) is not None:
+        tuner._managed_cache = None
 
 
 @pytest.fixture
