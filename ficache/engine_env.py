@@ -1,7 +1,10 @@
-"""What the engine plugins (vLLM, SGLang) read from the environment, read in one place.
+"""What the engine plugins (vLLM, SGLang) share: the environment they read, their
+start-up adoption and their one log line per start, each written once.
 
 Every engine plugin calls these functions rather than reading the variables
-itself, so one variable means one thing whichever engine runs the start.
+itself, so one variable means one thing whichever engine runs the start, and
+the plugins differ only in how they hook their engine (``adopt_at_start``,
+``log_report``).
 
 - ``FICACHE_<ENGINE>`` / ``FICACHE_ADOPT`` (``switch``): on unless ``0``,
   ``false``, ``off`` or ``no``.
@@ -158,17 +161,30 @@ def adopt_at_start(
     )
 
 
-def start_kind(status: str, mode: str) -> str:
-    """A plugin log line's first word: the start's status (``cold``, ``warm``, ...), or
-    ``replay`` for a replay start that used the registry (an uncached one says
-    ``uncached``, as in tune mode)."""
-    kind = status.split(":")[0]
-    return "replay" if mode == "replay" and kind != "uncached" else kind
-
-
-def missed_clause(mode: str, missed: int) -> str:
-    """What a plugin's log line adds for a replay start: ``, missed N`` (else nothing)."""
-    return f", missed {missed}" if mode == "replay" else ""
+def log_report(log: logging.Logger, report: Any, layout: str, *, unit: str) -> None:
+    """A plugin's one info line for a warm start (``report``: its ``WarmStartReport``):
+    ``ficache: <kind> <unit> on rank R/W (<layout>): loaded N, tuned N, committed N ...``.
+    ``unit`` is what the engine calls it (vLLM: ``start``, SGLang: ``pass``). The kind is
+    the start's status (``cold``, ``warm``, ...), or ``replay`` for a replay start that used
+    the registry (an uncached one says ``uncached``, as in tune mode), which also says
+    ``missed N``."""
+    status = report.status.split(":")[0]
+    replay = report.mode == "replay"
+    log.info(
+        "ficache: %s %s on rank %d/%d (%s): loaded %d, tuned %d, committed %d%s%s in %.2f s%s",
+        "replay" if replay and status != "uncached" else status,
+        unit,
+        report.rank,
+        report.world_size,
+        layout,
+        report.loaded,
+        report.tuned,
+        report.committed,
+        f" (commit {report.commit_id})" if report.commit_id is not None else "",
+        f", missed {report.missed}" if replay else "",
+        report.total_seconds,
+        f"; {report.reason}" if report.reason else "",
+    )
 
 
 __all__ = [
@@ -178,9 +194,8 @@ __all__ = [
     "ENV_REGISTRY_TIMEOUT",
     "MODES",
     "adopt_at_start",
-    "missed_clause",
+    "log_report",
     "registry_timeout",
-    "start_kind",
     "start_mode",
     "switch",
 ]

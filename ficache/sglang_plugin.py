@@ -112,7 +112,6 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from ficache import engine_env
-from ficache.engine_env import missed_clause, start_kind
 from ficache.tuner import FlashInferTuner, Row
 
 if TYPE_CHECKING:
@@ -448,17 +447,4 @@ def _adopt_sglang_files(plan: _Plan, model_runner: Any) -> None:
 def _log_report(report: WarmStartReport, layout: str) -> None:
     global _last_report
     _last_report = report
-    logger.info(
-        "ficache: %s pass on rank %d/%d (%s): loaded %d, tuned %d, committed %d%s%s in %.2f s%s",
-        start_kind(report.status, report.mode),
-        report.rank,
-        report.world_size,
-        layout,
-        report.loaded,
-        report.tuned,
-        report.committed,
-        f" (commit {report.commit_id})" if report.commit_id is not None else "",
-        missed_clause(report.mode, report.missed),
-        report.total_seconds,
-        f"; {report.reason}" if report.reason else "",
-    )
+    engine_env.log_report(logger, report, layout, unit="pass")
