@@ -35,7 +35,7 @@ How it is measured:
   (behind the registry's back; the slice cache's key ignores it), so every
   start finds its fingerprint's mark stale and tries its one UPDATE: the
   worst case, a fleet restarting after more than an hour. To see what each
-  start did, ``ficache.sync.mark_served`` is wrapped (benchmark
+  start did, ``ficache.usage.mark_served`` is wrapped (benchmark
   instrumentation: it calls the real function with the ``now`` it records,
   and times it), and a trigger added to the benchmark's registry logs every
   mark written. A start then "wrote" its mark, found it "fresh" (another start
@@ -468,7 +468,7 @@ def print_backend_details(fig: BackendFigures, cores: int) -> None:
 def bench_backend(backend: str, db: str, args: argparse.Namespace) -> BackendFigures:
     from flashinfer.autotuner import AutoTuner
 
-    import ficache.sync
+    import ficache.usage
     from ficache.sync import warm_start
 
     fill(db, args.entries)
@@ -478,8 +478,8 @@ def bench_backend(backend: str, db: str, args: argparse.Namespace) -> BackendFig
         raise SystemExit(f"{backend}: the priming start loaded {ws.report.loaded} entries")
     AutoTuner.get().clear_cache()
     commits_before = commit_count(db)
-    original = ficache.sync.mark_served
-    ficache.sync.mark_served = _timed_mark_served(original)
+    original = ficache.usage.mark_served
+    ficache.usage.mark_served = _timed_mark_served(original)
     try:
         gc.collect()
         gc.freeze()  # the children share the parent's pages instead of copying them
@@ -489,7 +489,7 @@ def bench_backend(backend: str, db: str, args: argparse.Namespace) -> BackendFig
         }
     finally:
         gc.unfreeze()
-        ficache.sync.mark_served = original
+        ficache.usage.mark_served = original
     return BackendFigures(backend, lone, concurrent, commit_count(db) - commits_before)
 
 
