@@ -192,6 +192,9 @@ class SliceOffer(_ByteMessage):
     on top (its scoped entries), ``record_counts[r]`` the records rank ``r``
     then holds; ``reason`` set means every rank tunes uncached. ``mode`` is
     rank 0's start mode (``tune`` or ``replay``), which every rank follows.
+    ``reused`` means rank 0 read nothing: every rank loads what its earlier
+    start of this process (``warm_start(reuse=...)``) left it holding, and
+    ``base``, ``overlays`` and ``record_counts`` are empty.
     """
 
     KIND: ClassVar[int] = 1
@@ -205,10 +208,12 @@ class SliceOffer(_ByteMessage):
     warnings: tuple[str, ...] = ()
     record_counts: tuple[int, ...] = ()
     mode: str = "tune"  # rank 0's ``warm_start`` mode: every rank takes it
+    reused: bool = False  # every rank loads what its earlier start left it (no base)
 
     def _validate(self) -> None:
         name = type(self).__name__
         _check(name, self.mode, (str,), "mode")
+        _check(name, self.reused, (bool,), "reused")
         _optional_str(name, self.fingerprint, "fingerprint")
         _optional_str(name, self.registry, "registry")
         _check(name, self.readonly, (bool,), "readonly")

@@ -27,10 +27,15 @@ per pass summarizes it.
 
 One read per process, every pass served. The first pass of a process reads
 the registry (rank 0 exports, every rank loads its slice); the later passes
-are served from what the process then holds: the AutoTuner is never cleared
-between passes (``_CarryOver``: the slice offered to a later pass is not
-loaded again, and ``tuned`` counts only what that pass profiled). Each pass
-still commits what it tuned (its exit protocol). Clearing between passes
+read nothing: each is ``warm_start(reuse=<the group's previous pass>)``, so
+rank 0 neither opens the registry nor renders a slice, and every pass is
+served from what the process then holds: the AutoTuner is never cleared
+between passes (``_CarryOver``: nothing is loaded again, and ``tuned``
+counts only what that pass profiled). Each pass still commits what it tuned
+(its exit protocol), to the registry the first pass read, and leaves its
+served mark (``ficache stats`` counts passes: one boot is one start per
+pass). A pass after one that could not use the registry (uncached) reads it
+again, as a first pass does. Clearing between passes
 would re-read what was just committed at best, and at worst (a commit that
 did not land: a read-only registry) throw away tactics an earlier pass
 tuned, so the target's kernels would run untuned after the draft's pass.
@@ -139,6 +144,8 @@ _warned: set[str] = set()
 _last_report: WarmStartReport | None = None
 #: Passes entered per tuning group (id of its CPU group) in this process.
 _passes: dict[int, int] = {}
+#: The latest warm start per tuning group (id of its CPU group): the next pass reuses its read.
+_latest: dict[int, Any] = {}
 
 
 def enabled() -> bool:
@@ -369,6 +376,7 @@ def _served(
                 provenance=plan.provenance,
                 registry_timeout=registry_timeout(),
                 mode=mode,
+                reuse=None if first else _latest.get(id(plan.group)),
             )
         )
     except Exception as exc:  # noqa: BLE001 - fails before any collective, alike on every rank
@@ -381,6 +389,7 @@ def _served(
             yield value
         return
     _passes[id(plan.group)] = _passes.get(id(plan.group), 0) + 1
+    _latest[id(plan.group)] = ws
     try:
         with (
             _own_files_isolated(plan.module, plan.rank),

@@ -28,7 +28,9 @@ On enter:
    exactly its slice.
 2. Rank 0 opens the registry and exports one slice per rank for its own
    fingerprint (``ficache.slices``): the shared entries plus that rank's
-   entries scoped to ``layout``. After the exit steps it marks the
+   entries scoped to ``layout``. With ``reuse`` (a later pass of one
+   process) it reads nothing when the earlier start served: every rank then
+   loads what that start left it holding (``SliceOffer.reused``). After the exit steps it marks the
    fingerprints the slices came from as served (``ficache.usage.mark_served``:
    one statement, a wait of at most 0.25 s, skipped silently when the
    registry is read-only or busy, or when the start's commit met the registry
@@ -646,6 +648,14 @@ class WarmStart:
     rank 0 commits it) or ``"replay"`` (serve the registry, never profile,
     count the misses in ``report.missed``, commit nothing; rank 0's mode is
     every rank's); any other value raises ``ValueError`` before any collective.
+    ``reuse`` is an earlier start of this process on the same group, already
+    exited (an engine that tunes in several passes, ``ficache.sglang_plugin``):
+    when it served its slices and the fingerprint is the same, rank 0 reads
+    nothing from the registry and every rank loads what that start left it
+    holding (its final slice, the same keys on every rank), so a process reads
+    the registry once however many passes it tunes in; this start commits to
+    the registry that one read (``report.slice_cache`` is ``"reused"``) and
+    leaves its own served mark. Otherwise it reads as any start does.
 
     After the ``with`` block, ``.report`` is this rank's ``WarmStartReport``.
 
@@ -695,6 +705,7 @@ class WarmStart:
         v2: bool | None = None,
         measurement_policy: Any = None,
         v2_root: str | os.PathLike[str] | None = None,
+        reuse: WarmStart | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"warm_start mode must be one of {', '.join(MODES)}, not {mode!r}")
@@ -726,6 +737,8 @@ class WarmStart:
         self._verdict = _Verdict()
         self._replay: _Replay | None = None
         self._served_ids: tuple[int, ...] = ()  # rank 0: the fingerprints its slices came from
+        self._reuse = reuse
+        self._exited = False  # set when the exit steps ran: a later start may reuse this one
 
     # -- helpers ----------------------------------------------------------
 
@@ -877,8 +890,40 @@ class WarmStart:
         the broadcast, where they wait for rank 0."""
         state = self._enter
         if state.rank == 0:
-            offer = self._export_payload(state.world, state.layout)
+            offer = self._reused_offer() or self._export_payload(state.world, state.layout)
             state.offer = dataclasses.replace(offer, mode=self.mode)
+
+    def _reused_offer(self) -> SliceOffer | None:
+        """Step 2, rank 0 with ``reuse``: an offer that reads nothing, when the earlier start
+        exited having served its slices for this fingerprint (None: export as usual). The
+        commit then goes where that start read from."""
+        earlier, fp = self._reuse, self._enter.fp
+        if (
+            earlier is None
+            or fp is None
+            or not earlier._exited
+            or earlier._verdict.uncached is not None
+            or earlier.report.fingerprint != fp.digest
+            or earlier.report.layout != self._enter.layout
+            or earlier.report.world_size != self._enter.world
+        ):
+            return None
+        self.db = earlier.db
+        self._served_ids = earlier._served_ids  # () after a cold start: no mark (a lower bound)
+        readonly = earlier._verdict.readonly
+        warnings = (
+            (f"registry {earlier.report.registry} is read-only: this start commits nothing",)
+            if readonly
+            else ()
+        )
+        return SliceOffer(
+            fp.digest,
+            registry=earlier.report.registry,
+            readonly=readonly,
+            cache="reused",
+            warnings=warnings,
+            reused=True,
+        )
 
     def _step_distribute(self) -> None:
         """3. One broadcast of rank 0's ``SliceOffer``. Every rank makes it, whatever step 1
@@ -913,10 +958,11 @@ class WarmStart:
         state = self._enter
         offer = state.offer
         assert offer is not None
-        if state.local_error is None and offer.base is not None and state.fp is not None:
+        servable = offer.base is not None or offer.reused
+        if state.local_error is None and servable and state.fp is not None:
             if offer.fingerprint == state.fp.digest:
                 try:
-                    state.loaded = self._load_slice(offer)
+                    state.loaded = self._load_reused() if offer.reused else self._load_slice(offer)
                 except Exception as exc:  # noqa: BLE001 - a failed load is a value
                     state.load_ok = False
                     state.load_error = (
@@ -960,9 +1006,12 @@ class WarmStart:
         else:
             self.report.loaded_by_rank = [c.loaded for c in confirmations]
         self.report.loaded = state.loaded
-        self.report.records_loaded = (
-            offer.record_count(state.rank) if verdict.uncached is None else 0
+        held_records = (
+            sum(len(by_key) for by_key in self._loaded.records.values())
+            if offer.reused
+            else offer.record_count(state.rank)
         )
+        self.report.records_loaded = held_records if verdict.uncached is None else 0
 
     def _confirm_reason(self, confirmations: list[LoadConfirmation]) -> str | None:
         """Why the ranks cannot use their slices (None: they can); may all-gather
@@ -1061,6 +1110,20 @@ class WarmStart:
         overlay = message.overlay(self.report.rank)
         if overlay is not None:
             texts.append(overlay)
+        return self._load_texts(texts)
+
+    def _load_reused(self) -> int:
+        """Step 4 of a reused offer: load what the earlier start left this rank holding. A rank
+        with no such start fails its load, so the confirm sends every rank uncached."""
+        earlier = self._reuse
+        if earlier is None or not earlier._exited or earlier._verdict.uncached is not None:
+            raise FicacheError(
+                "rank 0 reused its earlier start's slices and this rank has no such start "
+                "(every rank of a group must pass warm_start(reuse=...) alike)"
+            )
+        return self._load_texts(list(earlier._loaded.texts))
+
+    def _load_texts(self, texts: list[str]) -> int:
         self._loaded = _Loaded()
         loaded = 0
         for text in texts:
@@ -1216,6 +1279,7 @@ class WarmStart:
                 t = self._phase(phase, t)
         self._mark_start()
         self._finish(state.outcome, exc)
+        self._exited = True
 
     def _step_read_tuner(self, state: _ExitState) -> None:
         """7. Every rank, alone: close the replay block (replay mode: ``report.missed``),

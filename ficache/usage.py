@@ -2,7 +2,10 @@
 
 A warm start *serves* a fingerprint when rank 0 exports the slices its ranks
 load from that fingerprint's entries (every stored fingerprint that serves
-the running environment, ``Registry.serving``). Rank 0 then records it with
+the running environment, ``Registry.serving``), or reuses what an earlier
+start of its process served (``warm_start(reuse=...)``: an SGLang pass after
+the first, which marks the fingerprints that first read served, and nothing
+when that start was cold). Rank 0 then records it with
 ``mark_served``, in one statement over those fingerprints: the time
 (``fingerprints.last_served_at = now``) and, from revision
 ``0008_start_counts`` on, the counts (``served_starts + 1``; a replay start

@@ -103,14 +103,19 @@ def start(
     tune: dict[str, Any] | None = None,
     fail: Callable[[], None] | None = None,
     fail_before: bool = False,
+    keep: list[Any] | None = None,
     **kwargs: Any,
 ) -> dict[str, Any]:
-    """One warm start on ``group`` around the tuning loop; the report, tuning stats, exception."""
+    """One warm start on ``group`` around the tuning loop; the report, tuning stats, exception.
+
+    ``keep``: the ``WarmStart`` is appended to it (for a later ``warm_start(reuse=...)``)."""
     kwargs.setdefault("timeout", GROUP_TIMEOUT)
     out: dict[str, Any] = {"exception": None}
     block_started = time.monotonic()
     try:
         with warm_start(group, db=str(db), **kwargs) as ws:
+            if keep is not None:
+                keep.append(ws)
             block_started = time.monotonic()
             if fail is not None and fail_before:
                 fail()
@@ -202,6 +207,26 @@ def cold_warm(rank: int, world: int, tmp: Path) -> dict[str, Any]:
         _sql(db, "DELETE FROM entries WHERE id % 2 = 0")
     dist.barrier()
     out["half"] = start(db)
+    out["registry"] = registry_summary(db)
+    return out
+
+
+def reuse(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    """Passes of one process (``warm_start(reuse=...)``): the later ones read nothing.
+
+    ``second`` names a registry in a directory that does not exist (a read would
+    fail or create it) and reuses ``first``: it is served what ``first`` left
+    each rank holding and commits where ``first`` read. ``mismatched``: rank 0
+    reuses ``second``, the other ranks pass nothing to reuse. ``after_uncached``
+    reuses that uncached start, so it reads the registry again.
+    """
+    db, absent = registry(tmp), tmp / f"absent-rank{rank}" / "registry.db"
+    kept: list[Any] = []
+    out = {"first": start(db, tune={"shapes": SHAPES_A}, keep=kept)}
+    out["second"] = start(absent, reuse=kept[0], keep=kept)
+    out["absent_created"] = absent.parent.exists()
+    out["mismatched"] = start(db, reuse=kept[1] if rank == 0 else None, keep=kept)
+    out["after_uncached"] = start(db, reuse=kept[2])
     out["registry"] = registry_summary(db)
     return out
 
@@ -412,6 +437,7 @@ SCENARIOS: dict[str, Callable[[int, int, Path], dict[str, Any]]] = {
     f.__name__: f
     for f in (
         cold_warm,
+        reuse,
         partial,
         per_rank_keys,
         disagree,

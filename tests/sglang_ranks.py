@@ -24,12 +24,17 @@ The stand-ins, at the GPU boundary and named as such:
 
 Scenarios:
 
-- ``plugin``: ``start_cold`` (a decode pass, shapes A, fresh registry),
-  ``extend_same_read`` (the same process, FICACHE_DB now an empty registry:
-  an extend pass of shapes A+B is served A from the first read), then
-  restarts (the AutoTuner cleared and the plugin's pass count reset, as in a
-  new process): ``start_warm`` (A), ``start_partial`` (A+B on the registry of
-  ``start_cold``, which lacks B), ``adopt`` (``FICACHE_DB`` fresh again; SGLang's
+- ``plugin``: ``start_cold`` (a decode pass, shapes A, fresh registry;
+  rank 0 then copies the registry to ``partial.db``, which lacks B),
+  ``extend_same_read`` (the same process, FICACHE_DB now names a file that
+  does not exist: an extend pass of shapes A+B reads nothing, is served A
+  from the first read and commits B where the first pass read), then
+  restarts (the AutoTuner cleared and the plugin's pass state reset, as in a
+  new process): ``start_warm`` (A), ``start_partial`` (A+B on ``partial.db``),
+  ``replay_boot1`` and ``replay_extend`` (``FICACHE_MODE=replay`` on a copy of
+  ``partial.db``, so B is missing: a decode pass of A+B, then an extend pass
+  of A+B in the same process), ``replay_boot2`` (a new process, the same
+  pass), ``adopt`` (``FICACHE_DB`` fresh again; SGLang's
   own files, written first by SGLang's own code with ficache switched off at
   run time in ``sglang_writes``, are adopted), and last ``rank1_fails`` (rank
   1 raises halfway through tuning; the process then ends, as SGLang's
@@ -215,6 +220,7 @@ class Rank:
 
         AutoTuner.get().clear_cache()
         plugin._passes.clear()
+        plugin._latest.clear()
 
     def run_pass(
         self, name: str, module: ModuleType, shapes: Any, *, fail: bool = False
@@ -268,16 +274,30 @@ class Rank:
         (self.out / f"rank{self.rank}.json").write_text(json.dumps(self.result, indent=1))
 
     def plugin(self, module: ModuleType) -> None:
+        import shutil
+
         db = self.out / "registry.db"
         os.environ["FICACHE_DB"] = str(db)
         self.run_pass("start_cold", module, SHAPES_A)
-        os.environ["FICACHE_DB"] = str(self.out / f"empty-rank{self.rank}.db")
+        if self.rank == 0:  # only rank 0 reads the registry
+            shutil.copy(db, self.out / "partial.db")
+            shutil.copy(db, self.out / "replay.db")
+        os.environ["FICACHE_DB"] = str(self.out / f"absent-rank{self.rank}" / "registry.db")
         self.run_pass("extend_same_read", module, SHAPES_AB)
         os.environ["FICACHE_DB"] = str(db)
         self.restart()
         self.run_pass("start_warm", module, SHAPES_A)
         self.restart()
+        os.environ["FICACHE_DB"] = str(self.out / "partial.db")
         self.run_pass("start_partial", module, SHAPES_AB)
+        self.restart()
+        os.environ["FICACHE_DB"] = str(self.out / "replay.db")
+        os.environ["FICACHE_MODE"] = "replay"
+        self.run_pass("replay_boot1", module, SHAPES_AB)
+        self.run_pass("replay_extend", module, SHAPES_AB)
+        self.restart()
+        self.run_pass("replay_boot2", module, SHAPES_AB)
+        del os.environ["FICACHE_MODE"]
         self.restart()
         os.environ["FICACHE_SGLANG"] = "0"
         self.run_pass("sglang_writes", module, SHAPES_AB)

@@ -171,18 +171,69 @@ def test_cold_pass_tunes_on_both_ranks_and_commits(runs: Any) -> None:
         assert any(c.kind == "startup" for c in commits)
 
 
+def _stored(db: Path) -> tuple[int, list[tuple[int, int, int]]]:
+    """A registry file's entry count, and its fingerprints' (served, replay starts, misses)."""
+    import sqlite3
+
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        entries = con.execute("SELECT count(*) FROM entries").fetchone()[0]
+        counts = con.execute(
+            "SELECT served_starts, replay_starts, replay_misses FROM fingerprints "
+            "WHERE served_starts > 0 ORDER BY id"
+        ).fetchall()
+    finally:
+        con.close()
+    return int(entries), [tuple(int(v) for v in row) for row in counts]  # type: ignore[misc]
+
+
 def test_extend_pass_in_the_same_process_is_served_from_the_first_read(runs: Any) -> None:
-    # FICACHE_DB points at an empty registry for this pass: a re-read would offer
-    # nothing, so A is served from what the process read in the first pass.
-    results, _tmp = runs["plugin"]
-    for step in steps(results, "extend_same_read"):
+    # FICACHE_DB names a file in a directory that does not exist for this pass: a
+    # second read could only fail (uncached) or create it. The pass reads nothing:
+    # A is served from what the process read in the first pass, and B is committed
+    # to the registry that read came from.
+    results, tmp = runs["plugin"]
+    for rank, step in enumerate(steps(results, "extend_same_read")):
         assert step["exception"] is None, step["exception"]
         assert step["hits"] == KEYS_A
         assert step["profiled"] == KEYS_AB - KEYS_A
+        assert step["report"]["status"] == "partial"
+        assert step["report"]["slice_cache"] == "reused"
         assert step["report"]["tuned"] == KEYS_AB - KEYS_A
         assert step["report"]["committed"] == KEYS_AB - KEYS_A
         assert step["entries"] == KEYS_AB
         assert step["identical_across_ranks"] is True
+        assert not (tmp / f"absent-rank{rank}").exists()
+    for step in steps(results, "start_cold"):
+        assert step["report"]["slice_cache"] != "reused"
+    # The cold pass and the extend pass both committed there.
+    assert _stored(tmp / "registry.db")[0] == KEYS_AB
+
+
+def test_replay_passes_profile_nothing_report_the_missing_keys_and_repeat_every_boot(
+    runs: Any,
+) -> None:
+    results, tmp = runs["plugin"]
+    boot1 = steps(results, "replay_boot1")
+    for name in ("replay_boot1", "replay_extend", "replay_boot2"):
+        for rank, step in enumerate(steps(results, name)):
+            assert step["exception"] is None, step["exception"]
+            assert step["profiled"] == 0, (name, rank)
+            assert step["hits"] == KEYS_A
+            report = step["report"]
+            assert report["mode"] == "replay"
+            assert report["missed"] == KEYS_AB - KEYS_A, (name, rank, report)
+            assert report["tuned"] == 0 and report["committed"] == 0
+            assert (report["slice_cache"] == "reused") == (name == "replay_extend"), report
+            assert step["identical_across_ranks"] is True
+            # Every boot and every rank: the same tactics for every key, misses included.
+            assert step["state"] == boot1[0]["state"], (name, rank)
+            infos = [r["message"] for r in step["records"] if r["level"] == "INFO"]
+            assert any("missed 6" in line for line in infos), infos
+    # Nothing committed; three replay starts served, with their misses counted.
+    entries, counts = _stored(tmp / "replay.db")
+    assert entries == KEYS_A
+    assert counts == [(3, 3, 3 * (KEYS_AB - KEYS_A))]
 
 
 def test_restart_is_warm_and_profiles_nothing(runs: Any) -> None:
@@ -192,7 +243,7 @@ def test_restart_is_warm_and_profiles_nothing(runs: Any) -> None:
         assert step["profiled"] == 0
         assert step["hits"] == KEYS_A
         assert step["report"]["status"] == "warm"
-        assert step["report"]["loaded"] == KEYS_A
+        assert step["report"]["loaded"] == KEYS_AB  # the extend pass committed B there
 
 
 def test_partial_registry_retunes_exactly_what_is_missing(runs: Any) -> None:
@@ -207,7 +258,14 @@ def test_partial_registry_retunes_exactly_what_is_missing(runs: Any) -> None:
 
 def test_sglang_own_files_are_neither_read_nor_written_under_ficache(runs: Any) -> None:
     results, _tmp = runs["plugin"]
-    for name in ("start_cold", "extend_same_read", "start_warm", "start_partial"):
+    for name in (
+        "start_cold",
+        "extend_same_read",
+        "start_warm",
+        "start_partial",
+        "replay_boot1",
+        "replay_extend",
+    ):
         for step in steps(results, name):
             assert step["sglang_files"] == {}, name
     for rank, step in enumerate(steps(results, "sglang_writes")):

@@ -183,6 +183,30 @@ def test_partial_start_tunes_only_what_is_missing(world: tuple[int, Any]) -> Non
     assert per_rank[0]["registry"] == {"commits": 2, "scopes": {"shared": ALL}}
 
 
+def test_a_start_that_reuses_an_earlier_one_reads_nothing_and_commits_where_it_read(
+    world: tuple[int, Any],
+) -> None:
+    _n, results = world
+    per_rank = scenario(results, "reuse")
+    for r in per_rank:
+        first, second = r["first"]["report"], r["second"]["report"]
+        assert (first["status"], first["committed"]) == ("cold", 12)
+        assert first["slice_cache"] != "reused"
+        assert (second["status"], second["loaded"], second["tuned"]) == ("partial", 12, 6), second
+        assert second["slice_cache"] == "reused"
+        assert second["committed"] == 6 and second["reason"] is None
+        assert r["second"]["standin"]["profiled"] == 6
+        assert r["absent_created"] is False  # its own db was never opened, nor created
+    # One rank reusing where another reads: every rank tunes uncached, with the reason.
+    assert_uncached(per_rank, "mismatched", "reuse")
+    for r in per_rank:
+        after = r["after_uncached"]["report"]
+        assert (after["status"], after["loaded"], after["tuned"]) == ("warm", ALL, 0), after
+        assert after["slice_cache"] != "reused"
+    # The second start's 6 landed in the first start's registry.
+    assert per_rank[0]["registry"] == {"commits": 2, "scopes": {"shared": ALL}}
+
+
 def test_per_rank_keys_are_stored_scoped_and_each_rank_gets_its_own(world: tuple[int, Any]) -> None:
     n, results = world
     per_rank = scenario(results, "per_rank_keys")
@@ -499,13 +523,21 @@ def test_a_message_carries_data_never_code_and_fields_of_the_right_type() -> Non
     from ficache import messages as m
 
     header = m.MAGIC + bytes([m.VERSION, m.SliceOffer.KIND])
-    hostile = header + pickle.dumps((os.system, None, False, None, None, (), "off", (), (), "tune"))
+    hostile = header + pickle.dumps(
+        (os.system, None, False, None, None, (), "off", (), (), "tune", False)
+    )
     assert "refused a global" in _assert_one_clear_error(m.SliceOffer, hostile, "unreadable")
     # Right count, wrong types: a base that is not text, counts that are not integers.
-    bad_base = header + pickle.dumps(("ab", None, False, None, 5, (), "off", (), (), "tune"))
+    bad_base = header + pickle.dumps(("ab", None, False, None, 5, (), "off", (), (), "tune", False))
     _assert_one_clear_error(m.SliceOffer, bad_base, "base is int")
-    bad_mode = header + pickle.dumps(("ab", None, False, None, None, (), "off", (), (), 1))
+    bad_mode = header + pickle.dumps(("ab", None, False, None, None, (), "off", (), (), 1, False))
     _assert_one_clear_error(m.SliceOffer, bad_mode, "mode is int")
+    bad_reused = header + pickle.dumps(
+        ("ab", None, False, None, None, (), "off", (), (), "tune", "yes")
+    )
+    _assert_one_clear_error(m.SliceOffer, bad_reused, "reused is str")
+    short = header + pickle.dumps(("ab", None, False, None, None, (), "off", (), (), "tune"))
+    _assert_one_clear_error(m.SliceOffer, short, "expected 11 fields")
     bad_counts = dataclasses.replace(_message_samples()[0], record_counts=("3",))
     _assert_one_clear_error(m.SliceOffer, bad_counts.encode(), "record count is str")
     bad_row = m.TunedResults({"k": ("RunnerA", 1, None)}, {}).encode()  # type: ignore[dict-item]
