@@ -241,7 +241,7 @@ def prepare(
             raise ValueError(f"{kind.name} {rest[-1][:80]!r} is both written and removed")
         prepared.removals.add(tuple(removal))
     if kind.derive is not None:
-        prepared.derived = list(map(kind.derive, wanted.values()))
+        prepared.derived = kind.derive(wanted.values())
     if expected:
         prepared.n_expected = len(expected)
         prepared.expected = tuple(expected.items() if isinstance(expected, Mapping) else expected)
@@ -253,7 +253,11 @@ class Staged:
     """What a write does to one kind, decided under the write lock."""
 
     kind: Kind
-    added: list[tuple[RowKey, Any]] = field(default_factory=list)  # (row key, item)
+    #: (prepared row key, item): the key's first part is the fingerprint's *index*
+    #: (``fid_at[index]`` is its row id), as ``Prepared.wanted`` keys it, so the bulk case
+    #: takes ``wanted``'s items as they are and ``apply`` maps the column once.
+    added: list[tuple[RowKey, Any]] = field(default_factory=list)
+    fid_at: list[int] = field(default_factory=list)
     replaced: list[tuple[RowKey, Any, State]] = field(default_factory=list)
     removed: list[tuple[RowKey, State]] = field(default_factory=list)
     unchanged: int = 0
@@ -320,7 +324,7 @@ def stage(
     """
     kind = prepared.kind
     staged = Staged(kind)
-    fid_at: list[int] = []
+    fid_at = staged.fid_at
     index_of: dict[int, int] = {}  # fingerprint row id -> index
     for fp in prepared.fingerprints:
         fid = fids.get(fp, create=True)
@@ -359,7 +363,7 @@ def stage(
             staged.removed.append(((fid_at[key[0]], *key[1:]), state))
     staged.policy_id = _policy_id_map(conn, kind, prepared.wanted.values())
     if not existing:  # the common bulk case: new identities (or a new fingerprint) only
-        staged.added = [((fid_at[k[0]], *k[1:]), item) for k, item in prepared.wanted.items()]
+        staged.added = list(prepared.wanted.items())
         staged.added_derived = prepared.derived
         return staged
     n_values = len(kind.values)
@@ -373,7 +377,7 @@ def stage(
     ):
         old = existing.get(k)
         if old is None:
-            staged.added.append(((fid_at[k[0]], *k[1:]), item))
+            staged.added.append((k, item))
             staged.added_derived.append(item_derived)
         elif old[2 : 2 + n_values] == value:
             staged.unchanged += 1
@@ -524,7 +528,7 @@ def apply(conn: Connection, staged: Staged, commit_id: int, now: float) -> None:
     written = (*kind.values, *kind.carried)
     new_at = [written.index(row) for row, _change in kind.new]
     if staged.added:
-        keys = [key for key, _item in staged.added]
+        at_column, *identity_columns = zip(*[key for key, _item in staged.added], strict=True)
         columns = _written_columns(
             kind, [item for _key, item in staged.added], staged.policy_id, now
         )
@@ -537,7 +541,8 @@ def apply(conn: Connection, staged: Staged, commit_id: int, now: float) -> None:
             rows,
             list(
                 zip(
-                    *zip(*keys, strict=True),
+                    map(staged.fid_at.__getitem__, at_column),
+                    *identity_columns,
                     *derived,
                     *columns[:n_values],
                     repeat(commit_id),

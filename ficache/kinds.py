@@ -46,7 +46,7 @@ copy of the machinery.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, NamedTuple
@@ -148,10 +148,10 @@ class Kind:
     #: ``make_item(fingerprint, scope, identity, value, carried)``: a writer's item
     #: (policies as text), as a revert writes back a value a change replaced.
     make_item: Callable[[Fingerprint, str, tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]], Any]
-    #: ``derive(item)``: the ``derived`` columns' values of a writer's item, before the
-    #: write's transaction (``FicacheError`` when the item cannot be stored); None: no
-    #: derived columns.
-    derive: Callable[[Any], tuple[Any, ...]] | None = None
+    #: ``derive(items)``: the ``derived`` columns' values of each of a write's items, in
+    #: order, before the write's transaction (``FicacheError`` when an item cannot be
+    #: stored); None: no derived columns. One call per write, not per item.
+    derive: Callable[[Iterable[Any]], list[tuple[Any, ...]]] | None = None
     #: Carried columns written as the write's time when the item holds None.
     now_if_none: tuple[str, ...] = ("tuned_at",)
 
@@ -276,10 +276,10 @@ def _entry_item(
     return NewEntry(fp, key, runner, tactic, policy, scope, None, tuned_at, selection)
 
 
-def _entry_derived(entry: NewEntry) -> tuple[str]:
-    """An entry's ``op``, read from its parsed key (``NewEntry.fields``) or by parsing it."""
-    fields = entry[6]  # NewEntry.fields
-    return (fields[0],) if fields is not None else _op_of_key(entry[1])  # KeyFields.op, key
+def _entries_derived(entries: Iterable[NewEntry]) -> list[tuple[str]]:
+    """Each entry's ``op``, read from its parsed key (``NewEntry.fields``) or by parsing it."""
+    # entry[6] is NewEntry.fields (its [0] KeyFields.op), entry[1] its key: the bulk path.
+    return [(e[6][0],) if e[6] is not None else _op_of_key(e[1]) for e in entries]
 
 
 @lru_cache(maxsize=4096)
@@ -336,7 +336,7 @@ ENTRY_KIND = Kind(
     item_values=("runner", "tactic_json", "policy_json"),
     item_carried=("tuned_at", "selection_json"),
     make_item=_entry_item,
-    derive=_entry_derived,
+    derive=_entries_derived,
 )
 
 #: Namespaced records: one JSON value of one (namespace, key) (``ficache.models.RecordRow``).
