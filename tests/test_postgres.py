@@ -892,3 +892,102 @@ def test_a_commit_whose_answer_was_lost_while_it_was_still_landing_is_reported_o
     assert commits == [(report.commit_id, 18)], report.reason
     assert (report.reason, report.committed) == (None, 18)
     assert sql(postgres_url, "SELECT count(*) FROM entries") == [(18,)]
+
+
+def _adopt_tree(url: str, root: Path, registry_timeout: float) -> Any:
+    from samples import H200_METADATA
+
+    from ficache.adopt import Sources, adopt_into_empty_registry
+    from ficache.fingerprint import Fingerprint
+
+    fingerprint = Fingerprint.from_flashinfer_metadata(H200_METADATA)
+    return adopt_into_empty_registry(
+        url, fingerprint, Sources((root,)), registry_timeout=registry_timeout
+    )
+
+
+def _adopted(url: str) -> list[tuple[Any, ...]]:
+    return sql(
+        url,
+        "SELECT f.digest, e.scope, e.key, e.runner, e.tactic FROM entries e "
+        "JOIN fingerprints f ON f.id = e.fingerprint_id ORDER BY 1, 2, 3",
+    )
+
+
+def test_an_adoption_refused_with_too_many_clients_adopts_once_a_connection_frees(
+    postgres_server: pg_server.PostgresServer, postgres_url: str, tmp_path: Path
+) -> None:
+    """The plugin's adoption in a restart storm: refused at first, then it adopts what a
+    registry nobody else was using adopts (the same tree, another database)."""
+    from test_adopt import vllm_tree
+
+    tree = vllm_tree(tmp_path)
+    reference_url = postgres_server.url(postgres_server.create_database())
+    reference = _adopt_tree(reference_url, tree["vllm"], registry_timeout=30)
+    assert reference is not None and reference.result.added > 0
+
+    url, plain = storm_role_url(postgres_server, postgres_url, limit=2)
+    Registry.open(url).close()  # created at head, by the role, before the slots are taken
+    held = hold_connections(plain, 2)
+    release_later(held, 1.5)
+    started = time.monotonic()
+    adoption = _adopt_tree(url, tree["vllm"], registry_timeout=30)
+    elapsed = time.monotonic() - started
+
+    assert adoption is not None
+    assert adoption.result.added == reference.result.added
+    assert _adopted(postgres_url) == _adopted(reference_url)
+    assert sql(postgres_url, "SELECT count(*) FROM commits") == [(1,)]
+    assert elapsed >= 1.4  # it was refused until the connections were released
+
+
+def test_an_adoption_refused_past_the_registry_timeout_names_the_cause_and_writes_nothing(
+    postgres_server: pg_server.PostgresServer, postgres_url: str, tmp_path: Path
+) -> None:
+    from test_adopt import vllm_tree
+
+    from ficache.errors import FicacheError
+
+    tree = vllm_tree(tmp_path)
+    url, plain = storm_role_url(postgres_server, postgres_url, limit=2)
+    Registry.open(url).close()
+    held = hold_connections(plain, 2)
+    limit = 2.0
+    try:
+        started = time.monotonic()
+        with pytest.raises(FicacheError) as raised:
+            _adopt_tree(url, tree["vllm"], registry_timeout=limit)
+        elapsed = time.monotonic() - started
+    finally:
+        for conn in held:
+            conn.close()
+
+    message = str(raised.value)
+    assert "too many connections" in message and "\n" not in message
+    assert "raise max_connections on the server or put a pooler such as PgBouncer" in message
+    attempts = re.search(r"still refused after (\d+) attempt\(s\) over ", message)
+    assert attempts is not None and int(attempts[1]) > 1, message
+    assert elapsed < CUT_CEILING * limit + 2
+    assert sql(postgres_url, "SELECT count(*) FROM commits") == [(0,)]
+
+
+def test_an_adoption_whose_commit_answer_was_lost_is_written_once(
+    postgres_server: pg_server.PostgresServer, postgres_url: str, tmp_path: Path
+) -> None:
+    """The adoption's COMMIT reached the server and its answer never came back: the retry
+    finds the registry no longer empty for the fingerprint and writes nothing again."""
+    from test_adopt import vllm_tree
+
+    tree = vllm_tree(tmp_path)
+    name = postgres_url.rsplit("/", 1)[1]
+    Registry.open(postgres_url).close()  # created at head, outside the proxy
+    proxy = ResettingProxy("127.0.0.1", postgres_server.port, armed_by=COMMIT_INSERT)
+    try:
+        adoption = _adopt_tree(proxy.url(name), tree["vllm"], registry_timeout=30)
+    finally:
+        proxy.close()
+
+    assert proxy.resets == 1
+    assert adoption is not None
+    assert sql(postgres_url, "SELECT count(*) FROM commits") == [(1,)]
+    assert adoption.plan.entries and len(_adopted(postgres_url)) == len(adoption.plan.entries)
