@@ -1,11 +1,9 @@
 """Engines, connection settings and schema migrations run in code.
 
-Where a registry lives: ``--db`` / ``FICACHE_DB`` (a path or any SQLAlchemy
-URL), else ``registry.db`` in the user cache dir (platformdirs). ``resolve``
-is the one place a name becomes a ``Location``: ``postgres://`` and
-``postgresql://`` mean ``postgresql+psycopg://``; a database SQLAlchemy does
-not know, or a driver that is missing, is one ``RegistryError`` naming the
-accepted forms (``make_engine``).
+Where a registry lives is ``ficache.location``'s (re-exported here:
+``resolve``, ``Location``); this module opens what it names: a database
+SQLAlchemy does not know, or a driver that is missing, is one
+``RegistryError`` naming the accepted forms (``make_engine``).
 
 Invariants:
 - SQLite connections use WAL, a busy timeout and foreign keys. A write
@@ -69,10 +67,8 @@ Invariants:
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import sqlite3
-import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -110,7 +106,18 @@ from ficache.errors import (
     SchemaTooOldError,
 )
 
-ENV_VAR = "FICACHE_DB"
+# Re-exported: callers that open registries name locations through this module.
+from ficache.location import ACCEPTED_FORMS as ACCEPTED_FORMS
+from ficache.location import ENV_VAR as ENV_VAR
+from ficache.location import POSTGRES_DRIVERNAME as POSTGRES_DRIVERNAME
+from ficache.location import Location as Location
+from ficache.location import default_registry_path as default_registry_path
+from ficache.location import is_new_sqlite_file as is_new_sqlite_file
+from ficache.location import is_read_only_file as is_read_only_file
+from ficache.location import resolve as resolve
+from ficache.migration_files import declared_head as declared_head
+from ficache.migration_files import migrations_dir as migrations_dir
+
 BUSY_TIMEOUT_MS = 30_000
 #: Engine execution option: the milliseconds a write waits for the write lock.
 LOCK_TIMEOUT_OPTION = "ficache_lock_timeout_ms"
@@ -120,110 +127,6 @@ SQLITE_MAGIC = b"SQLite format 3\x00"
 PG_MIGRATION_LOCK_ID = 0x6669636163686501
 #: The table (from ``0007_compat``) that says which older ficache may read and write the schema.
 COMPAT_TABLE = "schema_compat"
-
-
-def default_registry_path() -> Path:
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("ficache", appauthor=False)) / "registry.db"
-
-
-@dataclass(frozen=True)
-class Location:
-    """Where a registry lives, resolved once from ``--db`` / env / default."""
-
-    url: str
-    path: Path | None  # the SQLite file, when it is one
-
-    @property
-    def display(self) -> str:
-        if self.path is not None:
-            return str(self.path)
-        return make_url(self.url).render_as_string(hide_password=True)
-
-
-#: The registry URLs ficache is built for, as error messages name them.
-ACCEPTED_FORMS = (
-    "a SQLite file path, sqlite:///PATH, or postgresql+psycopg://USER@HOST/DATABASE "
-    "(postgres:// and postgresql:// mean the same)"
-)
-#: The PostgreSQL driver ficache ships with (the ``ficache[postgres]`` extra, psycopg 3).
-POSTGRES_DRIVERNAME = "postgresql+psycopg"
-
-
-def resolve(db: str | os.PathLike[str] | None = None) -> Location:
-    """Where ``db`` (else ``FICACHE_DB``, else the default) names a registry.
-
-    ``postgres://`` and ``postgresql://`` become ``postgresql+psycopg://``
-    (libpq's scheme, which SQLAlchemy does not know, and SQLAlchemy's without
-    a driver, which picks psycopg2 before SQLAlchemy 2.1, a driver ficache
-    does not ship); ``postgres+DRIVER://`` becomes
-    ``postgresql+DRIVER://``. Every other URL is kept as given.
-    """
-    raw = os.fspath(db) if db is not None else os.environ.get(ENV_VAR) or None
-    if raw is None:
-        path = default_registry_path()
-        return Location(f"sqlite:///{path}", path)
-    if "://" in raw:
-        try:
-            url = make_url(raw)
-        except ArgumentError:
-            raise RegistryError(
-                f"cannot parse registry URL {raw!r}; give {ACCEPTED_FORMS}"
-            ) from None
-        backend, _, driver = url.drivername.partition("+")
-        if backend in ("postgres", "postgresql"):
-            named = f"postgresql+{driver}" if driver else POSTGRES_DRIVERNAME
-            if named != url.drivername:
-                url = url.set(drivername=named)
-                return Location(url.render_as_string(hide_password=False), None)
-            return Location(raw, None)
-        if url.get_backend_name() == "sqlite":
-            database = url.database
-            if database and database != ":memory:" and not database.startswith("file:"):
-                path = _local_path(database)
-                return Location(f"sqlite:///{path}", path)
-            return Location(raw, None)
-        return Location(raw, None)
-    path = _local_path(raw)
-    return Location(f"sqlite:///{path}", path)
-
-
-def is_new_sqlite_file(location: Location) -> bool:
-    """True when ``location`` is a SQLite file that does not exist yet: a write creates it.
-
-    Callers say so before the first write creates it (the CLI on stderr):
-    a mistyped ``--db`` would otherwise give a new, empty registry silently.
-    """
-    return location.path is not None and not location.path.exists()
-
-
-def _local_path(text: str) -> Path:
-    """``text`` as an absolute path, ``~`` and ``~user`` expanded.
-
-    SQLite takes file names as UTF-8, so a name that is not (bytes Python
-    decoded with surrogateescape) is refused here, as is a path the file
-    system cannot look up at all (too long, a file used as a directory...).
-    """
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise RegistryError(
-            f"registry path {ascii(text)} is not valid UTF-8, which SQLite needs; "
-            "rename the file or give another --db"
-        ) from None
-    try:
-        path = Path(text).expanduser().resolve()
-        path.exists()  # raises for names the file system cannot look up
-    except RuntimeError as exc:  # ~user without a home directory; a symlink loop
-        raise RegistryError(
-            f"cannot use registry path {text!r} ({exc}); give another --db"
-        ) from None
-    except OSError as exc:
-        raise RegistryError(
-            f"cannot use registry path {text!r}: {exc.strerror or exc}; give another --db"
-        ) from None
-    return path
 
 
 def _check_sqlite_file(path: Path) -> bool:
@@ -242,18 +145,6 @@ def _check_sqlite_file(path: Path) -> bool:
             f"{path} is not a SQLite database; pass another --db or move the file away"
         )
     return is_read_only_file(path)
-
-
-def is_read_only_file(path: Path) -> bool:
-    """True when ficache may only read the existing registry file ``path``.
-
-    os.access says yes to root for any file; a file without write bits
-    (chmod a-w) is read-only for everyone, root included. A read-only mount
-    or directory makes it read-only too (SQLite writes its WAL beside it).
-    """
-    has_write_bits = bool(path.stat().st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
-    writable = has_write_bits and os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)
-    return not writable
 
 
 #: A WAL file's header; frames (commits not yet copied into the database) follow it.
@@ -412,19 +303,6 @@ def make_engine(location: Location, *, create: bool = True) -> tuple[Engine, boo
 # Alembic, configured in code.
 
 
-def migrations_dir() -> Path:
-    """The Alembic environment, from an installed wheel or a checkout."""
-    spec = importlib.util.find_spec("ficache.migrations")
-    if spec is not None and spec.submodule_search_locations:
-        for location in spec.submodule_search_locations:
-            if (Path(location) / "env.py").exists():
-                return Path(location)
-    checkout = Path(__file__).resolve().parent.parent / "migrations"
-    if (checkout / "env.py").exists():
-        return checkout
-    raise SchemaError("ficache's migrations are missing from this installation; reinstall ficache")
-
-
 def alembic_config(connection: Connection | None = None) -> Config:
     from alembic.config import Config
 
@@ -451,44 +329,6 @@ def script_directory() -> ScriptDirectory:
     from alembic.script import ScriptDirectory
 
     return ScriptDirectory.from_config(alembic_config())
-
-
-@functools.lru_cache(maxsize=1)
-def declared_head() -> str | None:
-    """The head revision the installed migration files declare, read without Alembic.
-
-    Each file's module-level ``revision`` and ``down_revision`` strings, read
-    with ``ast``; the head is the one revision no other names as its parent.
-    None on any doubt (a merge or branch, a value that is not a plain
-    string, an unreadable file): callers then ask ``head_revision``. The warm
-    start's fast path uses it to trust a SQLite file's revision without
-    loading Alembic; a test checks it names Alembic's head.
-    """
-    import ast
-
-    parents: dict[str, str | None] = {}
-    try:
-        for path in sorted((migrations_dir() / "versions").glob("*.py")):
-            found: dict[str, Any] = {}
-            for node in ast.parse(path.read_text(encoding="utf-8")).body:
-                if isinstance(node, ast.AnnAssign | ast.Assign) and node.value is not None:
-                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                    for target in targets:
-                        if isinstance(target, ast.Name) and target.id in (
-                            "revision",
-                            "down_revision",
-                        ):
-                            found[target.id] = ast.literal_eval(node.value)
-            if "revision" not in found:
-                continue
-            revision, parent = found["revision"], found.get("down_revision")
-            if not isinstance(revision, str) or not (parent is None or isinstance(parent, str)):
-                return None
-            parents[revision] = parent
-    except (OSError, SyntaxError, ValueError, SchemaError):
-        return None
-    heads = set(parents) - set(parents.values())
-    return heads.pop() if len(heads) == 1 else None
 
 
 def head_revision() -> str:

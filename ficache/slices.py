@@ -31,6 +31,9 @@ Invariants:
   truncated or tampered cache file is a miss (every segment carries its
   SHA-256), never an error. It is written atomically and best-effort: a
   read-only cache dir only costs speed.
+- Importing this module loads no SQLAlchemy (rendering from SQL imports the
+  registry when it runs), so a warm start that hits the slice cache pays for
+  no engine.
 - ``cached_slices`` is the warm path for SQLite files: it reads the state
   over one plain read-only connection (``ficache.sqlite_fast``), without opening the registry
   (engine, Alembic checks), and only trusts a cache whose schema revision is
@@ -48,17 +51,17 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import text as sql_text
-from sqlalchemy.exc import DatabaseError
-
-from ficache import schema, sqlite_fast
+from ficache import location as registry_location
+from ficache import sqlite_fast
 from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import render_cache
-from ficache.models import SHARED_SCOPE
+from ficache.migration_files import declared_head
 from ficache.publish import publish
-from ficache.registry import Registry, rank_scope
+
+if TYPE_CHECKING:
+    from ficache.registry import Registry
 
 FORMAT = 2
 MAGIC = b"FICACHE-SLICES"
@@ -104,6 +107,11 @@ def registry_state(reg: Registry) -> State:
     last entry update)``: any commit, migration, or insert or delete made
     behind the registry's back changes it.
     """
+    from sqlalchemy import text as sql_text
+    from sqlalchemy.exc import DatabaseError
+
+    from ficache import schema
+
     try:
         with reg.engine.connect() as conn:
             return tuple(conn.execute(sql_text(sqlite_fast.STATE_SQL)).one())
@@ -114,7 +122,12 @@ def registry_state(reg: Registry) -> State:
 @functools.lru_cache(maxsize=1)
 def _head_revision() -> str:
     # The migration files' own declaration first: Alembic stays unloaded on the warm path.
-    return schema.declared_head() or schema.head_revision()
+    declared = declared_head()
+    if declared is not None:
+        return declared
+    from ficache import schema
+
+    return schema.head_revision()
 
 
 def cached_slices(
@@ -134,7 +147,7 @@ def cached_slices(
     any error), after which the caller opens the registry as usual.
     """
     try:
-        location = schema.resolve(db)
+        location = registry_location.resolve(db)
         if location.path is None or not location.path.is_file():
             return None
         directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -275,6 +288,9 @@ def export_slices(
 def _export(
     reg: Registry, current: Fingerprint, layout: str, world: int, state: State, *, symmetric: bool
 ) -> RankSlices:
+    from ficache.models import SHARED_SCOPE
+    from ficache.registry import rank_scope
+
     metadata = current.flashinfer_metadata()
     ids = tuple(info.id for info in reg.serving(current))
     if not ids:

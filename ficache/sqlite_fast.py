@@ -18,7 +18,8 @@ What it may do:
   commit; no history.
 
 Schema revisions it assumes, and how it stays in step with the models:
-- Table names are the models' (``ficache.models``, ``__tablename__``) and
+- Table names are the models' (``ficache.models``, ``__tablename__``; written
+  out in ``*_TABLE`` constants, since importing the models imports SQLAlchemy) and
   fingerprint columns are ``Fingerprint``'s (``ALL_FIELDS``); the columns it
   names (``id``, ``created_at``, ``updated_at``, ``fingerprint_id``,
   ``last_served_at``) exist from revision 0003 (``records``) on; the start
@@ -40,28 +41,29 @@ from pathlib import Path
 from typing import Any
 
 from ficache.fingerprint import ALL_FIELDS
-from ficache.models import CommitRow, EntryRow, FingerprintRow, RecordRow
 
-_COMMITS = CommitRow.__tablename__
-_ENTRIES = EntryRow.__tablename__
-_RECORDS = RecordRow.__tablename__
-_FINGERPRINTS = FingerprintRow.__tablename__
+#: The models' table names (``ficache.models``), written out: importing the models imports
+#: SQLAlchemy. ``tests/test_start_imports.py`` checks each against its model.
+COMMITS_TABLE = "commits"
+ENTRIES_TABLE = "entries"
+RECORDS_TABLE = "records"
+FINGERPRINTS_TABLE = "fingerprints"
 
 #: The registry's state token: (schema revision, last commit id, its time, entry
 #: count, last entry id, last entry update, record count, last record id, last
 #: record update). Portable SQL: the full path runs it through the engine.
 STATE_SQL = (
     "SELECT (SELECT max(version_num) FROM alembic_version), "
-    f"(SELECT max(id) FROM {_COMMITS}), (SELECT max(created_at) FROM {_COMMITS}), "
-    f"(SELECT count(*) FROM {_ENTRIES}), (SELECT max(id) FROM {_ENTRIES}), "
-    f"(SELECT max(updated_at) FROM {_ENTRIES}), "
-    f"(SELECT count(*) FROM {_RECORDS}), (SELECT max(id) FROM {_RECORDS}), "
-    f"(SELECT max(updated_at) FROM {_RECORDS})"
+    f"(SELECT max(id) FROM {COMMITS_TABLE}), (SELECT max(created_at) FROM {COMMITS_TABLE}), "
+    f"(SELECT count(*) FROM {ENTRIES_TABLE}), (SELECT max(id) FROM {ENTRIES_TABLE}), "
+    f"(SELECT max(updated_at) FROM {ENTRIES_TABLE}), "
+    f"(SELECT count(*) FROM {RECORDS_TABLE}), (SELECT max(id) FROM {RECORDS_TABLE}), "
+    f"(SELECT max(updated_at) FROM {RECORDS_TABLE})"
 )
 
 _HOLDS_SQL = (
-    f"SELECT {', '.join(ALL_FIELDS)} FROM {_FINGERPRINTS} f WHERE EXISTS "
-    f"(SELECT 1 FROM {_ENTRIES} e WHERE e.fingerprint_id = f.id)"
+    f"SELECT {', '.join(ALL_FIELDS)} FROM {FINGERPRINTS_TABLE} f WHERE EXISTS "
+    f"(SELECT 1 FROM {ENTRIES_TABLE} e WHERE e.fingerprint_id = f.id)"
 )
 
 
@@ -105,7 +107,7 @@ def served_mark_sql(placeholders: int, *, counts: bool) -> str:
             ", served_starts = served_starts + 1, replay_starts = replay_starts + ?, "
             "replay_misses = replay_misses + ?"
         )
-    return f"UPDATE {_FINGERPRINTS} SET {sets} WHERE id IN ({','.join('?' * placeholders)})"
+    return f"UPDATE {FINGERPRINTS_TABLE} SET {sets} WHERE id IN ({','.join('?' * placeholders)})"
 
 
 def write_served_marks(

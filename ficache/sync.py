@@ -753,11 +753,9 @@ class WarmStart:
 
     def _deadline(self) -> Any:
         """The bound on one phase of rank 0's work on the registry (``registry_timeout``)."""
-        from ficache import schema
+        from ficache.location import resolve
 
-        return registry_deadline(
-            self.registry_timeout, f"registry {schema.resolve(self.db).display}"
-        )
+        return registry_deadline(self.registry_timeout, f"registry {resolve(self.db).display}")
 
     def _registry(self) -> Registry:
         from ficache import schema
@@ -1137,7 +1135,7 @@ class WarmStart:
 
     def _export_payload(self, world: int, layout: str) -> SliceOffer:
         """Rank 0: what every rank needs to load its slice, or why there is nothing."""
-        from ficache import schema
+        from ficache import location as registry_location
         from ficache.slices import cached_slices, export_slices
 
         fp = self._enter.fp
@@ -1150,10 +1148,10 @@ class WarmStart:
             slices, registry = fast
             # The warm path opened no registry: mark the SQLite file directly,
             # and tell a read-only file as ``Registry.open`` would.
-            location = schema.resolve(self.db)
+            location = registry_location.resolve(self.db)
             with suppress(OSError):
                 path = location.path
-                readonly = path is not None and schema.is_read_only_file(path)
+                readonly = path is not None and registry_location.is_read_only_file(path)
         else:
 
             def read() -> tuple[bool, Any]:
@@ -1165,7 +1163,7 @@ class WarmStart:
                 # A server refusing connections for now (a restart storm) is asked again.
                 with self._deadline():
                     readonly, slices = retry_transient(read, within=self.registry_timeout)
-                registry = schema.resolve(self.db).display
+                registry = registry_location.resolve(self.db).display
             except FicacheError as exc:
                 return SliceOffer(fp.digest, registry=registry, readonly=readonly, reason=str(exc))
             except Exception as exc:  # noqa: BLE001 - any registry problem means "uncached"
@@ -1372,11 +1370,11 @@ class WarmStart:
             or verdict.commit_failed
         ):
             return
-        from ficache import schema
+        from ficache.location import resolve
         from ficache.usage import mark_served
 
         try:
-            location = schema.resolve(self.db)
+            location = resolve(self.db)
             if location.path is not None:
                 mark_served(location, self._served_ids, missed=self._mark_misses())
                 return

@@ -51,13 +51,15 @@ import stat
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Engine, case, or_, text, update
+from ficache import sqlite_fast
+from ficache.location import Location
 
-from ficache import schema, sqlite_fast
-from ficache.models import FINGERPRINTS as F
-from ficache.registry import Registry
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from ficache.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ SERVED_MARK_RESOLUTION_S = 3600.0
 
 
 def mark_served(
-    target: Registry | schema.Location,
+    target: Registry | Location,
     fingerprint_ids: Sequence[int],
     *,
     now: float | None = None,
@@ -92,17 +94,23 @@ def mark_served(
     when = time.time() if now is None else now
     stale_before = when - resolution
     misses = None if missed is None else max(int(missed), 0)
-    location = target.location if isinstance(target, Registry) else target
+    # A Location is a SQLite file the warm path read without opening it (and without
+    # importing SQLAlchemy, which an open Registry has loaded already).
+    registry: Registry | None
+    if isinstance(target, Location):
+        registry, location = None, target
+    else:
+        registry, location = target, target.location
     reason: str | None
     try:
-        if isinstance(target, Registry) and target.readonly:
+        if registry is not None and registry.readonly:
             reason = "the registry is read-only"
-        elif isinstance(target, Registry) and target.write_refusal is not None:
-            reason = target.write_refusal
+        elif registry is not None and registry.write_refusal is not None:
+            reason = registry.write_refusal
         elif location.path is not None:
             reason = _mark_sqlite_file(location.path, ids, when, stale_before, timeout, misses)
-        elif isinstance(target, Registry):
-            reason = _mark_through_engine(target.engine, ids, when, stale_before, timeout, misses)
+        elif registry is not None:
+            reason = _mark_through_engine(registry.engine, ids, when, stale_before, timeout, misses)
         else:
             reason = "no open registry"
     except Exception as exc:  # noqa: BLE001 - the mark never fails a start
@@ -134,6 +142,10 @@ def _mark_through_engine(
     timeout: float,
     missed: int | None,
 ) -> str | None:
+    from sqlalchemy import case, or_, text, update
+
+    from ficache.models import FINGERPRINTS as F
+
     milliseconds = max(int(timeout * 1000), 1)
     with engine.connect() as conn, conn.begin():
         if conn.dialect.name == "postgresql":
