@@ -204,21 +204,15 @@ class StoreImport:
 
     stores: tuple[StoreContents, ...]
     prepared: PreparedImport
+    entries: int  # read (skipped ones not counted)
+    skipped_entries: int  # malformed (FlashInfer treats them as misses)
+    #: Protocol records counted, not imported (``ficache.adopt``'s docstring says why).
+    ignored_records: int
 
     @property
     def environments(self) -> list[StoreEnvironment]:
         """Every environment read, store by store."""
         return [env for store in self.stores for env in store.environments]
-
-    @property
-    def entries(self) -> int:
-        """The entries read (skipped ones not counted)."""
-        return sum(s.entries for s in self.stores)
-
-    @property
-    def skipped_entries(self) -> int:
-        """Malformed entries skipped (FlashInfer treats them as misses)."""
-        return sum(s.skipped_entries for s in self.stores)
 
     @property
     def first_skipped_entry(self) -> Skipped | None:
@@ -230,11 +224,6 @@ class StoreImport:
         """Each environment skipped for a malformed manifest."""
         return [skip for s in self.stores for skip in s.skipped_environments]
 
-    @property
-    def ignored_records(self) -> int:
-        """Protocol records counted, not imported (``ficache.adopt``'s docstring says why)."""
-        return sum(s.records for s in self.stores)
-
 
 def prepare_store_import(request: ImportRequest) -> StoreImport:
     """Read every v2 store of ``request`` and plan their import; refused under ``fail``."""
@@ -242,7 +231,13 @@ def prepare_store_import(request: ImportRequest) -> StoreImport:
     plan = plan_store_import(stores, scope=request.scope, policy=request.policy)
     plan.check()
     message = ", ".join(str(s.source) for s in stores)
-    return StoreImport(stores, PreparedImport(plan, message, stores_provenance(stores)))
+    return StoreImport(
+        stores,
+        PreparedImport(plan, message, stores_provenance(stores)),
+        sum(s.entries for s in stores),
+        sum(s.skipped_entries for s in stores),
+        sum(s.records for s in stores),
+    )
 
 
 @dataclass(frozen=True)
