@@ -1868,35 +1868,38 @@ def prune_cmd(
         if plan.is_empty:
             click.echo("nothing matches: nothing to prune")
             return
-        from ficache.fingerprint import shown
-
-        click.echo(f"prune plan ({', '.join(f'{k}={v}' for k, v in plan.criteria)}):")
-        with_records = plan.records_total > 0
-        click.echo(
-            _table(
-                ["fingerprint", "gpu", "flashinfer", "scope", "entries"]
-                + (["records"] if with_records else []),
-                (
-                    (
-                        g.fingerprint_id,
-                        shown(g.gpu),
-                        shown(g.flashinfer_version),
-                        g.scope,
-                        g.entries,
-                    )
-                    + ((g.records,) if with_records else ())
-                    for g in plan.groups
-                ),
-            )
-        )
-        what = f"{plan.total} entries" + (
-            f" and {plan.records_total} records" if with_records else ""
-        )
+        what = _echo_prune_plan(plan)
         click.echo(f"{what} would be removed (revertible with `ficache revert`)")
         _confirm_or_stop(f"Remove {what}?", dry_run=dry_run, yes=yes)
         result = plan.execute(reg)
-    records = f" and {result.records_removed} records" if with_records else ""
+    records = f" and {result.records_removed} records" if plan.records_total > 0 else ""
     click.echo(f"removed {result.removed} entries{records} (commit {result.commit_id})")
+
+
+def _echo_prune_plan(plan: Any) -> str:
+    """A prune plan's criteria and table of what it removes; returns what that is, in words."""
+    from ficache.fingerprint import shown
+
+    click.echo(f"prune plan ({', '.join(f'{k}={v}' for k, v in plan.criteria)}):")
+    with_records = plan.records_total > 0
+    click.echo(
+        _table(
+            ["fingerprint", "gpu", "flashinfer", "scope", "entries"]
+            + (["records"] if with_records else []),
+            (
+                (
+                    g.fingerprint_id,
+                    shown(g.gpu),
+                    shown(g.flashinfer_version),
+                    g.scope,
+                    g.entries,
+                )
+                + ((g.records,) if with_records else ())
+                for g in plan.groups
+            ),
+        )
+    )
+    return f"{plan.total} entries" + (f" and {plan.records_total} records" if with_records else "")
 
 
 #: ``revert`` lists this many conflicts in its plan (``--format json`` lists all).
