@@ -33,7 +33,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from ficache import __version__
-from ficache.errors import FicacheError, NotFoundError
+from ficache.errors import FicacheError
 
 T = TypeVar("T")
 CommandT = TypeVar("CommandT", bound=Callable[..., Any])
@@ -645,73 +645,35 @@ def import_cmd(
     one layout, by the same rule; files whose _metadata says "unknown", temp
     files and symlinks that leave ROOT are skipped and counted.
     """
+    from ficache import import_request as ir
     from ficache import ingest
-    from ficache.importing import file_inputs, plan_import
 
-    if from_vllm is not None and from_sglang is not None:
-        raise click.UsageError("give --from-vllm or --from-sglang, not both")
-    engine, root = ("vllm", from_vllm) if from_vllm is not None else ("sglang", from_sglang)
-    if root is not None:
-        option = f"--from-{engine}"
-        if files or fingerprint_ref is not None or scope != "shared":
-            raise click.UsageError(f"{option} takes no FILES, --fingerprint or --scope")
-        if policy != "keep":
-            raise click.UsageError(
-                f"--on-conflict goes with FILES, bundles or v2 stores; {option} keeps the "
-                "later cache's value (v2 store over per-rank files over a single file; the "
-                "newest SGLang run)"
-            )
-        _import_from_vllm(obj, root, layout, dry_run, fmt, engine=engine)
+    request = ir.ImportRequest(
+        files, fingerprint_ref, scope, from_vllm, from_sglang, layout, policy
+    )
+    with _import_usage():
+        kind = request.kind()
+        adoption = ir.prepare_adoption(request) if kind == ir.ADOPTION else None
+    if adoption is not None:
+        _import_from_vllm(obj, adoption, dry_run, fmt)
         return
-    if layout is not None:
-        raise click.UsageError("--layout goes with --from-vllm or --from-sglang")
-    if not files:
-        raise click.UsageError("give FILES to import, or --from-vllm, or --from-sglang")
-    try:
-        kind = ingest.import_kind(files)
-    except ingest.MixedSourcesError as exc:
-        raise click.UsageError(str(exc)) from None
     if kind == ingest.V2_STORE:
-        _import_v2_stores(obj, files, fingerprint_ref, scope, policy, dry_run, fmt)
+        _import_v2_stores(obj, ir.prepare_store_import(request), dry_run, fmt)
         return
     if kind == ingest.BUNDLE:
-        _import_bundles(obj, files, fingerprint_ref, scope, policy, dry_run, fmt)
+        _run_import(obj, fmt, ir.prepare_bundle_import(request), "bundle", dry_run)
         return
-    with _progress(files, "reading files") as items:
-        parsed = ingest.read_files(items)
-    fingerprint_note = (
-        _fingerprint_option_note([(name, cache) for name, cache, _ in parsed])
-        if fingerprint_ref
-        else None
-    )
-
-    def plan_of(fp: Any) -> Any:
-        inputs = file_inputs(
-            [(name, cache) for name, cache, _ in parsed],
-            fingerprint=fp,
-            scope=scope,
-            paths=[path for _, _, path in parsed],
-        )
-        return plan_import(inputs, policy)
-
-    plan = None
-    if fingerprint_ref in (None, "current"):  # planned (and refused) before the registry opens
-        plan = plan_of(_resolve_fingerprint(None, fingerprint_ref) if fingerprint_ref else None)
-        plan.check()
+    with _import_usage(), _progress(files, "reading files") as items:
+        read = ir.read_file_import(request, items)
+    prepared = read.early_plan()
     with _import_registry(obj, dry_run) as reg:
-        if plan is None:
-            if reg is None:
-                raise NotFoundError(
-                    f"no registry at {obj.db or 'the default path'}, so no fingerprint "
-                    f"{fingerprint_ref!r}; see `ficache fingerprints`"
-                )
-            plan = plan_of(_resolve_fingerprint(reg, str(fingerprint_ref)))
-        message = ", ".join(name for name, _, _ in parsed)
-        result = plan.preview(reg) if dry_run else plan.execute(reg, message=message)
-    _report_import(fmt, plan, result, "file", dry_run=dry_run)
-    if fingerprint_note:
-        click.echo(fingerprint_note, err=True)
-    ignored = sum(c.ignored_selections for _, c, _ in parsed)
+        if prepared is None:
+            prepared = read.plan_in(reg, obj.db or "the default path")
+        result = prepared.preview(reg) if dry_run else prepared.execute(reg)
+    _report_import(fmt, prepared.plan, result, "file", dry_run=dry_run)
+    if read.note:
+        click.echo(read.note, err=True)
+    ignored = read.ignored_selections
     if ignored:
         click.echo(
             f"warning: {ignored} entr{'y' if ignored == 1 else 'ies'} held a fourth element that "
@@ -720,26 +682,24 @@ def import_cmd(
         )
 
 
-def _fingerprint_option_note(parsed: Sequence[tuple[str, Any]]) -> str | None:
-    """``import --fingerprint`` names the environment of files without ``_metadata``.
+@contextlib.contextmanager
+def _import_usage() -> Iterator[None]:
+    """An ``import_request.ImportUsageError`` as click's usage error (exit 2)."""
+    from ficache.import_request import ImportUsageError
 
-    Where every file names its own it would do nothing: a usage error. Where
-    some do, the warning to print after the import says which keep theirs.
-    """
-    named = [source for source, cache in parsed if cache.metadata is not None]
-    if len(named) == len(parsed):
-        which = named[0] if len(named) == 1 else "every file given"
-        raise click.UsageError(
-            f"--fingerprint is for files without _metadata, and {which} has one naming its "
-            "environment; drop --fingerprint"
-        )
-    if not named:
-        return None
-    return (
-        f"warning: --fingerprint applied to {len(parsed) - len(named)} file(s) without "
-        f"_metadata; {len(named)} file(s) with _metadata kept the fingerprint it names "
-        f"(first: {named[0]})"
-    )
+    try:
+        yield
+    except ImportUsageError as exc:
+        if exc.param_hint is not None:
+            raise click.BadParameter(str(exc), param_hint=exc.param_hint) from None
+        raise click.UsageError(str(exc)) from None
+
+
+def _run_import(obj: _Context, fmt: str, prepared: Any, source_noun: str, dry_run: bool) -> None:
+    """Preview (``dry_run``) or execute one prepared import, and report it."""
+    with _import_registry(obj, dry_run) as reg:
+        result = prepared.preview(reg) if dry_run else prepared.execute(reg)
+    _report_import(fmt, prepared.plan, result, source_noun, dry_run=dry_run)
 
 
 @contextlib.contextmanager
@@ -852,105 +812,95 @@ def _warn_of_conflicts(plan: Any, source_noun: str) -> None:
     )
 
 
-def _import_from_vllm(
-    obj: _Context, root: str, layout: str | None, dry_run: bool, fmt: str, *, engine: str = "vllm"
-) -> None:
-    """``import --from-vllm`` (or ``--from-sglang``, ``engine="sglang"``): find and read the
-    engine's caches, then one commit (if any).
+def _import_from_vllm(obj: _Context, plan: Any, dry_run: bool, fmt: str) -> None:
+    """``import --from-vllm`` (or ``--from-sglang``): one commit of what
+    ``import_request.prepare_adoption`` found (none when it found nothing).
 
     ``dry_run``: the adoption previewed (``AdoptionPlan.preview``), reading the
     registry only.
     """
-    from ficache.adopt import (
-        ENGINE_NAMES,
-        V2_STORE,
-        KnownLayout,
-        check_vllm_layout,
-        default_sources,
-        plan_adoption,
-        sglang_sources,
-        sources_at,
-    )
-
-    known = None
-    if layout is not None:
-        try:
-            check_vllm_layout(layout)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="'--layout'") from None
-        known = KnownLayout(None, layout)
-    if root:
-        sources = sources_at(root, engine)
-    else:
-        sources = sglang_sources() if engine == "sglang" else default_sources()
-    plan = plan_adoption(sources, known=known)
     result = None
     if not plan.is_empty:
         with _import_registry(obj, dry_run) as reg:
             result = plan.preview(reg) if dry_run else plan.execute(reg)
     if fmt == "json":
-        _dump_json(
-            {
-                "roots": [str(p) for p in (*sources.roots, *sources.v2_roots)],
-                "layouts": [g.as_json() for g in plan.layouts],
-                "v2_environments": [s.as_json() for s in plan.stores],
-                "files": plan.files,
-                "entries": len(plan.entries),
-                "shared": plan.shared,
-                "scoped": plan.scoped,
-                "conflicts": plan.conflicts,
-                "skipped": plan.skipped_count,
-                "records": len(plan.records),
-                "records_shared": plan.records_shared,
-                "records_scoped": plan.records_scoped,
-                "record_conflicts": plan.record_conflicts,
-                "ignored_records": plan.ignored_records,
-                "commit": result.commit_id if result else None,
-                "dry_run": dry_run,
-                "added": result.added if result else 0,
-                "replaced": result.replaced if result else 0,
-                "unchanged": result.unchanged if result else 0,
-                "records_added": result.records_added if result else 0,
-                "records_replaced": result.records_replaced if result else 0,
-                "records_unchanged": result.records_unchanged if result else 0,
-            }
-        )
+        _dump_json(_adoption_json(plan, result, dry_run))
     else:
-        rows = [
-            (g.kind, g.layout, len(g.files), g.shared, g.scoped, g.skipped, g.directory)
-            for g in plan.layouts
-        ]
-        rows += [
-            (V2_STORE, "shared", s.files, s.entries, 0, s.skipped, s.path) for s in plan.stores
-        ]
-        if rows:
-            click.echo(
-                _table(
-                    ["kind", "layout", "files", "shared", "scoped", "skipped", "directory"], rows
-                )
-            )
-        if result is None and not rows:
-            click.echo(f"found nothing to adopt under {sources.display}: {sources.searched_str}")
-        elif result is None:
-            click.echo(f"found nothing to adopt under {sources.display}")
-        else:
-            where = _import_outcome(result, dry_run)
-            held, record_counts = "", ""
-            if plan.records:
-                held = (
-                    f" and {len(plan.records)} records ({plan.records_shared} shared, "
-                    f"{plan.records_scoped} scoped)"
-                )
-                record_counts = (
-                    f"; records {result.records_added} added, {result.records_replaced} "
-                    f"replaced, {result.records_unchanged} unchanged"
-                )
-            click.echo(
-                f"{'would adopt' if dry_run else 'adopted'} {len(plan.entries)} entries ({plan.shared} shared, {plan.scoped} "
-                f"scoped){held} from {plan.files} file(s): {result.added} added, "
-                f"{result.replaced} replaced, {result.unchanged} unchanged{record_counts} "
-                f"({where})"
-            )
+        _echo_adoption(plan, result, dry_run)
+    _warn_of_adoption(plan)
+
+
+def _adoption_json(plan: Any, result: Any, dry_run: bool) -> dict[str, Any]:
+    """``import --from-vllm --format json``: what was found, and what the commit did."""
+    sources = plan.sources
+    return {
+        "roots": [str(p) for p in (*sources.roots, *sources.v2_roots)],
+        "layouts": [g.as_json() for g in plan.layouts],
+        "v2_environments": [s.as_json() for s in plan.stores],
+        "files": plan.files,
+        "entries": len(plan.entries),
+        "shared": plan.shared,
+        "scoped": plan.scoped,
+        "conflicts": plan.conflicts,
+        "skipped": plan.skipped_count,
+        "records": len(plan.records),
+        "records_shared": plan.records_shared,
+        "records_scoped": plan.records_scoped,
+        "record_conflicts": plan.record_conflicts,
+        "ignored_records": plan.ignored_records,
+        "commit": result.commit_id if result else None,
+        "dry_run": dry_run,
+        "added": result.added if result else 0,
+        "replaced": result.replaced if result else 0,
+        "unchanged": result.unchanged if result else 0,
+        "records_added": result.records_added if result else 0,
+        "records_replaced": result.records_replaced if result else 0,
+        "records_unchanged": result.records_unchanged if result else 0,
+    }
+
+
+def _echo_adoption(plan: Any, result: Any, dry_run: bool) -> None:
+    """``import --from-vllm`` as text: a table of what was found, then one summary line."""
+    from ficache.adopt import V2_STORE
+
+    rows = [
+        (g.kind, g.layout, len(g.files), g.shared, g.scoped, g.skipped, g.directory)
+        for g in plan.layouts
+    ]
+    rows += [(V2_STORE, "shared", s.files, s.entries, 0, s.skipped, s.path) for s in plan.stores]
+    if rows:
+        click.echo(
+            _table(["kind", "layout", "files", "shared", "scoped", "skipped", "directory"], rows)
+        )
+    sources = plan.sources
+    if result is None and not rows:
+        click.echo(f"found nothing to adopt under {sources.display}: {sources.searched_str}")
+        return
+    if result is None:
+        click.echo(f"found nothing to adopt under {sources.display}")
+        return
+    where = _import_outcome(result, dry_run)
+    held, record_counts = "", ""
+    if plan.records:
+        held = (
+            f" and {len(plan.records)} records ({plan.records_shared} shared, "
+            f"{plan.records_scoped} scoped)"
+        )
+        record_counts = (
+            f"; records {result.records_added} added, {result.records_replaced} "
+            f"replaced, {result.records_unchanged} unchanged"
+        )
+    click.echo(
+        f"{'would adopt' if dry_run else 'adopted'} {len(plan.entries)} entries ({plan.shared} shared, {plan.scoped} "
+        f"scoped){held} from {plan.files} file(s): {result.added} added, "
+        f"{result.replaced} replaced, {result.unchanged} unchanged{record_counts} "
+        f"({where})"
+    )
+
+
+def _warn_of_adoption(plan: Any) -> None:
+    """An adoption's stderr warnings: what it skipped, conflicts, protocol records left out."""
+    engine_name = plan.sources.engine_name
     if plan.skipped_count:
         click.echo(
             f"warning: skipped {plan.skipped_count} unreadable file(s), entr(ies) or "
@@ -960,14 +910,14 @@ def _import_from_vllm(
     if plan.conflicts:
         click.echo(
             f"warning: {plan.conflicts} entr(ies) held different values in two "
-            f"{ENGINE_NAMES[engine]} caches; "
+            f"{engine_name} caches; "
             "the later cache's value was kept (v2 store over per-rank files over a single file)",
             err=True,
         )
     if plan.record_conflicts:
         click.echo(
             f"warning: {plan.record_conflicts} record(s) held different values in two "
-            f"{ENGINE_NAMES[engine]} caches; the later cache's value was kept",
+            f"{engine_name} caches; the later cache's value was kept",
             err=True,
         )
     if plan.ignored_records:
@@ -985,137 +935,97 @@ _PROTOCOL_RECORDS_WHY = (
 )
 
 
-def _import_v2_stores(
-    obj: _Context,
-    dirs: tuple[Path, ...],
-    fingerprint_ref: str | None,
-    scope: str,
-    policy: str,
-    dry_run: bool,
-    fmt: str,
-) -> None:
-    """``import`` of FlashInfer v2 stores (``ingest.import_kind``): read every one, then one commit."""
-    from ficache.importing import plan_store_import
-    from ficache.ingest import read_stores
-    from ficache.v2_store import measurement_label, stores_provenance
-
-    if fingerprint_ref is not None:
-        raise click.UsageError("a v2 store's manifest names its environments; drop --fingerprint")
-    stores = read_stores(dirs)
-    plan = plan_store_import(stores, scope=scope, policy=policy)
-    plan.check()
+def _import_v2_stores(obj: _Context, read: Any, dry_run: bool, fmt: str) -> None:
+    """``import`` of FlashInfer v2 stores (``import_request.prepare_store_import``): one commit."""
     with _import_registry(obj, dry_run) as reg:
-        if dry_run:
-            result = plan.preview(reg)
-        else:
-            message = ", ".join(str(s.source) for s in stores)
-            result = plan.execute(reg, message=message, provenance=stores_provenance(stores))
-    envs = [env for store in stores for env in store.environments]
-    entries = sum(s.entries for s in stores)
-    skipped_entries = sum(s.skipped_entries for s in stores)
-    skipped_envs = [skip for s in stores for skip in s.skipped_environments]
-    records = sum(s.records for s in stores)
+        result = read.prepared.preview(reg) if dry_run else read.prepared.execute(reg)
     if fmt == "json":
-        _dump_json(
-            {
-                "stores": len(stores),
-                "environments": [
-                    {
-                        "env_hash": e.env_hash,
-                        "fingerprint": e.fingerprint.digest,
-                        "measurement": e.measurement_fields,
-                        "entries": len(e.entries),
-                        "skipped_entries": e.skipped,
-                        "records": e.records,
-                    }
-                    for e in envs
-                ],
-                "entries": entries,
-                "skipped_entries": skipped_entries,
-                "skipped_environments": len(skipped_envs),
-                "ignored_records": records,
-                "commit": result.commit_id,
-                "dry_run": dry_run,
-                "on_conflict": plan.policy,
-                "added": result.added,
-                "replaced": result.replaced,
-                "unchanged": result.unchanged,
-                "duplicates": plan.duplicates,
-                "conflicts": plan.conflicts,
-                "conflicting": _conflicts_json(plan),
-            }
-        )
+        _dump_json(_store_import_json(read, result, dry_run))
     else:
-        if envs:
-            click.echo(
-                _table(
-                    ["environment", "fingerprint", "measurement", "entries", "skipped"],
-                    (
-                        (
-                            e.env_hash,
-                            e.fingerprint.short_digest,
-                            measurement_label(e.measurement_fields),
-                            len(e.entries),
-                            e.skipped,
-                        )
-                        for e in envs
-                    ),
-                )
-            )
-        click.echo(
-            f"{'would import' if dry_run else 'imported'} {entries} entries from {len(envs)} "
-            f"environment(s): {result.added} added, {result.replaced} replaced, "
-            f"{result.unchanged} unchanged{_among_inputs(plan.duplicates, plan.conflicts)} "
-            f"({_import_outcome(result, dry_run)})"
-        )
-    _warn_of_conflicts(plan, "store")
+        _echo_store_import(read, result, dry_run)
+    _warn_of_conflicts(read.prepared.plan, "store")
+    skipped_entries = read.skipped_entries
     if skipped_entries:
-        first = next(s for e in envs for s in e.first_skipped)
         click.echo(
             f"warning: skipped {skipped_entries} malformed entr{'y' if skipped_entries == 1 else 'ies'}"
-            f" (FlashInfer treats them as misses); first: {first}",
+            f" (FlashInfer treats them as misses); first: {read.first_skipped_entry}",
             err=True,
         )
+    skipped_envs = read.skipped_environments
     if skipped_envs:
         click.echo(
             f"warning: skipped {len(skipped_envs)} environment(s) with a malformed manifest; "
             f"first: {skipped_envs[0]}",
             err=True,
         )
-    if records:
+    if read.ignored_records:
         click.echo(
-            f"warning: {records} protocol record(s) were not imported ({_PROTOCOL_RECORDS_WHY})",
+            f"warning: {read.ignored_records} protocol record(s) were not imported "
+            f"({_PROTOCOL_RECORDS_WHY})",
             err=True,
         )
 
 
-def _import_bundles(
-    obj: _Context,
-    files: tuple[Path, ...],
-    fingerprint_ref: str | None,
-    scope: str,
-    policy: str,
-    dry_run: bool,
-    fmt: str,
-) -> None:
-    """``import`` of bundles (``ingest.import_kind``): verify every one, then one commit."""
-    from ficache.importing import bundles_provenance, plan_bundle_import
-    from ficache.ingest import read_bundles
+def _store_import_json(read: Any, result: Any, dry_run: bool) -> dict[str, Any]:
+    """``import STORE... --format json``: every environment read, and what the commit did."""
+    plan = read.prepared.plan
+    return {
+        "stores": len(read.stores),
+        "environments": [
+            {
+                "env_hash": e.env_hash,
+                "fingerprint": e.fingerprint.digest,
+                "measurement": e.measurement_fields,
+                "entries": len(e.entries),
+                "skipped_entries": e.skipped,
+                "records": e.records,
+            }
+            for e in read.environments
+        ],
+        "entries": read.entries,
+        "skipped_entries": read.skipped_entries,
+        "skipped_environments": len(read.skipped_environments),
+        "ignored_records": read.ignored_records,
+        "commit": result.commit_id,
+        "dry_run": dry_run,
+        "on_conflict": plan.policy,
+        "added": result.added,
+        "replaced": result.replaced,
+        "unchanged": result.unchanged,
+        "duplicates": plan.duplicates,
+        "conflicts": plan.conflicts,
+        "conflicting": _conflicts_json(plan),
+    }
 
-    if fingerprint_ref is not None or scope != "shared":
-        raise click.UsageError(
-            "a bundle carries its own fingerprints and scopes; drop --fingerprint/--scope"
+
+def _echo_store_import(read: Any, result: Any, dry_run: bool) -> None:
+    """``import STORE...`` as text: a table of the environments, then one summary line."""
+    from ficache.v2_store import measurement_label
+
+    envs = read.environments
+    plan = read.prepared.plan
+    if envs:
+        click.echo(
+            _table(
+                ["environment", "fingerprint", "measurement", "entries", "skipped"],
+                (
+                    (
+                        e.env_hash,
+                        e.fingerprint.short_digest,
+                        measurement_label(e.measurement_fields),
+                        len(e.entries),
+                        e.skipped,
+                    )
+                    for e in envs
+                ),
+            )
         )
-    bundles = read_bundles(files)
-    plan = plan_bundle_import(bundles, policy)
-    plan.check()
-    with _import_registry(obj, dry_run) as reg:
-        if dry_run:
-            result = plan.preview(reg)
-        else:
-            message = ", ".join(source for source, _ in bundles)
-            result = plan.execute(reg, message=message, provenance=bundles_provenance(bundles))
-    _report_import(fmt, plan, result, "bundle", dry_run=dry_run)
+    click.echo(
+        f"{'would import' if dry_run else 'imported'} {read.entries} entries from {len(envs)} "
+        f"environment(s): {result.added} added, {result.replaced} replaced, "
+        f"{result.unchanged} unchanged{_among_inputs(plan.duplicates, plan.conflicts)} "
+        f"({_import_outcome(result, dry_run)})"
+    )
 
 
 @cli.command("export")
@@ -1958,35 +1868,38 @@ def prune_cmd(
         if plan.is_empty:
             click.echo("nothing matches: nothing to prune")
             return
-        from ficache.fingerprint import shown
-
-        click.echo(f"prune plan ({', '.join(f'{k}={v}' for k, v in plan.criteria)}):")
-        with_records = plan.records_total > 0
-        click.echo(
-            _table(
-                ["fingerprint", "gpu", "flashinfer", "scope", "entries"]
-                + (["records"] if with_records else []),
-                (
-                    (
-                        g.fingerprint_id,
-                        shown(g.gpu),
-                        shown(g.flashinfer_version),
-                        g.scope,
-                        g.entries,
-                    )
-                    + ((g.records,) if with_records else ())
-                    for g in plan.groups
-                ),
-            )
-        )
-        what = f"{plan.total} entries" + (
-            f" and {plan.records_total} records" if with_records else ""
-        )
+        what = _echo_prune_plan(plan)
         click.echo(f"{what} would be removed (revertible with `ficache revert`)")
         _confirm_or_stop(f"Remove {what}?", dry_run=dry_run, yes=yes)
         result = plan.execute(reg)
-    records = f" and {result.records_removed} records" if with_records else ""
+    records = f" and {result.records_removed} records" if plan.records_total > 0 else ""
     click.echo(f"removed {result.removed} entries{records} (commit {result.commit_id})")
+
+
+def _echo_prune_plan(plan: Any) -> str:
+    """A prune plan's criteria and table of what it removes; returns what that is, in words."""
+    from ficache.fingerprint import shown
+
+    click.echo(f"prune plan ({', '.join(f'{k}={v}' for k, v in plan.criteria)}):")
+    with_records = plan.records_total > 0
+    click.echo(
+        _table(
+            ["fingerprint", "gpu", "flashinfer", "scope", "entries"]
+            + (["records"] if with_records else []),
+            (
+                (
+                    g.fingerprint_id,
+                    shown(g.gpu),
+                    shown(g.flashinfer_version),
+                    g.scope,
+                    g.entries,
+                )
+                + ((g.records,) if with_records else ())
+                for g in plan.groups
+            ),
+        )
+    )
+    return f"{plan.total} entries" + (f" and {plan.records_total} records" if with_records else "")
 
 
 #: ``revert`` lists this many conflicts in its plan (``--format json`` lists all).

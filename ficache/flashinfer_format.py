@@ -246,6 +246,10 @@ def _parse_literal(text: str) -> tuple[Any, list[tuple[int, int]]]:
 
     Accepts strings, numbers, bare dotted names and nested tuples/lists;
     anything else (calls, operators, subscripts) raises ``ValueError``.
+
+    One body on purpose: every key of every import is parsed here, one
+    character class at a time in a single loop with its explicit stack;
+    splitting the branches into functions would add a call per token.
     """
     stack: list[list[Any]] = []
     starts: list[int] = []
@@ -587,6 +591,10 @@ def _read_entries(top: dict[str, Any]) -> tuple[list[FileEntry], list[str], int]
     shape of key, a dict-looking or deeply nested tactic, a non-finite
     number, a malformed value) goes to ``_check_entry``, which accepts it or
     names the problem.
+
+    It is one body on purpose: it is the per-entry loop of every import
+    (100k entries and more), and a helper called per entry would cost a call
+    on each; the slow, rare cases are already ``_check_entry``'s.
     """
     entries: list[FileEntry] = []
     problems: list[str] = []

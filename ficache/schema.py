@@ -528,6 +528,11 @@ def translate_operational_error(
     ``engine`` (the one that failed) gives the lock wait a busy error states
     (else the default, ``BUSY_TIMEOUT_MS``); ``waited_s`` and ``attempts``,
     where the caller measured them, how long it actually waited.
+
+    One body on purpose: it is the one table from a driver's error (SQLite's
+    and PostgreSQL's, by exception class and message text) to ficache's
+    classes and their remedies, read top to bottom in the order the cases
+    are tried, where the first match wins.
     """
     message = str(exc.orig) if getattr(exc, "orig", None) is not None else str(exc)
     lowered = message.lower()

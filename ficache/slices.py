@@ -312,25 +312,76 @@ def _export(
     warnings: list[str] = []
     per_rank = [shared] * world
     if scoped_entries:
-        per_rank = [reg.slice_rows(ids, [SHARED_SCOPE, scope]) for scope in scopes]
-        counts = [len(rows) for rows in per_rank]
-        if symmetric and len(set(counts)) > 1:
-            warnings.append(
-                f"rank-scoped entries of layout {layout!r} differ in number between ranks "
-                f"({', '.join(map(str, counts))}); loading shared entries only, so that every "
-                "rank tunes the same keys"
-            )
-            per_rank = [shared] * world
+        per_rank = _symmetric_rows(reg, ids, scopes, shared, layout, symmetric, warnings)
     rank_records = [shared_records] * world
     if scoped_records:
-        rank_records = [reg.slice_records(ids, [SHARED_SCOPE, scope]) for scope in scopes]
-        keys = {frozenset((ns, k) for ns, by in recs.items() for k in by) for recs in rank_records}
-        if symmetric and len(keys) > 1:
-            warnings.append(
-                f"rank-scoped records of layout {layout!r} differ in their keys between ranks; "
-                "loading shared records only, so that every rank tunes the same keys"
-            )
-            rank_records = [shared_records] * world
+        rank_records = _symmetric_records(
+            reg, ids, scopes, shared_records, layout, symmetric, warnings
+        )
+    overlays = _overlays(metadata, shared, shared_records, per_rank, rank_records)
+    return RankSlices(
+        base,
+        tuple(overlays),
+        tuple(len(rows) for rows in per_rank),
+        ids,
+        state,
+        warnings=tuple(warnings),
+        record_counts=tuple(_record_count(records) for records in rank_records),
+    )
+
+
+def _symmetric_rows(
+    reg: Registry,
+    ids: tuple[int, ...],
+    scopes: list[str],
+    shared: Any,
+    layout: str,
+    symmetric: bool,
+    warnings: list[str],
+) -> list[Any]:
+    """Each rank's entries (shared and its own scope); with ``symmetric``, the shared
+    ones only where ranks would hold different numbers (a warning says so)."""
+    per_rank = [reg.slice_rows(ids, [SHARED_SCOPE, scope]) for scope in scopes]
+    counts = [len(rows) for rows in per_rank]
+    if symmetric and len(set(counts)) > 1:
+        warnings.append(
+            f"rank-scoped entries of layout {layout!r} differ in number between ranks "
+            f"({', '.join(map(str, counts))}); loading shared entries only, so that every "
+            "rank tunes the same keys"
+        )
+        return [shared] * len(scopes)
+    return per_rank
+
+
+def _symmetric_records(
+    reg: Registry,
+    ids: tuple[int, ...],
+    scopes: list[str],
+    shared_records: dict[str, dict[str, str]],
+    layout: str,
+    symmetric: bool,
+    warnings: list[str],
+) -> list[dict[str, dict[str, str]]]:
+    """Each rank's records, as ``_symmetric_rows`` its entries (keys, not numbers, compared)."""
+    rank_records = [reg.slice_records(ids, [SHARED_SCOPE, scope]) for scope in scopes]
+    keys = {frozenset((ns, k) for ns, by in recs.items() for k in by) for recs in rank_records}
+    if symmetric and len(keys) > 1:
+        warnings.append(
+            f"rank-scoped records of layout {layout!r} differ in their keys between ranks; "
+            "loading shared records only, so that every rank tunes the same keys"
+        )
+        return [shared_records] * len(scopes)
+    return rank_records
+
+
+def _overlays(
+    metadata: Any,
+    shared: Any,
+    shared_records: dict[str, dict[str, str]],
+    per_rank: list[Any],
+    rank_records: list[dict[str, dict[str, str]]],
+) -> list[str | None]:
+    """Each rank's overlay over the shared base, None where it adds nothing."""
     overlays: list[str | None] = []
     for rows, records in zip(per_rank, rank_records, strict=True):
         # A rank's slice holds every shared key (more scopes only add candidates),
@@ -341,15 +392,7 @@ def _export(
             overlays.append(render_cache(metadata, differ, records))
         else:
             overlays.append(None)
-    return RankSlices(
-        base,
-        tuple(overlays),
-        tuple(len(rows) for rows in per_rank),
-        ids,
-        state,
-        warnings=tuple(warnings),
-        record_counts=tuple(_record_count(records) for records in rank_records),
-    )
+    return overlays
 
 
 def _record_count(records: dict[str, dict[str, str]]) -> int:

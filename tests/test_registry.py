@@ -829,3 +829,51 @@ def test_bulk_new_entry_builds_the_same_entry_as_the_constructor() -> None:
     assert "runner='CutlassRunner'" in repr(fast)
     with pytest.raises(AttributeError):
         fast.key = "other"  # type: ignore[misc]
+
+
+def test_an_import_request_decides_its_import_refusals_and_prepared_commit(
+    reg: Registry, registry_db: str, dump_db, tmp_path
+) -> None:
+    from ficache import ingest
+    from ficache.import_request import (
+        ADOPTION,
+        ImportRequest,
+        ImportUsageError,
+        read_file_import,
+    )
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    for path, tactic in ((a, 1), (b, 2)):
+        data = {"_metadata": H200.flashinfer_metadata(), key(1): ["CutlassRunner", tactic]}
+        path.write_text(json.dumps(data))
+    with pytest.raises(ImportUsageError, match="not both"):
+        ImportRequest(from_vllm="", from_sglang="").kind()
+    with pytest.raises(ImportUsageError, match="takes no FILES"):
+        ImportRequest(files=(a,), from_vllm="").kind()
+    with pytest.raises(ImportUsageError, match="^--on-conflict goes with FILES"):
+        ImportRequest(from_sglang="", policy="vote").kind()
+    with pytest.raises(ImportUsageError, match="--layout goes with") as raised:
+        ImportRequest(files=(a,), layout="tp2-pp1-dp1-ep1").kind()
+    assert raised.value.param_hint is None
+    with pytest.raises(ImportUsageError, match="separate commands"):
+        ImportRequest(files=(a, tmp_path)).kind()
+    assert ImportRequest(from_vllm=str(tmp_path)).kind() == ADOPTION
+    assert ImportRequest(files=(a, b)).kind() == ingest.FLASHINFER
+    with pytest.raises(ImportUsageError, match="every file given has one"):
+        read_file_import(ImportRequest(files=(a, b), fingerprint_ref="1"))
+
+    read = read_file_import(ImportRequest(files=(a, b), policy="theirs"))
+    prepared = read.early_plan()
+    assert prepared is not None and read.note is None
+    assert prepared.message == f"{a}, {b}"
+    before = dump_db(registry_db)
+    preview = prepared.preview(reg)
+    assert dump_db(registry_db) == before
+    assert (prepared.plan.entries, prepared.plan.conflicts, preview.added) == (2, 1, 1)
+    result = prepared.execute(reg)
+    assert (result.added, result.replaced, result.unchanged) == (1, 0, 0)
+    assert {k: t for (_f, _s, k), t in current(reg).items()} == {key(1): "2"}
+    assert reg.log()[0].message == f"{a}, {b}"
+    failing = read_file_import(ImportRequest(files=(a, b), policy="fail"))
+    with pytest.raises(MergeConflictError):
+        failing.early_plan()
