@@ -59,6 +59,7 @@ from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import render_cache
 from ficache.migration_files import declared_head
 from ficache.publish import publish
+from ficache.scopes import SHARED_SCOPE, rank_scope
 
 if TYPE_CHECKING:
     from ficache.registry import Registry
@@ -288,9 +289,6 @@ def export_slices(
 def _export(
     reg: Registry, current: Fingerprint, layout: str, world: int, state: State, *, symmetric: bool
 ) -> RankSlices:
-    from ficache.models import SHARED_SCOPE
-    from ficache.registry import rank_scope
-
     metadata = current.flashinfer_metadata()
     ids = tuple(info.id for info in reg.serving(current))
     if not ids:
