@@ -79,6 +79,7 @@ from ficache import (
     stored_entries,
     stored_fingerprints,
 )
+from ficache import protocol_records as proto
 from ficache import records as rec
 from ficache._gcpause import paused_gc
 from ficache._interrupts import HeldInterrupts
@@ -92,7 +93,7 @@ from ficache.errors import (
 from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import CacheFile
 from ficache.kind_store import COMMIT_KINDS as COMMIT_KINDS  # re-exported
-from ficache.kinds import ENTRY_KIND, RECORD_KIND
+from ficache.kinds import ENTRY_KIND, PROTOCOL_KIND, RECORD_KIND
 from ficache.models import (
     ENTRY_VALUE_COLUMNS,
     SHARED_SCOPE,
@@ -423,6 +424,7 @@ class Registry:
         expected: Expected | None = None,
         keep_existing: bool = False,
         records: rec.RecordWrite | Iterable[rec.NewRecord] = (),
+        protocol_records: proto.ProtocolWrite | Iterable[proto.NewProtocolRecord] = (),
         reverts_commit_id: int | None = None,
         once_token: str | None = None,
         token_is_new: bool = False,
@@ -445,7 +447,9 @@ class Registry:
         expected commits) are written in the same transaction and commit,
         under the same rules (``ficache.records``); a write that changes
         only records is a commit too. Invalid records raise ``RecordError``
-        before anything is written. ``reverts_commit_id``: the commit a
+        before anything is written. ``protocol_records`` (``NewProtocolRecord``s, or a
+        ``ProtocolWrite``) likewise, for FlashInfer 0.7.4's protocol records
+        (``ficache.protocol_records``). ``reverts_commit_id``: the commit a
         ``revert`` write undoes (``ficache.revert``).
         ``once_token``: the write lands at most once for this token. The token
         is stored in the commit's provenance (``commit_log.TOKEN_FIELD``), and
@@ -464,6 +468,12 @@ class Registry:
             records if isinstance(records, rec.RecordWrite) else rec.RecordWrite(tuple(records))
         )
         record_write.validate()
+        protocol_write = (
+            protocol_records
+            if isinstance(protocol_records, proto.ProtocolWrite)
+            else proto.ProtocolWrite(tuple(protocol_records))
+        )
+        protocol_write.validate()
         self._once = None if once_token is None or token_is_new else (once_token, kind)
         try:
             with paused_gc():  # a large write allocates many small objects, no cycles
@@ -478,6 +488,7 @@ class Registry:
                     expected=expected,
                     keep_existing=keep_existing,
                     record_write=record_write,
+                    protocol_write=protocol_write,
                     reverts_commit_id=reverts_commit_id,
                 )
         finally:
@@ -496,6 +507,7 @@ class Registry:
         expected: Expected | None,
         keep_existing: bool,
         record_write: rec.RecordWrite = rec.RecordWrite(),  # noqa: B008 - frozen, never mutated
+        protocol_write: proto.ProtocolWrite = proto.ProtocolWrite(),  # noqa: B008 - frozen
         reverts_commit_id: int | None = None,
     ) -> WriteResult:
         """``write``'s body, run with the garbage collector paused: each kind's
@@ -504,6 +516,12 @@ class Registry:
             kind_store.prepare(ENTRY_KIND, entries, removals, expected),
             kind_store.prepare(
                 RECORD_KIND, record_write.records, record_write.removals, record_write.expected
+            ),
+            kind_store.prepare(
+                PROTOCOL_KIND,
+                protocol_write.records,
+                protocol_write.removals,
+                protocol_write.expected,
             ),
         )
         if all(p.is_empty for p in prepared):
@@ -520,10 +538,11 @@ class Registry:
                 raise _NothingToWrite(
                     WriteResult(
                         None,
-                        unchanged=counts["unchanged"],
-                        kept=counts["kept"],
-                        records_unchanged=counts["records_unchanged"],
-                        records_kept=counts["records_kept"],
+                        **{
+                            k.result_field(what): counts[k.result_field(what)]
+                            for k in (ENTRY_KIND, RECORD_KIND, PROTOCOL_KIND)
+                            for what in ("unchanged", "kept")
+                        },
                     )
                 )
             commit_id = kind_store.new_commit(

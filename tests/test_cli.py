@@ -598,7 +598,7 @@ def test_stats(cli, populated: str) -> None:
 
     assert result.stdout.splitlines() == [
         f"registry         {schema.resolve(str(populated)).display}",
-        "schema revision  0008_start_counts",
+        "schema revision  0009_protocol_records",
         f"size             {stats.size_bytes} bytes",
         "fingerprints     1",
         "entries          2 (2 shared, 0 rank-scoped)",
@@ -1168,7 +1168,7 @@ def test_revert_plan_shows_the_first_conflicts(cli, cache_file, registry_db: str
 @both_backends
 def test_db_commands(cli, populated: str, tmp_path: Path) -> None:
     assert cli("db", "current").stdout == (
-        "0008_start_counts (head 0008_start_counts: up to date)\n"
+        "0009_protocol_records (head 0009_protocol_records: up to date)\n"
     )
     assert cli("db", "history", db=None).stdout.splitlines() == [
         "revision            down                title",
@@ -1262,7 +1262,7 @@ def test_db_is_taken_after_the_subcommand_and_wins_there(
         assert before.exit_code == 0
         after = cli(*args, "--db", populated, db=None)
         assert (after.exit_code, after.stdout, after.stderr) == (0, before.stdout, "")
-    assert cli("db", "current", "--db", populated, db=None).stdout.startswith("0008_start_counts")
+    assert cli("db", "current", "--db", populated, db=None).stdout.startswith("0009_protocol_records")
 
     other = tmp_path / "other.db"
     data = cache_file("b.json", {K64: ["Runner", 5]}, metadata=META)
@@ -1496,7 +1496,7 @@ def test_a_newer_schema_is_refused(cli, populated: Path, cache_file) -> None:
     one_error_line(
         result,
         f"registry {populated} has schema revision '0099_future', newer than this ficache knows "
-        "(head '0008_start_counts'); upgrade ficache (pip install -U ficache)",
+        "(head '0009_protocol_records'); upgrade ficache (pip install -U ficache)",
     )
     assert populated.read_bytes() == before
 
