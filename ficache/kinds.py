@@ -379,6 +379,7 @@ RECORD_KIND = Kind(
     make_item=_record_item,
 )
 
+
 def _protocol_item(
     fp: Fingerprint,
     scope: str,
