@@ -632,7 +632,7 @@ def import_cmd(
     environment directory under root/v2/. Every environment is imported with
     its fingerprint and measurement policy; malformed entries are skipped and
     counted, as FlashInfer treats them as misses; protocol records (FlashInfer
-    0.7.4+) are counted, not imported: FlashInfer keeps them apart from _records.
+    0.7.4+) are stored as protocol records, shared, apart from _records.
 
     --from-vllm adopts what vLLM already tuned: its autotune files (one per
     deployment in vLLM 0.27-0.31, one per rank since 0.32) and its v2 store.
@@ -913,6 +913,17 @@ def _import_from_vllm(
                 "records_added": result.records_added if result else 0,
                 "records_replaced": result.records_replaced if result else 0,
                 "records_unchanged": result.records_unchanged if result else 0,
+                **(
+                    {
+                        "protocol_records": len(plan.protocol_records),
+                        "protocol_conflicts": plan.protocol_conflicts,
+                        "protocol_added": result.protocol_added if result else 0,
+                        "protocol_replaced": result.protocol_replaced if result else 0,
+                        "protocol_unchanged": result.protocol_unchanged if result else 0,
+                    }
+                    if plan.protocol_records
+                    else {}
+                ),
             }
         )
     else:
@@ -945,6 +956,12 @@ def _import_from_vllm(
                     f"; records {result.records_added} added, {result.records_replaced} "
                     f"replaced, {result.records_unchanged} unchanged"
                 )
+            if plan.protocol_records:
+                held += f" and {len(plan.protocol_records)} protocol records (shared)"
+                record_counts += (
+                    f"; protocol records {result.protocol_added} added, "
+                    f"{result.protocol_replaced} replaced, {result.protocol_unchanged} unchanged"
+                )
             click.echo(
                 f"{'would adopt' if dry_run else 'adopted'} {len(plan.entries)} entries ({plan.shared} shared, {plan.scoped} "
                 f"scoped){held} from {plan.files} file(s): {result.added} added, "
@@ -970,19 +987,12 @@ def _import_from_vllm(
             f"{ENGINE_NAMES[engine]} caches; the later cache's value was kept",
             err=True,
         )
-    if plan.ignored_records:
+    if plan.protocol_conflicts:
         click.echo(
-            f"warning: {plan.ignored_records} v2 protocol record(s) were not imported ("
-            f"{_PROTOCOL_RECORDS_WHY})",
+            f"warning: {plan.protocol_conflicts} protocol record(s) held different values in "
+            "two v2 stores; the later store's value was kept",
             err=True,
         )
-
-
-#: Why v2 protocol records are counted, not imported (``ficache.adopt``'s docstring).
-_PROTOCOL_RECORDS_WHY = (
-    "FlashInfer keeps them apart from the _records that ficache stores, and they stay in "
-    "the store it serves them from"
-)
 
 
 def _import_v2_stores(
@@ -1016,6 +1026,18 @@ def _import_v2_stores(
     skipped_envs = [skip for s in stores for skip in s.skipped_environments]
     records = sum(s.records for s in stores)
     if fmt == "json":
+        protocol = (
+            {
+                "protocol_records": {
+                    "read": plan.protocol_records,
+                    "added": result.protocol_added,
+                    "replaced": result.protocol_replaced,
+                    "unchanged": result.protocol_unchanged,
+                }
+            }
+            if records
+            else {}
+        )
         _dump_json(
             {
                 "stores": len(stores),
@@ -1033,7 +1055,8 @@ def _import_v2_stores(
                 "entries": entries,
                 "skipped_entries": skipped_entries,
                 "skipped_environments": len(skipped_envs),
-                "ignored_records": records,
+                "ignored_records": 0,
+                **protocol,
                 "commit": result.commit_id,
                 "dry_run": dry_run,
                 "on_conflict": plan.policy,
@@ -1068,6 +1091,13 @@ def _import_v2_stores(
             f"{result.unchanged} unchanged{_among_inputs(plan.duplicates, plan.conflicts)} "
             f"({_import_outcome(result, dry_run)})"
         )
+        if records:
+            among = _among_inputs(plan.protocol_duplicates, plan.protocol_conflicts)
+            click.echo(
+                f"{'would import' if dry_run else 'imported'} {records} protocol records (shared): "
+                f"{result.protocol_added} added, {result.protocol_replaced} replaced, "
+                f"{result.protocol_unchanged} unchanged{among}"
+            )
     _warn_of_conflicts(plan, "store")
     if skipped_entries:
         first = next(s for e in envs for s in e.first_skipped)
@@ -1080,11 +1110,6 @@ def _import_v2_stores(
         click.echo(
             f"warning: skipped {len(skipped_envs)} environment(s) with a malformed manifest; "
             f"first: {skipped_envs[0]}",
-            err=True,
-        )
-    if records:
-        click.echo(
-            f"warning: {records} protocol record(s) were not imported ({_PROTOCOL_RECORDS_WHY})",
             err=True,
         )
 
@@ -1288,8 +1313,10 @@ def _export_v2_store(
         if export.not_preloadable
         else ""
     )
+    n_protocol = export.protocol_records
+    protocol = f" and {n_protocol} protocol records" if n_protocol else ""
     click.echo(
-        f"exported {len(export.files)} entries to {result.env_dir} "
+        f"exported {len(export.files) - n_protocol} entries{protocol} to {result.env_dir} "
         f"(measurement policy {measurement_label(export.measurement)}): "
         f"{result.written} written, {result.unchanged} unchanged{lazy}"
     )
