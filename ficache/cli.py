@@ -794,6 +794,18 @@ def _report_import(
                 "records_conflicts": plan.records_conflicts,
                 "conflicting": _conflicts_json(plan),
                 "conflicting_records": _conflicts_json(plan, records=True),
+                **(
+                    {
+                        "protocol_records": plan.protocol_records,
+                        "protocol_added": result.protocol_added,
+                        "protocol_replaced": result.protocol_replaced,
+                        "protocol_unchanged": result.protocol_unchanged,
+                        "protocol_duplicates": plan.protocol_duplicates,
+                        "protocol_conflicts": plan.protocol_conflicts,
+                    }
+                    if plan.protocol_records
+                    else {}
+                ),
             }
         )
     else:
@@ -804,6 +816,8 @@ def _report_import(
             if records
             else f"{plan.entries} entries"
         )
+        if plan.protocol_records:
+            held += f" and {plan.protocol_records} protocol records"
         record_counts = (
             f"; records {result.records_added} added, {result.records_replaced} replaced, "
             f"{result.records_unchanged} unchanged"
@@ -811,6 +825,12 @@ def _report_import(
             if records
             else ""
         )
+        if plan.protocol_records:
+            record_counts += (
+                f"; protocol records {result.protocol_added} added, {result.protocol_replaced} "
+                f"replaced, {result.protocol_unchanged} unchanged"
+                + _among_inputs(plan.protocol_duplicates, plan.protocol_conflicts)
+            )
         verb = "would import" if dry_run else "imported"
         click.echo(
             f"{verb} {held} from {len(plan.sources)} {source_noun}(s): {result.added} added, "
@@ -1350,6 +1370,8 @@ def _export_bundle(
     if _is_stdout(path):
         _write_output(path, data)
     records = f" and {summary.records} records" if summary.records else ""
+    if summary.protocol_records:
+        records += f" and {summary.protocol_records} protocol records"
     click.echo(
         f"wrote bundle {_output_name(path)}: {summary.entries} entries{records} of "
         f"{summary.fingerprints} fingerprint(s), {summary.size_bytes} bytes, "

@@ -8,7 +8,7 @@ registry. (A FlashInfer file is ``Registry.export_for`` / ``export_text``.)
 
 Invariants:
 - It only reads the registry: an export never writes to it.
-- A bundle is the entries and records of the selected fingerprints (all:
+- A bundle is the entries, records and protocol records of the selected fingerprints (all:
   ``None``); an unknown fingerprint id, or a selection that holds nothing,
   is ``NotFoundError``; content a bundle cannot carry is ``BundleError``,
   and nothing is written.
@@ -32,7 +32,7 @@ from pathlib import Path
 from ficache.bundle import BundleSummary, Records, encode_bundle, publish_bundle
 from ficache.errors import NotFoundError
 from ficache.models import SHARED_SCOPE
-from ficache.protocol_records import stored_protocol_records
+from ficache.protocol_records import NewProtocolRecord, protocol_values, stored_protocol_records
 from ficache.records import record_values
 from ficache.registry import NewEntry, Registry, validate_scope
 from ficache.v2_store import StoreExport, export_measurement, measurements_in, store_export
@@ -75,7 +75,8 @@ def bundle_bytes(
     rows = registry.entry_values(sorted(by_id))
     with registry.engine.connect() as conn:
         stored_records = record_values(conn, sorted(by_id))
-    if not rows and not stored_records:
+        stored_protocol = protocol_values(conn, sorted(by_id))
+    if not rows and not stored_records and not stored_protocol:
         raise NotFoundError(
             "no entries to bundle in the selected fingerprints; see `ficache fingerprints`"
         )
@@ -88,7 +89,13 @@ def bundle_bytes(
         by_scope = records.setdefault(by_id[fid].digest, {})
         by_scope.setdefault(scope, {}).setdefault(ns, {})[key] = json.loads(value)
     record_fingerprints = [by_id[fid] for fid, *_rest in stored_records]
-    return encode_bundle(entries, records, record_fingerprints, path=path)
+    protocol = [
+        NewProtocolRecord(by_id[fid], ns, key, value, policy, scope, tuned_at)
+        for fid, scope, ns, key, value, policy, tuned_at in stored_protocol
+    ]
+    return encode_bundle(
+        entries, records, record_fingerprints, path=path, protocol_records=protocol
+    )
 
 
 def recorded_measurements(registry: Registry) -> dict[str, dict[str, str]]:

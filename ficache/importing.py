@@ -320,6 +320,7 @@ def plan_bundle_import(bundles: Sequence[tuple[str, Bundle]], policy: str = "kee
                 source,
                 tuple(b.entries),
                 tuple(bundle_records(b, tuned_time.tuned_at(None, source))),
+                b.protocol_records,
             )
             for source, b in bundles
         ],
@@ -328,7 +329,8 @@ def plan_bundle_import(bundles: Sequence[tuple[str, Bundle]], policy: str = "kee
 
 
 def bundles_provenance(bundles: Sequence[tuple[str, Bundle]]) -> dict[str, Any]:
-    """An import commit's provenance: every bundle by digest."""
+    """An import commit's provenance: every bundle by digest (``protocol_records`` only for
+    a bundle that holds some)."""
     return {
         "bundles": [
             {
@@ -336,6 +338,7 @@ def bundles_provenance(bundles: Sequence[tuple[str, Bundle]]) -> dict[str, Any]:
                 "format_version": b.format_version,
                 "entries": len(b.entries),
                 "records": int(b.provenance["records"]),
+                **({"protocol_records": len(b.protocol_records)} if b.protocol_records else {}),
             }
             for _source, b in bundles
         ]

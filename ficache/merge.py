@@ -215,6 +215,7 @@ def _open_source(text: str) -> MergeSource:
             read.digest,
             tuple(read.entries),
             records=tuple(bundle_records(read, tuned_time.tuned_at(None, path))),
+            protocol_records=read.protocol_records,
         )
     return _flashinfer_source(path)
 
