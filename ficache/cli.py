@@ -872,6 +872,20 @@ def _warn_of_conflicts(plan: Any, source_noun: str) -> None:
     )
 
 
+def _adopted_protocol_json(plan: Any, result: Any) -> dict[str, int]:
+    """An adoption report's protocol record counts; empty when it found none (the report of
+    an adoption without them is what it was before they were adopted)."""
+    if not plan.protocol_records:
+        return {}
+    return {
+        "protocol_records": len(plan.protocol_records),
+        "protocol_conflicts": plan.protocol_conflicts,
+        "protocol_added": result.protocol_added if result else 0,
+        "protocol_replaced": result.protocol_replaced if result else 0,
+        "protocol_unchanged": result.protocol_unchanged if result else 0,
+    }
+
+
 def _import_from_vllm(
     obj: _Context, root: str, layout: str | None, dry_run: bool, fmt: str, *, engine: str = "vllm"
 ) -> None:
@@ -879,7 +893,8 @@ def _import_from_vllm(
     engine's caches, then one commit (if any).
 
     ``dry_run``: the adoption previewed (``AdoptionPlan.preview``), reading the
-    registry only.
+    registry only. Over the guide's length: one JSON report and one text report, each
+    field in the order users' scripts read it.
     """
     from ficache.adopt import (
         ENGINE_NAMES,
@@ -933,17 +948,7 @@ def _import_from_vllm(
                 "records_added": result.records_added if result else 0,
                 "records_replaced": result.records_replaced if result else 0,
                 "records_unchanged": result.records_unchanged if result else 0,
-                **(
-                    {
-                        "protocol_records": len(plan.protocol_records),
-                        "protocol_conflicts": plan.protocol_conflicts,
-                        "protocol_added": result.protocol_added if result else 0,
-                        "protocol_replaced": result.protocol_replaced if result else 0,
-                        "protocol_unchanged": result.protocol_unchanged if result else 0,
-                    }
-                    if plan.protocol_records
-                    else {}
-                ),
+                **_adopted_protocol_json(plan, result),
             }
         )
     else:
@@ -1024,7 +1029,10 @@ def _import_v2_stores(
     dry_run: bool,
     fmt: str,
 ) -> None:
-    """``import`` of FlashInfer v2 stores (``ingest.import_kind``): read every one, then one commit."""
+    """``import`` of FlashInfer v2 stores (``ingest.import_kind``): read every one, then one commit.
+
+    Over the guide's length: the JSON and the text report, with their warnings, side by side.
+    """
     from ficache.importing import plan_store_import
     from ficache.ingest import read_stores
     from ficache.v2_store import measurement_label, stores_provenance
@@ -1407,7 +1415,15 @@ def _export_bundle(
     is_flag=True,
     help="List FlashInfer's namespaced records (_records) instead of entries.",
 )
-@click.option("--namespace", help="With --records: only records of this namespace.")
+@click.option(
+    "--protocol-records",
+    "show_protocol",
+    is_flag=True,
+    help="List FlashInfer 0.7.4's protocol records instead of entries.",
+)
+@click.option(
+    "--namespace", help="With --records or --protocol-records: only records of this namespace."
+)
 @FORMAT
 @pass_ctx
 def list_cmd(
@@ -1419,20 +1435,31 @@ def list_cmd(
     scope: str | None,
     limit: int | None,
     show_records: bool,
+    show_protocol: bool,
     namespace: str | None,
     fmt: str,
 ) -> None:
-    """List stored entries, or with --records the namespaced records."""
+    """List stored entries, or with --records the namespaced records, or with
+    --protocol-records FlashInfer 0.7.4's protocol records."""
     from ficache.catalog import stored_filter_misses
 
+    if show_records and show_protocol:
+        raise click.UsageError("give --records or --protocol-records, not both")
+    if show_protocol and (op is not None or gpu is not None or flashinfer_version is not None):
+        raise click.UsageError(
+            "--protocol-records takes --fingerprint, --scope, --namespace and --limit"
+        )
     if show_records and (op is not None or gpu is not None or flashinfer_version is not None):
         raise click.UsageError("--records takes --fingerprint, --scope, --namespace and --limit")
-    if namespace is not None and not show_records:
+    if namespace is not None and not (show_records or show_protocol):
         raise click.UsageError("--namespace goes with --records")
     with obj.registry(create=False, write=False) as reg:
         ids = [reg.fingerprint(fingerprint_ref).id] if fingerprint_ref else None
         if show_records:
             _list_records(reg, ids, scope, namespace, limit, fmt)
+            return
+        if show_protocol:
+            _list_protocol_records(reg, ids, scope, namespace, limit, fmt)
             return
         field_filters = {"gpu": gpu, "flashinfer_version": flashinfer_version}
         notes = _filter_miss_notes(stored_filter_misses(reg, field_filters, ids), ids)
@@ -1553,6 +1580,50 @@ def _list_records(
     )
 
 
+def _list_protocol_records(
+    reg: Any,
+    ids: list[int] | None,
+    scope: str | None,
+    namespace: str | None,
+    limit: int | None,
+    fmt: str,
+) -> None:
+    """``list --protocol-records``: one row per stored protocol record."""
+    from itertools import islice
+
+    from ficache.protocol_records import stored_protocol_records
+
+    with reg.engine.connect() as conn:
+        found = stored_protocol_records(conn, fingerprint_ids=ids, scope=scope, namespace=namespace)
+        rows = list(islice(found, limit) if limit is not None else found)
+    if fmt == "json":
+        _dump_json([r.as_json() for r in rows])
+        return
+
+    def short(text: str | None) -> str:
+        if text is None:
+            return "-"
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    click.echo(
+        _table(
+            ["fingerprint", "scope", "namespace", "key", "value", "policy", "commit"],
+            (
+                (
+                    r.fingerprint_id,
+                    r.scope,
+                    r.namespace,
+                    r.key,
+                    short(r.value_json),
+                    short(r.policy_json),
+                    r.commit_id,
+                )
+                for r in rows
+            ),
+        )
+    )
+
+
 @cli.command("stats")
 @FORMAT
 @pass_ctx
@@ -1579,6 +1650,7 @@ def stats_cmd(obj: _Context, fmt: str) -> None:
                 ("commits", stats.commits),
                 ("last commit", _when(stats.last_commit_at)),
                 *([("records", stats.records)] if stats.records else []),
+                *([("protocol records", stats.protocol_records)] if stats.protocol_records else []),
             ],
         )
     )
@@ -1588,6 +1660,11 @@ def stats_cmd(obj: _Context, fmt: str) -> None:
     if stats.record_namespaces:
         click.echo()
         click.echo(_table(["fingerprint", "namespace", "records"], stats.record_namespaces))
+    if stats.protocol_namespaces:
+        click.echo()
+        click.echo(
+            _table(["fingerprint", "namespace", "protocol records"], stats.protocol_namespaces)
+        )
     if stats.last_served:
         counts = {fid: rest for fid, *rest in stats.start_counts}
         click.echo()
@@ -1621,6 +1698,9 @@ def log_cmd(obj: _Context, limit: int, fmt: str) -> None:
         return
     # A records column (added/replaced/removed) only where a shown commit changed records.
     with_records = any(c.records_added or c.records_replaced or c.records_removed for c in commits)
+    with_protocol = any(
+        c.protocol_added or c.protocol_replaced or c.protocol_removed for c in commits
+    )
     click.echo(
         _table(
             [
@@ -1632,6 +1712,7 @@ def log_cmd(obj: _Context, limit: int, fmt: str) -> None:
                 "replaced",
                 "removed",
                 *(["records +/~/-"] if with_records else []),
+                *(["protocol +/~/-"] if with_protocol else []),
                 "world",
                 "layout",
                 "message",
@@ -1648,6 +1729,11 @@ def log_cmd(obj: _Context, limit: int, fmt: str) -> None:
                     *(
                         [f"{c.records_added}/{c.records_replaced}/{c.records_removed}"]
                         if with_records
+                        else []
+                    ),
+                    *(
+                        [f"{c.protocol_added}/{c.protocol_replaced}/{c.protocol_removed}"]
+                        if with_protocol
                         else []
                     ),
                     c.world_size,
@@ -1697,6 +1783,11 @@ def show_cmd(obj: _Context, commit_id: int, fmt: str) -> None:
             f"record changes: {c.records_added} added, {c.records_replaced} replaced, "
             f"{c.records_removed} removed"
         )
+    if details.protocol_changes:
+        click.echo(
+            f"protocol record changes: {c.protocol_added} added, {c.protocol_replaced} replaced, "
+            f"{c.protocol_removed} removed"
+        )
     if c.provenance:
         click.echo("provenance:")
         for line in json.dumps(c.provenance, indent=2, sort_keys=True).splitlines():
@@ -1738,6 +1829,24 @@ def show_cmd(obj: _Context, commit_id: int, fmt: str) -> None:
                         _change_value(r.new),
                     )
                     for r in details.record_changes
+                ),
+            )
+        )
+    if details.protocol_changes:
+        click.echo(
+            _table(
+                ["action", "fingerprint", "scope", "namespace", "key", "old", "new"],
+                (
+                    (
+                        p.action,
+                        p.fingerprint_id,
+                        p.scope,
+                        p.namespace,
+                        p.key,
+                        _change_value(p.old),
+                        _change_value(p.new),
+                    )
+                    for p in details.protocol_changes
                 ),
             )
         )
@@ -1788,10 +1897,11 @@ def _echo_merge_plan(plan: Any, *, verbose: bool = False) -> None:
             held = _conflict_values(c.target, c.sources, verbose=verbose)
             click.echo(f"  {where} {c.scope} {c.key}: {held} -> {c.resolution}")
         _echo_more(plan.conflicting - len(shown), "conflict(s)")
-    records = plan.records
-    if records.candidates:
+    for records, noun in ((plan.records, "record"), (plan.protocol, "protocol record")):
+        if not records.candidates:
+            continue
         click.echo(
-            f"records: {records.added} added, {records.replaced} replaced, {records.removed} "
+            f"{noun}s: {records.added} added, {records.replaced} replaced, {records.removed} "
             f"removed, {records.identical} identical, {len(records.conflicts)} conflicting"
         )
         shown_records = records.conflicts if verbose else records.conflicts[:SHOWN_CONFLICTS]
@@ -1801,9 +1911,9 @@ def _echo_merge_plan(plan: Any, *, verbose: bool = False) -> None:
             )
             held = _conflict_values(rc.target, rc.sources, verbose=verbose)
             click.echo(
-                f"  record {where} {rc.scope} {rc.namespace} {rc.key}: {held} -> {rc.resolution}"
+                f"  {noun} {where} {rc.scope} {rc.namespace} {rc.key}: {held} -> {rc.resolution}"
             )
-        _echo_more(len(records.conflicts) - len(shown_records), "record conflict(s)")
+        _echo_more(len(records.conflicts) - len(shown_records), f"{noun} conflict(s)")
     click.echo(f"total: {plan.totals_str}")
 
 
@@ -1927,6 +2037,11 @@ def merge_cmd(
                 if result.records_changed
                 else ""
             )
+            if result.protocol_changed:
+                records += (
+                    f"; protocol records {result.protocol_added} added, "
+                    f"{result.protocol_replaced} replaced, {result.protocol_removed} removed"
+                )
             click.echo(
                 f"merged as commit {commit_id}: {result.added} added, "
                 f"{result.replaced} replaced, {result.removed} removed{records}"
@@ -2011,10 +2126,12 @@ def prune_cmd(
 
         click.echo(f"prune plan ({', '.join(f'{k}={v}' for k, v in plan.criteria)}):")
         with_records = plan.records_total > 0
+        with_protocol = plan.protocol_total > 0
         click.echo(
             _table(
                 ["fingerprint", "gpu", "flashinfer", "scope", "entries"]
-                + (["records"] if with_records else []),
+                + (["records"] if with_records else [])
+                + (["protocol records"] if with_protocol else []),
                 (
                     (
                         g.fingerprint_id,
@@ -2024,6 +2141,7 @@ def prune_cmd(
                         g.entries,
                     )
                     + ((g.records,) if with_records else ())
+                    + ((g.protocol_records,) if with_protocol else ())
                     for g in plan.groups
                 ),
             )
@@ -2031,10 +2149,14 @@ def prune_cmd(
         what = f"{plan.total} entries" + (
             f" and {plan.records_total} records" if with_records else ""
         )
+        if with_protocol:
+            what += f" and {plan.protocol_total} protocol records"
         click.echo(f"{what} would be removed (revertible with `ficache revert`)")
         _confirm_or_stop(f"Remove {what}?", dry_run=dry_run, yes=yes)
         result = plan.execute(reg)
     records = f" and {result.records_removed} records" if with_records else ""
+    if with_protocol:
+        records += f" and {result.protocol_removed} protocol records"
     click.echo(f"removed {result.removed} entries{records} (commit {result.commit_id})")
 
 
@@ -2087,6 +2209,11 @@ def revert_cmd(obj: _Context, commit_id: int, dry_run: bool, yes: bool, fmt: str
         if result.records_changed
         else ""
     )
+    if result.protocol_changed:
+        records += (
+            f"; protocol records {result.protocol_removed} removed, {result.protocol_replaced} "
+            f"restored, {result.protocol_added} re-added"
+        )
     click.echo(
         f"reverted commit {commit_id} as commit {result.commit_id}: {result.removed} removed, "
         f"{result.replaced} restored, {result.added} re-added{records}"
@@ -2102,6 +2229,12 @@ def _echo_revert_plan(plan: Any) -> None:
         if r.total
         else ""
     )
+    p = plan.protocol
+    if p.total:
+        records += (
+            f"; protocol records: remove {p.remove} added, restore {p.restore} replaced, "
+            f"restore {p.re_add} removed"
+        )
     click.echo(
         f"revert plan: commit {c.id} ({c.kind}, {_when(c.created_at)}, {c.host}): "
         f"remove {e.remove} added, restore {e.restore} replaced, restore {e.re_add} removed"
@@ -2109,7 +2242,7 @@ def _echo_revert_plan(plan: Any) -> None:
     )
     if not plan.conflicts:
         return
-    with_records = any(x.kind == "record" for x in plan.conflicts)
+    with_records = any(x.namespace is not None for x in plan.conflicts)
     shown = plan.conflicts[:REVERT_CONFLICTS_SHOWN]
     later = plan.changed_by
     by = f" (changed by commit{'s' if len(later) > 1 else ''} {', '.join(map(str, later))})"
