@@ -88,15 +88,14 @@ same rules: a single file's are stored shared; in per-rank files a record
 is stored shared, every other one once per file that holds it, scoped to
 its rank; later caches win in the same order, conflicts counted
 (``record_conflicts``). A v2 store's protocol records (entries keyed
-``('__protocol__', namespace, key)``, FlashInfer 0.7.4+) are not adopted,
-only counted (``ignored_records``): FlashInfer keeps them apart from
-``_records`` (``get_protocol_records``, not ``get_namespaced_records``) and
-its v1 JSON API never exports them, so storing them as records would make
-``ficache export`` write them into ``_records``, where FlashInfer would
-serve them as namespaced records the protocol never reads (and where one
-could collide with a namespaced record of the same namespace and key);
-``export --v2-store`` writes no records back either. The mapping is not
-exact, so they stay in vLLM's store, which FlashInfer keeps serving.
+``('__protocol__', namespace, key)``, FlashInfer 0.7.4+) are adopted as
+protocol records (``ficache.protocol_records``), a kind of their own and
+never namespaced records: FlashInfer keeps them apart from ``_records``
+(``get_protocol_records``, not ``get_namespaced_records``), so they are
+stored shared with their entry file's measurement policy and exported only
+to v2 stores (``export --v2-store``), never into a file's ``_records``. A
+later store wins (``protocol_conflicts`` counts the values it replaced);
+``ignored_records`` is kept in the plan and provenance, always 0.
 
 Invariants:
 - Reading never evaluates anything and never writes: files are parsed by
@@ -149,6 +148,7 @@ from ficache.ingest import (
 )
 from ficache.ingest import import_hint as import_hint  # re-exported: its old home
 from ficache.models import SHARED_SCOPE
+from ficache.protocol_records import NewProtocolRecord
 from ficache.records import NewRecord
 from ficache.registry import NewEntry, Registry, WriteResult, rank_scope
 from ficache.retrying import retry_transient
@@ -367,10 +367,13 @@ class AdoptionPlan:
     entries: tuple[NewEntry, ...] = field(repr=False)
     records: tuple[NewRecord, ...] = field(default=(), repr=False)
     record_conflicts: int = 0  # records held with different values by two caches
+    #: The v2 stores' protocol records, stored shared (see the module docstring).
+    protocol_records: tuple[NewProtocolRecord, ...] = field(default=(), repr=False)
+    protocol_conflicts: int = 0  # protocol records held with different values by two stores
 
     @property
     def is_empty(self) -> bool:
-        return not self.entries and not self.records
+        return not self.entries and not self.records and not self.protocol_records
 
     @property
     def files(self) -> int:
@@ -410,6 +413,9 @@ class AdoptionPlan:
             "record_conflicts": self.record_conflicts,
             "ignored_records": self.ignored_records,
         }
+        if self.protocol_records or self.protocol_conflicts:
+            provenance["protocol_records"] = len(self.protocol_records)
+            provenance["protocol_conflicts"] = self.protocol_conflicts
         if self.skipped:
             provenance["skipped"] = [{"path": s.path, "reason": s.reason} for s in self.skipped]
         return provenance
@@ -426,6 +432,7 @@ class AdoptionPlan:
             message=f"adopted from {self.sources.engine_name}: {self.sources.display}"[:2000],
             provenance={**dict(provenance or {}), **self.provenance()},
             records=self.records,
+            protocol_records=self.protocol_records,
         )
 
     def preview(self, registry: Registry | None) -> WriteResult:
@@ -436,7 +443,12 @@ class AdoptionPlan:
         """
         from ficache.importing import ImportInput, plan_import
 
-        adopted = ImportInput(self.sources.display, tuple(self.entries), tuple(self.records))
+        adopted = ImportInput(
+            self.sources.display,
+            tuple(self.entries),
+            tuple(self.records),
+            tuple(self.protocol_records),
+        )
         return plan_import([adopted]).preview(registry)
 
 
@@ -453,6 +465,19 @@ class _Collector:
         self.conflicts = 0
         self.record_conflicts = 0
         self.ignored_records = 0
+        #: The v2 stores' protocol records by (fingerprint, namespace, key): a later one wins.
+        self.protocol: dict[tuple[Fingerprint, str, str], NewProtocolRecord] = {}
+        self.protocol_conflicts = 0
+
+    def add_protocol(self, record: NewProtocolRecord) -> None:
+        ident = (record.fingerprint, record.namespace, record.key)
+        before = self.protocol.get(ident)
+        if before is not None and (before.value_json, before.policy_json) != (
+            record.value_json,
+            record.policy_json,
+        ):
+            self.protocol_conflicts += 1
+        self.protocol[ident] = record
 
     def skip(self, path: Path | str, reason: str, count: int = 1) -> None:
         self.skipped_count += count
@@ -775,7 +800,18 @@ def _adopt_store(root: Path, entries: _Entries, found: _Collector) -> list[Adopt
         for skipped in env.first_skipped:
             if len(found.skipped) < MAX_REASONS:
                 found.skipped.append(skipped)
-        found.ignored_records += env.records
+        for p, mtime in env.protocol:
+            found.add_protocol(
+                NewProtocolRecord(
+                    env.fingerprint,
+                    p.namespace,
+                    p.key,
+                    p.value_json,
+                    p.policy_json,
+                    SHARED_SCOPE,
+                    mtime,
+                )
+            )
         for e, mtime in zip(env.entries, env.tuned_at, strict=True):
             entries.add(
                 NewEntry(
@@ -854,6 +890,8 @@ def plan_adoption(sources: Sources, *, known: KnownLayout | None = None) -> Adop
         entries.ordered(),
         records.ordered(),
         found.record_conflicts,
+        tuple(found.protocol.values()),
+        found.protocol_conflicts,
     )
 
 

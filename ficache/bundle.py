@@ -1,6 +1,6 @@
 """Bundles: one self-describing file of tuned results, to ship inside images.
 
-Layout (format versions 1 and 2)::
+Layout (format versions 1, 2 and 3)::
 
     ficache-bundle <version> <payload bytes> sha256=<hex of the payload>\\n
     <payload>
@@ -26,11 +26,28 @@ had before version 2, which older ficache reads). ``records`` holds FlashInfer's
 namespaced records (``ficache.records``) as parsed JSON values, each a value
 ``flashinfer_format.record_value_json`` accepts; they carry no tuning time.
 
+Version 3 adds a fifth member, between ``fingerprints`` and ``provenance``,
+holding FlashInfer 0.7.4's protocol records (``ficache.protocol_records``),
+one per line, sorted by (fingerprint digest, scope, namespace, key)::
+
+    "protocol_records":[
+    {"fingerprint":<digest>,"key":..,"namespace":..,"policy":..,"scope":..,"tuned_at":..,"value":..},
+    ...
+    ],
+
+``value`` and ``policy`` are canonical JSON text (``policy`` may be null),
+``tuned_at`` when the value was tuned; the provenance of a version 3 bundle
+counts them (``"protocol_records":N``). A bundle is written as version 3
+exactly when it holds a protocol record; one without any is written as
+version 1 or 2, byte for byte as before version 3 existed, so every older
+ficache reads it.
+
 Invariants:
 - The same content gives the same bytes. A bundle is a pure function of
   its entries (fingerprint, scope, key, runner, tactic, policy, tuned_at,
-  selection) and records (its format version too: 2 exactly when an entry
-  has a selection): members, fingerprints and entries are sorted (by code point,
+  selection), records and protocol records (its format version too: 3
+  exactly when it holds a protocol record, else 2 exactly when an entry has
+  a selection): members, fingerprints and entries are sorted (by code point,
   in Python, never by a database collation), JSON is rendered one way, and
   nothing of the exporting registry or moment enters: no export time, host,
   commit id or row id. Two registries holding the same entries, whatever
@@ -91,13 +108,20 @@ from ficache.flashinfer_format import (
     record_value_json,
     selection_json,
 )
+from ficache.protocol_records import (
+    check_protocol_identity,
+    protocol_policy_json,
+    protocol_value_json,
+)
 from ficache.publish import publish
-from ficache.values import NewEntry, NewRecord, validate_scope
+from ficache.values import NewEntry, NewProtocolRecord, NewRecord, validate_scope
 
 #: The newest format this module reads and writes; it writes 1 for content version 1 can carry.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 #: The first version whose entries may carry a ``selection``.
 SELECTION_VERSION = 2
+#: The first version that may carry protocol records (``protocol_records``).
+PROTOCOL_VERSION = 3
 MAGIC = b"ficache-bundle "
 #: Longest header any version may write (magic, version, size, checksum).
 MAX_HEADER_BYTES = 256
@@ -111,9 +135,11 @@ MAX_TACTIC_DEPTH = 8
 Records = dict[str, dict[str, dict[str, dict[str, Any]]]]
 
 _VERSION = re.compile(rb"ficache-bundle ([0-9]{1,9})(?=[ \n])")
-_HEADER = re.compile(rb"ficache-bundle [12] (0|[1-9][0-9]{0,19}) sha256=([0-9a-f]{64})\n")
+_HEADER = re.compile(rb"ficache-bundle [123] (0|[1-9][0-9]{0,19}) sha256=([0-9a-f]{64})\n")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _MEMBERS = ("entries", "fingerprints", "provenance", "records")
+_MEMBERS_PROTOCOL = (*_MEMBERS, "protocol_records")  # version 3
+_PROTOCOL_FIELDS = ("fingerprint", "key", "namespace", "policy", "scope", "tuned_at", "value")
 _ENTRY_FIELDS = ("fingerprint", "key", "policy", "runner", "scope", "tactic", "tuned_at")
 _ENTRY_FIELDS_SELECTION = (*_ENTRY_FIELDS, "selection")  # version 2, an entry with a selection
 _AGAIN = "copy it again or export it again with `ficache export --bundle`"
@@ -129,6 +155,8 @@ class Bundle:
     entries: tuple[NewEntry, ...]  # sorted by (fingerprint digest, scope, key); tuned_at set
     records: Records
     provenance: dict[str, Any]
+    #: Sorted by (fingerprint digest, scope, namespace, key); tuned_at set (version 3).
+    protocol_records: tuple[NewProtocolRecord, ...] = ()
 
     @property
     def record_namespaces(self) -> int:
@@ -147,6 +175,7 @@ class BundleSummary:
     fingerprints: int
     entries: int
     records: int
+    protocol_records: int = 0
 
 
 # --------------------------------------------------------------------------
@@ -160,7 +189,10 @@ def _dumps(value: Any) -> str:
 
 
 def _provenance(
-    entries: Sequence[NewEntry], ops: Sequence[str], records: Records
+    entries: Sequence[NewEntry],
+    ops: Sequence[str],
+    records: Records,
+    protocol: Sequence[NewProtocolRecord] = (),
 ) -> dict[str, Any]:
     per_fp: dict[str, dict[str, Any]] = {}
 
@@ -185,7 +217,14 @@ def _provenance(
         n = sum(len(recs) for by_ns in scopes.values() for recs in by_ns.values())
         summary(digest)["records"] += n
         total_records += n
-    return {"entries": len(entries), "fingerprints": per_fp, "records": total_records}
+    out: dict[str, Any] = {
+        "entries": len(entries),
+        "fingerprints": per_fp,
+        "records": total_records,
+    }
+    if protocol:
+        out["protocol_records"] = len(protocol)
+    return out
 
 
 def _render(
@@ -193,8 +232,9 @@ def _render(
     entries: Sequence[NewEntry],
     ops: Sequence[str],
     records: Records,
+    protocol: Sequence[NewProtocolRecord] = (),
 ) -> bytes:
-    """The whole file for sorted ``entries`` (header and payload)."""
+    """The whole file for sorted ``entries`` and ``protocol`` (header and payload)."""
     lines = ['{"entries":[\n']
     last = len(entries) - 1
     version = 1
@@ -214,7 +254,23 @@ def _render(
         lines.append(_dumps(item) + (",\n" if i < last else "\n"))
     fps = {digest: fp.as_dict() for digest, fp in fingerprints.items()}
     lines.append(f'],\n"fingerprints":{_dumps(fps)},\n')
-    lines.append(f'"provenance":{_dumps(_provenance(entries, ops, records))},\n')
+    if protocol:
+        version = PROTOCOL_VERSION
+        lines.append('"protocol_records":[\n')
+        last = len(protocol) - 1
+        for i, r in enumerate(protocol):
+            item = {
+                "fingerprint": r.fingerprint.digest,
+                "key": r.key,
+                "namespace": r.namespace,
+                "policy": r.policy_json,
+                "scope": r.scope,
+                "tuned_at": r.tuned_at,
+                "value": r.value_json,
+            }
+            lines.append(_dumps(item) + (",\n" if i < last else "\n"))
+        lines.append("],\n")
+    lines.append(f'"provenance":{_dumps(_provenance(entries, ops, records, protocol))},\n')
     lines.append(f'"records":{_dumps(records)}}}\n')
     payload = "".join(lines).encode("ascii")
     checksum = hashlib.sha256(payload).hexdigest()
@@ -231,11 +287,13 @@ def render_bundle(
     entries: Iterable[NewEntry],
     records: Mapping[str, Mapping[str, Mapping[str, Mapping[str, Any]]]] | None = None,
     fingerprints: Iterable[Fingerprint] = (),
+    protocol_records: Iterable[NewProtocolRecord] = (),
 ) -> bytes:
-    """The bundle of ``entries`` and ``records``, as bytes.
+    """The bundle of ``entries``, ``records`` and ``protocol_records``, as bytes.
 
     The bundle holds exactly the fingerprints its entries and records use;
-    ``fingerprints`` names those that only records use. Tactics and policies
+    ``fingerprints`` names those that only records use (protocol records
+    carry their own). A protocol record without ``tuned_at`` is ``ValueError``. Tactics and policies
     are rendered as canonical JSON. Raises ``ValueError`` for an entry
     without ``tuned_at``, a key that is not a FlashInfer key, or records
     of an unknown fingerprint. A later duplicate (fingerprint, scope, key)
@@ -268,11 +326,32 @@ def render_bundle(
         }
         for digest, scopes in (records or {}).items()
     }
+    protocol: dict[tuple[str, str, str, str], NewProtocolRecord] = {}
+    for r in protocol_records:
+        if r.tuned_at is None:
+            raise ValueError(f"protocol record {r.namespace[:80]!r}/{r.key[:80]!r} has no tuned_at")
+        digest = r.fingerprint.digest
+        by_digest.setdefault(digest, r.fingerprint)
+        protocol[(digest, r.scope, r.namespace, r.key)] = NewProtocolRecord(
+            r.fingerprint,
+            r.namespace,
+            r.key,
+            protocol_value_json(json.loads(r.value_json)),
+            protocol_policy_json(json.loads(r.policy_json)) if r.policy_json is not None else None,
+            r.scope,
+            float(r.tuned_at),
+        )
     unknown = sorted(set(recs) - set(by_digest))
     if unknown:
         raise ValueError(f"records of fingerprint {unknown[0]} with no Fingerprint given")
-    used = {k[0] for k in unique} | set(recs)
-    return _render({d: by_digest[d] for d in sorted(used)}, ordered, ops, recs)
+    used = {k[0] for k in unique} | set(recs) | {k[0] for k in protocol}
+    return _render(
+        {d: by_digest[d] for d in sorted(used)},
+        ordered,
+        ops,
+        recs,
+        [protocol[k] for k in sorted(protocol)],
+    )
 
 
 # --------------------------------------------------------------------------
@@ -528,6 +607,55 @@ def _records(value: Any, fps: Mapping[str, Fingerprint]) -> Records:
     return records
 
 
+def _protocol_text(text: Any, what: str, canonical: Any) -> str:
+    """A protocol record's value or policy text: canonical JSON ``canonical`` accepts."""
+    if not isinstance(text, str):
+        raise _Invalid(f"{what} must be a string of JSON")
+    try:
+        again = canonical(json.loads(text, parse_constant=_reject_constant))
+    except (ValueError, RecursionError) as exc:
+        detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise _Invalid(f"{what} {text[:80]!r} refused: {detail}") from None
+    if again != text:
+        raise _Invalid(f"{what} {text[:80]!r} is not canonical JSON")
+    return text
+
+
+def _protocol_records(value: Any, fps: Mapping[str, Fingerprint]) -> list[NewProtocolRecord]:
+    """A version 3 bundle's protocol records, validated and in order."""
+    if not isinstance(value, list) or not value:
+        raise _Invalid("protocol_records must be a non-empty JSON list")
+    found: list[NewProtocolRecord] = []
+    previous: tuple[str, str, str, str] | None = None
+    for index, item in enumerate(value):
+        what = f"protocol record {index}"
+        r = _object(item, what, _PROTOCOL_FIELDS)
+        fp = fps.get(r["fingerprint"]) if isinstance(r["fingerprint"], str) else None
+        if fp is None:
+            raise _Invalid(
+                f"{what} names fingerprint {str(r['fingerprint'])[:80]!r}, not in the bundle"
+            )
+        scope = _scope(r["scope"], what)
+        namespace, key = r["namespace"], r["key"]
+        try:
+            check_protocol_identity(namespace, key)
+        except ValueError as exc:
+            raise _Invalid(f"{what}: {exc}") from None
+        text = _protocol_text(r["value"], f"{what} value", protocol_value_json)
+        policy = r["policy"]
+        if policy is not None:
+            policy = _protocol_text(policy, f"{what} policy", protocol_policy_json)
+        tuned_at = r["tuned_at"]
+        if not isinstance(tuned_at, float) or not math.isfinite(tuned_at) or tuned_at < 0:
+            raise _Invalid(f"{what} tuned_at must be a finite, non-negative float (seconds)")
+        order = (r["fingerprint"], scope, namespace, key)
+        if previous is not None and order <= previous:
+            raise _Invalid(f"{what} is out of order or a duplicate")
+        previous = order
+        found.append(NewProtocolRecord(fp, namespace, key, text, policy, scope, tuned_at))
+    return found
+
+
 def parse_bundle_bytes(data: bytes, *, source: str = "<bytes>") -> Bundle:
     """Verify and parse one bundle's bytes; raises ``BundleError`` (one line)."""
     version, payload = _frame(data, source)
@@ -539,18 +667,26 @@ def parse_bundle_bytes(data: bytes, *, source: str = "<bytes>") -> Bundle:
         except (ValueError, RecursionError) as exc:
             detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
             raise _Invalid(f"payload is not JSON: {detail}") from None
-        _object(top, "the payload", _MEMBERS)
+        _object(top, "the payload", _MEMBERS_PROTOCOL if version >= PROTOCOL_VERSION else _MEMBERS)
         fps = _fingerprints(top["fingerprints"])
         entries, ops = _entries(top["entries"], fps, version)
         records = _records(top["records"], fps)
-        unused = sorted(set(fps) - {e.fingerprint.digest for e in entries} - set(records))
+        protocol = (
+            _protocol_records(top["protocol_records"], fps) if version >= PROTOCOL_VERSION else []
+        )
+        unused = sorted(
+            set(fps)
+            - {e.fingerprint.digest for e in entries}
+            - set(records)
+            - {r.fingerprint.digest for r in protocol}
+        )
         if unused:
             raise _Invalid(f"fingerprint {unused[0][:12]} holds nothing")
-        provenance = _provenance(entries, ops, records)
+        provenance = _provenance(entries, ops, records, protocol)
         if top["provenance"] != provenance:
             raise _Invalid("provenance does not describe the content")
         try:
-            canonical = _render(fps, entries, ops, records)
+            canonical = _render(fps, entries, ops, records, protocol)
         except (ValueError, RecursionError):  # a record holding 1e999, say
             raise _Invalid("records hold a value JSON cannot carry") from None
         if canonical != data:
@@ -564,6 +700,7 @@ def parse_bundle_bytes(data: bytes, *, source: str = "<bytes>") -> Bundle:
         tuple(entries),
         records,
         provenance,
+        tuple(protocol),
     )
 
 
@@ -598,6 +735,7 @@ def encode_bundle(
     record_fingerprints: Iterable[Fingerprint],
     *,
     path: Path,
+    protocol_records: Iterable[NewProtocolRecord] = (),
 ) -> tuple[bytes, BundleSummary]:
     """The bundle of ``entries`` and ``records``, re-read as any reader would, and its summary.
 
@@ -608,7 +746,7 @@ def encode_bundle(
     is never returned.
     """
     try:
-        data = render_bundle(entries, records, record_fingerprints)
+        data = render_bundle(entries, records, record_fingerprints, protocol_records)
         bundle = parse_bundle_bytes(data, source=str(path))
     except (ValueError, BundleError) as exc:
         raise BundleError(f"the registry holds an entry a bundle cannot carry: {exc}") from None
@@ -620,6 +758,7 @@ def encode_bundle(
         len(bundle.fingerprints),
         len(bundle.entries),
         int(bundle.provenance["records"]),
+        len(bundle.protocol_records),
     )
     return data, summary
 

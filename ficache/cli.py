@@ -632,7 +632,7 @@ def import_cmd(
     environment directory under root/v2/. Every environment is imported with
     its fingerprint and measurement policy; malformed entries are skipped and
     counted, as FlashInfer treats them as misses; protocol records (FlashInfer
-    0.7.4+) are counted, not imported: FlashInfer keeps them apart from _records.
+    0.7.4+) are stored as protocol records, shared, apart from _records.
 
     --from-vllm adopts what vLLM already tuned: its autotune files (one per
     deployment in vLLM 0.27-0.31, one per rank since 0.32) and its v2 store.
@@ -754,6 +754,18 @@ def _report_import(
                 "records_conflicts": plan.records_conflicts,
                 "conflicting": _conflicts_json(plan),
                 "conflicting_records": _conflicts_json(plan, records=True),
+                **(
+                    {
+                        "protocol_records": plan.protocol_records,
+                        "protocol_added": result.protocol_added,
+                        "protocol_replaced": result.protocol_replaced,
+                        "protocol_unchanged": result.protocol_unchanged,
+                        "protocol_duplicates": plan.protocol_duplicates,
+                        "protocol_conflicts": plan.protocol_conflicts,
+                    }
+                    if plan.protocol_records
+                    else {}
+                ),
             }
         )
     else:
@@ -764,6 +776,8 @@ def _report_import(
             if records
             else f"{plan.entries} entries"
         )
+        if plan.protocol_records:
+            held += f" and {plan.protocol_records} protocol records"
         record_counts = (
             f"; records {result.records_added} added, {result.records_replaced} replaced, "
             f"{result.records_unchanged} unchanged"
@@ -771,6 +785,12 @@ def _report_import(
             if records
             else ""
         )
+        if plan.protocol_records:
+            record_counts += (
+                f"; protocol records {result.protocol_added} added, {result.protocol_replaced} "
+                f"replaced, {result.protocol_unchanged} unchanged"
+                + _among_inputs(plan.protocol_duplicates, plan.protocol_conflicts)
+            )
         verb = "would import" if dry_run else "imported"
         click.echo(
             f"{verb} {held} from {len(plan.sources)} {source_noun}(s): {result.added} added, "
@@ -817,7 +837,8 @@ def _import_from_vllm(obj: _Context, plan: Any, dry_run: bool, fmt: str) -> None
     ``import_request.prepare_adoption`` found (none when it found nothing).
 
     ``dry_run``: the adoption previewed (``AdoptionPlan.preview``), reading the
-    registry only.
+    registry only. Over the guide's length: one JSON report and one text report, each
+    field in the order users' scripts read it.
     """
     result = None
     if not plan.is_empty:
@@ -856,6 +877,21 @@ def _adoption_json(plan: Any, result: Any, dry_run: bool) -> dict[str, Any]:
         "records_added": result.records_added if result else 0,
         "records_replaced": result.records_replaced if result else 0,
         "records_unchanged": result.records_unchanged if result else 0,
+        **_adopted_protocol_json(plan, result),
+    }
+
+
+def _adopted_protocol_json(plan: Any, result: Any) -> dict[str, int]:
+    """An adoption report's protocol record counts; empty when it found none (the report of
+    an adoption without them is what it was before they were adopted)."""
+    if not plan.protocol_records:
+        return {}
+    return {
+        "protocol_records": len(plan.protocol_records),
+        "protocol_conflicts": plan.protocol_conflicts,
+        "protocol_added": result.protocol_added if result else 0,
+        "protocol_replaced": result.protocol_replaced if result else 0,
+        "protocol_unchanged": result.protocol_unchanged if result else 0,
     }
 
 
@@ -890,6 +926,12 @@ def _echo_adoption(plan: Any, result: Any, dry_run: bool) -> None:
             f"; records {result.records_added} added, {result.records_replaced} "
             f"replaced, {result.records_unchanged} unchanged"
         )
+    if plan.protocol_records:
+        held += f" and {len(plan.protocol_records)} protocol records (shared)"
+        record_counts += (
+            f"; protocol records {result.protocol_added} added, "
+            f"{result.protocol_replaced} replaced, {result.protocol_unchanged} unchanged"
+        )
     click.echo(
         f"{'would adopt' if dry_run else 'adopted'} {len(plan.entries)} entries ({plan.shared} shared, {plan.scoped} "
         f"scoped){held} from {plan.files} file(s): {result.added} added, "
@@ -920,19 +962,12 @@ def _warn_of_adoption(plan: Any) -> None:
             f"{engine_name} caches; the later cache's value was kept",
             err=True,
         )
-    if plan.ignored_records:
+    if plan.protocol_conflicts:
         click.echo(
-            f"warning: {plan.ignored_records} v2 protocol record(s) were not imported ("
-            f"{_PROTOCOL_RECORDS_WHY})",
+            f"warning: {plan.protocol_conflicts} protocol record(s) held different values in "
+            "two v2 stores; the later store's value was kept",
             err=True,
         )
-
-
-#: Why v2 protocol records are counted, not imported (``ficache.adopt``'s docstring).
-_PROTOCOL_RECORDS_WHY = (
-    "FlashInfer keeps them apart from the _records that ficache stores, and they stay in "
-    "the store it serves them from"
-)
 
 
 def _import_v2_stores(obj: _Context, read: Any, dry_run: bool, fmt: str) -> None:
@@ -958,12 +993,6 @@ def _import_v2_stores(obj: _Context, read: Any, dry_run: bool, fmt: str) -> None
             f"first: {skipped_envs[0]}",
             err=True,
         )
-    if read.ignored_records:
-        click.echo(
-            f"warning: {read.ignored_records} protocol record(s) were not imported "
-            f"({_PROTOCOL_RECORDS_WHY})",
-            err=True,
-        )
 
 
 def _store_import_json(read: Any, result: Any, dry_run: bool) -> dict[str, Any]:
@@ -985,7 +1014,19 @@ def _store_import_json(read: Any, result: Any, dry_run: bool) -> dict[str, Any]:
         "entries": read.entries,
         "skipped_entries": read.skipped_entries,
         "skipped_environments": len(read.skipped_environments),
-        "ignored_records": read.ignored_records,
+        "ignored_records": 0,
+        **(
+            {
+                "protocol_records": {
+                    "read": plan.protocol_records,
+                    "added": result.protocol_added,
+                    "replaced": result.protocol_replaced,
+                    "unchanged": result.protocol_unchanged,
+                }
+            }
+            if read.protocol_records
+            else {}
+        ),
         "commit": result.commit_id,
         "dry_run": dry_run,
         "on_conflict": plan.policy,
@@ -1026,6 +1067,13 @@ def _echo_store_import(read: Any, result: Any, dry_run: bool) -> None:
         f"{result.unchanged} unchanged{_among_inputs(plan.duplicates, plan.conflicts)} "
         f"({_import_outcome(result, dry_run)})"
     )
+    if read.protocol_records:
+        among = _among_inputs(plan.protocol_duplicates, plan.protocol_conflicts)
+        click.echo(
+            f"{'would import' if dry_run else 'imported'} {read.protocol_records} protocol "
+            f"records (shared): {result.protocol_added} added, {result.protocol_replaced} "
+            f"replaced, {result.protocol_unchanged} unchanged{among}"
+        )
 
 
 @cli.command("export")
@@ -1198,8 +1246,10 @@ def _export_v2_store(
         if export.not_preloadable
         else ""
     )
+    n_protocol = export.protocol_records
+    protocol = f" and {n_protocol} protocol records" if n_protocol else ""
     click.echo(
-        f"exported {len(export.files)} entries to {result.env_dir} "
+        f"exported {len(export.files) - n_protocol} entries{protocol} to {result.env_dir} "
         f"(measurement policy {measurement_label(export.measurement)}): "
         f"{result.written} written, {result.unchanged} unchanged{lazy}"
     )
@@ -1233,6 +1283,8 @@ def _export_bundle(
     if _is_stdout(path):
         _write_output(path, data)
     records = f" and {summary.records} records" if summary.records else ""
+    if summary.protocol_records:
+        records += f" and {summary.protocol_records} protocol records"
     click.echo(
         f"wrote bundle {_output_name(path)}: {summary.entries} entries{records} of "
         f"{summary.fingerprints} fingerprint(s), {summary.size_bytes} bytes, "
@@ -1268,7 +1320,15 @@ def _export_bundle(
     is_flag=True,
     help="List FlashInfer's namespaced records (_records) instead of entries.",
 )
-@click.option("--namespace", help="With --records: only records of this namespace.")
+@click.option(
+    "--protocol-records",
+    "show_protocol",
+    is_flag=True,
+    help="List FlashInfer 0.7.4's protocol records instead of entries.",
+)
+@click.option(
+    "--namespace", help="With --records or --protocol-records: only records of this namespace."
+)
 @FORMAT
 @pass_ctx
 def list_cmd(
@@ -1280,20 +1340,31 @@ def list_cmd(
     scope: str | None,
     limit: int | None,
     show_records: bool,
+    show_protocol: bool,
     namespace: str | None,
     fmt: str,
 ) -> None:
-    """List stored entries, or with --records the namespaced records."""
+    """List stored entries, or with --records the namespaced records, or with
+    --protocol-records FlashInfer 0.7.4's protocol records."""
     from ficache.catalog import stored_filter_misses
 
+    if show_records and show_protocol:
+        raise click.UsageError("give --records or --protocol-records, not both")
+    if show_protocol and (op is not None or gpu is not None or flashinfer_version is not None):
+        raise click.UsageError(
+            "--protocol-records takes --fingerprint, --scope, --namespace and --limit"
+        )
     if show_records and (op is not None or gpu is not None or flashinfer_version is not None):
         raise click.UsageError("--records takes --fingerprint, --scope, --namespace and --limit")
-    if namespace is not None and not show_records:
+    if namespace is not None and not (show_records or show_protocol):
         raise click.UsageError("--namespace goes with --records")
     with obj.registry(create=False, write=False) as reg:
         ids = [reg.fingerprint(fingerprint_ref).id] if fingerprint_ref else None
         if show_records:
             _list_records(reg, ids, scope, namespace, limit, fmt)
+            return
+        if show_protocol:
+            _list_protocol_records(reg, ids, scope, namespace, limit, fmt)
             return
         field_filters = {"gpu": gpu, "flashinfer_version": flashinfer_version}
         notes = _filter_miss_notes(stored_filter_misses(reg, field_filters, ids), ids)
@@ -1414,6 +1485,50 @@ def _list_records(
     )
 
 
+def _list_protocol_records(
+    reg: Any,
+    ids: list[int] | None,
+    scope: str | None,
+    namespace: str | None,
+    limit: int | None,
+    fmt: str,
+) -> None:
+    """``list --protocol-records``: one row per stored protocol record."""
+    from itertools import islice
+
+    from ficache.protocol_records import stored_protocol_records
+
+    with reg.engine.connect() as conn:
+        found = stored_protocol_records(conn, fingerprint_ids=ids, scope=scope, namespace=namespace)
+        rows = list(islice(found, limit) if limit is not None else found)
+    if fmt == "json":
+        _dump_json([r.as_json() for r in rows])
+        return
+
+    def short(text: str | None) -> str:
+        if text is None:
+            return "-"
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    click.echo(
+        _table(
+            ["fingerprint", "scope", "namespace", "key", "value", "policy", "commit"],
+            (
+                (
+                    r.fingerprint_id,
+                    r.scope,
+                    r.namespace,
+                    r.key,
+                    short(r.value_json),
+                    short(r.policy_json),
+                    r.commit_id,
+                )
+                for r in rows
+            ),
+        )
+    )
+
+
 @cli.command("stats")
 @FORMAT
 @pass_ctx
@@ -1440,6 +1555,7 @@ def stats_cmd(obj: _Context, fmt: str) -> None:
                 ("commits", stats.commits),
                 ("last commit", _when(stats.last_commit_at)),
                 *([("records", stats.records)] if stats.records else []),
+                *([("protocol records", stats.protocol_records)] if stats.protocol_records else []),
             ],
         )
     )
@@ -1449,6 +1565,11 @@ def stats_cmd(obj: _Context, fmt: str) -> None:
     if stats.record_namespaces:
         click.echo()
         click.echo(_table(["fingerprint", "namespace", "records"], stats.record_namespaces))
+    if stats.protocol_namespaces:
+        click.echo()
+        click.echo(
+            _table(["fingerprint", "namespace", "protocol records"], stats.protocol_namespaces)
+        )
     if stats.last_served:
         counts = {fid: rest for fid, *rest in stats.start_counts}
         click.echo()
@@ -1482,6 +1603,9 @@ def log_cmd(obj: _Context, limit: int, fmt: str) -> None:
         return
     # A records column (added/replaced/removed) only where a shown commit changed records.
     with_records = any(c.records_added or c.records_replaced or c.records_removed for c in commits)
+    with_protocol = any(
+        c.protocol_added or c.protocol_replaced or c.protocol_removed for c in commits
+    )
     click.echo(
         _table(
             [
@@ -1493,6 +1617,7 @@ def log_cmd(obj: _Context, limit: int, fmt: str) -> None:
                 "replaced",
                 "removed",
                 *(["records +/~/-"] if with_records else []),
+                *(["protocol +/~/-"] if with_protocol else []),
                 "world",
                 "layout",
                 "message",
@@ -1509,6 +1634,11 @@ def log_cmd(obj: _Context, limit: int, fmt: str) -> None:
                     *(
                         [f"{c.records_added}/{c.records_replaced}/{c.records_removed}"]
                         if with_records
+                        else []
+                    ),
+                    *(
+                        [f"{c.protocol_added}/{c.protocol_replaced}/{c.protocol_removed}"]
+                        if with_protocol
                         else []
                     ),
                     c.world_size,
@@ -1558,6 +1688,11 @@ def show_cmd(obj: _Context, commit_id: int, fmt: str) -> None:
             f"record changes: {c.records_added} added, {c.records_replaced} replaced, "
             f"{c.records_removed} removed"
         )
+    if details.protocol_changes:
+        click.echo(
+            f"protocol record changes: {c.protocol_added} added, {c.protocol_replaced} replaced, "
+            f"{c.protocol_removed} removed"
+        )
     if c.provenance:
         click.echo("provenance:")
         for line in json.dumps(c.provenance, indent=2, sort_keys=True).splitlines():
@@ -1599,6 +1734,24 @@ def show_cmd(obj: _Context, commit_id: int, fmt: str) -> None:
                         _change_value(r.new),
                     )
                     for r in details.record_changes
+                ),
+            )
+        )
+    if details.protocol_changes:
+        click.echo(
+            _table(
+                ["action", "fingerprint", "scope", "namespace", "key", "old", "new"],
+                (
+                    (
+                        p.action,
+                        p.fingerprint_id,
+                        p.scope,
+                        p.namespace,
+                        p.key,
+                        _change_value(p.old),
+                        _change_value(p.new),
+                    )
+                    for p in details.protocol_changes
                 ),
             )
         )
@@ -1649,10 +1802,11 @@ def _echo_merge_plan(plan: Any, *, verbose: bool = False) -> None:
             held = _conflict_values(c.target, c.sources, verbose=verbose)
             click.echo(f"  {where} {c.scope} {c.key}: {held} -> {c.resolution}")
         _echo_more(plan.conflicting - len(shown), "conflict(s)")
-    records = plan.records
-    if records.candidates:
+    for records, noun in ((plan.records, "record"), (plan.protocol, "protocol record")):
+        if not records.candidates:
+            continue
         click.echo(
-            f"records: {records.added} added, {records.replaced} replaced, {records.removed} "
+            f"{noun}s: {records.added} added, {records.replaced} replaced, {records.removed} "
             f"removed, {records.identical} identical, {len(records.conflicts)} conflicting"
         )
         shown_records = records.conflicts if verbose else records.conflicts[:SHOWN_CONFLICTS]
@@ -1662,9 +1816,9 @@ def _echo_merge_plan(plan: Any, *, verbose: bool = False) -> None:
             )
             held = _conflict_values(rc.target, rc.sources, verbose=verbose)
             click.echo(
-                f"  record {where} {rc.scope} {rc.namespace} {rc.key}: {held} -> {rc.resolution}"
+                f"  {noun} {where} {rc.scope} {rc.namespace} {rc.key}: {held} -> {rc.resolution}"
             )
-        _echo_more(len(records.conflicts) - len(shown_records), "record conflict(s)")
+        _echo_more(len(records.conflicts) - len(shown_records), f"{noun} conflict(s)")
     click.echo(f"total: {plan.totals_str}")
 
 
@@ -1788,6 +1942,11 @@ def merge_cmd(
                 if result.records_changed
                 else ""
             )
+            if result.protocol_changed:
+                records += (
+                    f"; protocol records {result.protocol_added} added, "
+                    f"{result.protocol_replaced} replaced, {result.protocol_removed} removed"
+                )
             click.echo(
                 f"merged as commit {commit_id}: {result.added} added, "
                 f"{result.replaced} replaced, {result.removed} removed{records}"
@@ -1951,6 +2110,11 @@ def revert_cmd(obj: _Context, commit_id: int, dry_run: bool, yes: bool, fmt: str
         if result.records_changed
         else ""
     )
+    if result.protocol_changed:
+        records += (
+            f"; protocol records {result.protocol_removed} removed, {result.protocol_replaced} "
+            f"restored, {result.protocol_added} re-added"
+        )
     click.echo(
         f"reverted commit {commit_id} as commit {result.commit_id}: {result.removed} removed, "
         f"{result.replaced} restored, {result.added} re-added{records}"
@@ -1966,6 +2130,12 @@ def _echo_revert_plan(plan: Any) -> None:
         if r.total
         else ""
     )
+    p = plan.protocol
+    if p.total:
+        records += (
+            f"; protocol records: remove {p.remove} added, restore {p.restore} replaced, "
+            f"restore {p.re_add} removed"
+        )
     click.echo(
         f"revert plan: commit {c.id} ({c.kind}, {_when(c.created_at)}, {c.host}): "
         f"remove {e.remove} added, restore {e.restore} replaced, restore {e.re_add} removed"
@@ -1973,7 +2143,7 @@ def _echo_revert_plan(plan: Any) -> None:
     )
     if not plan.conflicts:
         return
-    with_records = any(x.kind == "record" for x in plan.conflicts)
+    with_records = any(x.namespace is not None for x in plan.conflicts)
     shown = plan.conflicts[:REVERT_CONFLICTS_SHOWN]
     later = plan.changed_by
     by = f" (changed by commit{'s' if len(later) > 1 else ''} {', '.join(map(str, later))})"

@@ -57,6 +57,9 @@ def log(conn: Connection, limit: int | None, commit_id: int | None) -> list[Comm
             r.records_added,
             r.records_replaced,
             r.records_removed,
+            r.protocol_added,
+            r.protocol_replaced,
+            r.protocol_removed,
         )
         for r in conn.execute(query)
     ]
@@ -76,9 +79,20 @@ def commit_with_token(conn: Connection, token: str, kind: str) -> WriteResult | 
             C.c.replaced,
             C.c.records_added,
             C.c.records_replaced,
+            C.c.protocol_added,
+            C.c.protocol_replaced,
         ).where(C.c.kind == kind, C.c.provenance.contains(token))
     ).all()
-    for commit_id, provenance, added, replaced, records_added, records_replaced in rows:
+    for (
+        commit_id,
+        provenance,
+        added,
+        replaced,
+        records_added,
+        records_replaced,
+        protocol_added,
+        protocol_replaced,
+    ) in rows:
         if json.loads(provenance or "{}").get(TOKEN_FIELD) != token:
             continue
         shared = conn.execute(
@@ -93,5 +107,7 @@ def commit_with_token(conn: Connection, token: str, kind: str) -> WriteResult | 
             shared_written=int(shared),
             records_added=records_added,
             records_replaced=records_replaced,
+            protocol_added=protocol_added,
+            protocol_replaced=protocol_replaced,
         )
     return None

@@ -8,7 +8,7 @@ registry. (A FlashInfer file is ``Registry.export_for`` / ``export_text``.)
 
 Invariants:
 - It only reads the registry: an export never writes to it.
-- A bundle is the entries and records of the selected fingerprints (all:
+- A bundle is the entries, records and protocol records of the selected fingerprints (all:
   ``None``); an unknown fingerprint id, or a selection that holds nothing,
   is ``NotFoundError``; content a bundle cannot carry is ``BundleError``,
   and nothing is written.
@@ -17,6 +17,9 @@ Invariants:
   environment under FlashInfer's own ``_collect_metadata()``. Its
   measurement policy is the one given, else the one the registry's commits
   recorded for the exported fingerprints (newest first), else the default.
+  It carries their protocol records too (``ficache.protocol_records``), as
+  FlashInfer writes them into a store; no other export writes protocol
+  records anywhere a v1 file's ``_records`` could hold them.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 from ficache.bundle import BundleSummary, Records, encode_bundle, publish_bundle
 from ficache.errors import NotFoundError
 from ficache.models import SHARED_SCOPE
+from ficache.protocol_records import NewProtocolRecord, protocol_values, stored_protocol_records
 from ficache.records import record_values
 from ficache.registry import NewEntry, Registry, validate_scope
 from ficache.v2_store import StoreExport, export_measurement, measurements_in, store_export
@@ -71,7 +75,8 @@ def bundle_bytes(
     rows = registry.entry_values(sorted(by_id))
     with registry.engine.connect() as conn:
         stored_records = record_values(conn, sorted(by_id))
-    if not rows and not stored_records:
+        stored_protocol = protocol_values(conn, sorted(by_id))
+    if not rows and not stored_records and not stored_protocol:
         raise NotFoundError(
             "no entries to bundle in the selected fingerprints; see `ficache fingerprints`"
         )
@@ -84,7 +89,13 @@ def bundle_bytes(
         by_scope = records.setdefault(by_id[fid].digest, {})
         by_scope.setdefault(scope, {}).setdefault(ns, {})[key] = json.loads(value)
     record_fingerprints = [by_id[fid] for fid, *_rest in stored_records]
-    return encode_bundle(entries, records, record_fingerprints, path=path)
+    protocol = [
+        NewProtocolRecord(by_id[fid], ns, key, value, policy, scope, tuned_at)
+        for fid, scope, ns, key, value, policy, tuned_at in stored_protocol
+    ]
+    return encode_bundle(
+        entries, records, record_fingerprints, path=path, protocol_records=protocol
+    )
 
 
 def recorded_measurements(registry: Registry) -> dict[str, dict[str, str]]:
@@ -127,7 +138,35 @@ def plan_v2_export(
             recorded_measurements(registry), [i.fingerprint.digest for i in infos if i.entries]
         )
     rows = registry.slice_rows([i.id for i in infos], scopes)
-    return store_export(metadata, measurement, rows.values())
+    return store_export(
+        metadata,
+        measurement,
+        rows.values(),
+        _slice_protocol(registry, [i.id for i in infos], scopes),
+    )
+
+
+def _slice_protocol(
+    registry: Registry, fingerprint_ids: Sequence[int], scopes: Sequence[str]
+) -> list[tuple[str, str, str, str | None]]:
+    """``(namespace, key, value, policy)`` of the protocol records a v2 export writes:
+    ``scopes``' rows of ``fingerprint_ids``, earlier fingerprints and later scopes winning
+    (as ``Registry.slice_rows`` chooses entries), by (namespace, key)."""
+    rank = {fid: n for n, fid in enumerate(fingerprint_ids)}
+    at = {scope: n for n, scope in enumerate(scopes)}
+    best: dict[tuple[str, str], tuple[tuple[int, int], tuple[str, str, str, str | None]]] = {}
+    with registry.engine.connect() as conn:
+        for r in stored_protocol_records(conn, fingerprint_ids=list(fingerprint_ids)):
+            if r.scope not in at:
+                continue
+            order = (-rank[r.fingerprint_id], at[r.scope])
+            held = best.get((r.namespace, r.key))
+            if held is None or order > held[0]:
+                best[r.namespace, r.key] = (
+                    order,
+                    (r.namespace, r.key, r.value_json, r.policy_json),
+                )
+    return [row for _order, row in sorted(best.values(), key=lambda b: b[1][:2])]
 
 
 __all__ = ["bundle_bytes", "plan_v2_export", "recorded_measurements", "write_bundle"]

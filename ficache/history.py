@@ -15,7 +15,9 @@ Invariants:
   part of the value: ``EntryValue``s compare without it.
 - Changes are listed in a stable order: fingerprint id, scope, key; the
   commit's changes to namespaced records (``ficache.records``) follow in
-  ``record_changes``, by fingerprint id, scope, namespace, key.
+  ``record_changes``, by fingerprint id, scope, namespace, key; then its
+  changes to FlashInfer 0.7.4's protocol records (``protocol_changes``, in
+  JSON only when it made some), in the same order.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ficache.errors import NotFoundError
 from ficache.flashinfer_format import KeyFields, parse_key
 from ficache.kind_store import commit_changes
 from ficache.kinds import ENTRY_KIND
+from ficache.protocol_records import ProtocolChange, protocol_changes
 from ficache.records import RecordChange, record_changes
 from ficache.registry_access import RegistryAccess
 from ficache.values import CommitInfo
@@ -115,16 +118,20 @@ class CommitDetails:
     commit: CommitInfo
     changes: tuple[EntryChange, ...]
     record_changes: tuple[RecordChange, ...] = ()
+    protocol_changes: tuple[ProtocolChange, ...] = ()
 
     def count(self, action: str) -> int:
         return sum(1 for c in self.changes if c.action == action)
 
     def as_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "commit": self.commit.as_json(),
             "changes": [c.as_json() for c in self.changes],
             "record_changes": [c.as_json() for c in self.record_changes],
         }
+        if self.protocol_changes:
+            out["protocol_changes"] = [c.as_json() for c in self.protocol_changes]
+        return out
 
 
 def _value(
@@ -156,9 +163,10 @@ def commit_details(registry: RegistryAccess, commit_id: int) -> CommitDetails:
                 for r in commit_changes(conn, ENTRY_KIND, commit_id)
             )
             records = record_changes(conn, commit_id)
+            protocol = protocol_changes(conn, commit_id)
     except DatabaseError as exc:
         raise schema.translate_operational_error(exc, registry.location) from None
-    return CommitDetails(found[0], changes, records)
+    return CommitDetails(found[0], changes, records, protocol)
 
 
 __all__ = ["ACTIONS", "CommitDetails", "EntryChange", "EntryValue", "commit_details"]

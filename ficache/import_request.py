@@ -206,8 +206,8 @@ class StoreImport:
     prepared: PreparedImport
     entries: int  # read (skipped ones not counted)
     skipped_entries: int  # malformed (FlashInfer treats them as misses)
-    #: Protocol records counted, not imported (``ficache.adopt``'s docstring says why).
-    ignored_records: int
+    #: Protocol records read (stored as protocol records, shared).
+    protocol_records: int
 
     @property
     def environments(self) -> list[StoreEnvironment]:

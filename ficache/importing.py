@@ -56,6 +56,7 @@ from ficache.kind_merge import reconcile
 from ficache.merge import (
     ENTRY_MERGE,
     POLICIES,
+    PROTOCOL_MERGE,
     RECORD_MERGE,
     MergeConflict,
     MergeSource,
@@ -63,12 +64,14 @@ from ficache.merge import (
     plan_merge,
 )
 from ficache.models import SHARED_SCOPE
+from ficache.protocol_records import NewProtocolRecord
 from ficache.records import NewRecord, records_of_file
 from ficache.registry_access import RegistryAccess
 from ficache.v2_store import (
     StoreContents,
     check_one_policy_per_fingerprint,
     store_entries,
+    store_protocol_records,
     stores_provenance,
 )
 from ficache.values import NewEntry, WriteResult, validate_scope
@@ -86,6 +89,7 @@ class ImportInput:
     name: str
     entries: tuple[NewEntry, ...] = field(repr=False)
     records: tuple[NewRecord, ...] = field(default=(), repr=False)
+    protocol_records: tuple[NewProtocolRecord, ...] = field(default=(), repr=False)
 
 
 @dataclass(frozen=True)
@@ -106,11 +110,19 @@ class ImportPlan:
     #: (``fingerprint_id`` and ``target`` are None: the registry is no party).
     conflicting: tuple[MergeConflict, ...] = ()
     conflicting_records: tuple[RecordConflict, ...] = ()
+    #: FlashInfer 0.7.4's protocol records, as records are counted and chosen.
+    protocol_records: int = 0
+    protocol_writes: tuple[NewProtocolRecord, ...] = field(default=(), repr=False)
+    protocol_duplicates: int = 0
+    protocol_conflicts: int = 0
+    conflicting_protocol: tuple[RecordConflict, ...] = ()
 
     @property
     def refused(self) -> bool:
-        """True when the policy is ``fail`` and inputs disagree (entries or records)."""
-        return self.policy == "fail" and bool(self.conflicting or self.conflicting_records)
+        """True when the policy is ``fail`` and inputs disagree (any kind)."""
+        return self.policy == "fail" and bool(
+            self.conflicting or self.conflicting_records or self.conflicting_protocol
+        )
 
     def check(self) -> None:
         """Raise ``MergeConflictError`` (one line naming a key and its inputs) when refused."""
@@ -119,12 +131,20 @@ class ImportPlan:
         if self.conflicting:
             first: Any = self.conflicting[0]
             what = f"entry {first.key[:160]!r}"
-        else:
+        elif self.conflicting_records:
             first = self.conflicting_records[0]
             what = f"record {first.namespace}/{first.key[:160]!r}"
+        else:
+            first = self.conflicting_protocol[0]
+            what = f"protocol record {first.namespace}/{first.key[:160]!r}"
         names = list(dict.fromkeys(self.sources[n - 1] for n, _value in first.sources))
         held = " and ".join(names) if len(names) > 1 else f"{names[0]} (twice)"
-        others = len(self.conflicting) + len(self.conflicting_records) - 1
+        others = (
+            len(self.conflicting)
+            + len(self.conflicting_records)
+            + len(self.conflicting_protocol)
+            - 1
+        )
         more = f" ({others} more conflicting)" if others else ""
         raise MergeConflictError(
             f"{held} hold different values for {what} (fingerprint {first.fingerprint[:12]}, "
@@ -153,6 +173,16 @@ class ImportPlan:
                 "records_duplicates": self.records_duplicates,
                 "records_conflicts": self.records_conflicts,
             }
+            if self.protocol_duplicates or self.protocol_conflicts:
+                provenance["protocol_duplicates"] = self.protocol_duplicates
+                provenance["protocol_conflicts"] = self.protocol_conflicts
+        elif self.protocol_duplicates or self.protocol_conflicts:
+            provenance = {
+                **(provenance or {}),
+                "on_conflict": self.policy,
+                "protocol_duplicates": self.protocol_duplicates,
+                "protocol_conflicts": self.protocol_conflicts,
+            }
         with paused_gc():
             return registry.write(
                 self.writes,
@@ -160,6 +190,7 @@ class ImportPlan:
                 message=message[:2000],
                 provenance=provenance,
                 records=self.record_writes,
+                protocol_records=self.protocol_writes,
             )
 
     def preview(self, registry: RegistryAccess | None) -> WriteResult:
@@ -169,8 +200,15 @@ class ImportPlan:
         """
         self.check()
         if registry is None:
-            return WriteResult(None, added=len(self.writes), records_added=len(self.record_writes))
-        source = MergeSource("import", "flashinfer", "", self.writes, self.record_writes)
+            return WriteResult(
+                None,
+                added=len(self.writes),
+                records_added=len(self.record_writes),
+                protocol_added=len(self.protocol_writes),
+            )
+        source = MergeSource(
+            "import", "flashinfer", "", self.writes, self.record_writes, self.protocol_writes
+        )
         plan = plan_merge(registry, [source], "theirs")
         return WriteResult(
             None,
@@ -180,6 +218,9 @@ class ImportPlan:
             records_added=plan.records.added,
             records_replaced=plan.records.replaced,
             records_unchanged=plan.records.identical,
+            protocol_added=plan.protocol.added,
+            protocol_replaced=plan.protocol.replaced,
+            protocol_unchanged=plan.protocol.identical,
         )
 
 
@@ -192,6 +233,7 @@ def plan_import(inputs: Sequence[ImportInput], policy: str = "keep") -> ImportPl
     with paused_gc():
         entries = reconcile(ENTRY_MERGE, [i.entries for i in inputs], policy)
         records = reconcile(RECORD_MERGE, [i.records for i in inputs], policy)
+        protocol = reconcile(PROTOCOL_MERGE, [i.protocol_records for i in inputs], policy)
     return ImportPlan(
         policy,
         tuple(i.name for i in inputs),
@@ -205,6 +247,11 @@ def plan_import(inputs: Sequence[ImportInput], policy: str = "keep") -> ImportPl
         records.conflicts,
         tuple(entries.conflicting),
         tuple(records.conflicting),
+        sum(len(i.protocol_records) for i in inputs),
+        tuple(protocol.writes),
+        protocol.duplicates,
+        protocol.conflicts,
+        tuple(protocol.conflicting),
     )
 
 
@@ -273,6 +320,7 @@ def plan_bundle_import(bundles: Sequence[tuple[str, Bundle]], policy: str = "kee
                 source,
                 tuple(b.entries),
                 tuple(bundle_records(b, tuned_time.tuned_at(None, source))),
+                b.protocol_records,
             )
             for source, b in bundles
         ],
@@ -281,7 +329,8 @@ def plan_bundle_import(bundles: Sequence[tuple[str, Bundle]], policy: str = "kee
 
 
 def bundles_provenance(bundles: Sequence[tuple[str, Bundle]]) -> dict[str, Any]:
-    """An import commit's provenance: every bundle by digest."""
+    """An import commit's provenance: every bundle by digest (``protocol_records`` only for
+    a bundle that holds some)."""
     return {
         "bundles": [
             {
@@ -289,6 +338,7 @@ def bundles_provenance(bundles: Sequence[tuple[str, Bundle]]) -> dict[str, Any]:
                 "format_version": b.format_version,
                 "entries": len(b.entries),
                 "records": int(b.provenance["records"]),
+                **({"protocol_records": len(b.protocol_records)} if b.protocol_records else {}),
             }
             for _source, b in bundles
         ]
@@ -313,14 +363,22 @@ def import_bundles(
 def plan_store_import(
     stores: Sequence[StoreContents], *, scope: str = SHARED_SCOPE, policy: str = "keep"
 ) -> ImportPlan:
-    """The import plan of v2 ``stores`` (one input per store, ``v2_store.store_entries``).
+    """The import plan of v2 ``stores`` (one input per store, ``v2_store.store_entries``;
+    their protocol records stored shared, ``v2_store.store_protocol_records``).
 
     A key two stores hold with different values is resolved by ``policy``,
     as ``merge`` does; a fingerprint under two measurement policies is refused.
     """
     check_one_policy_per_fingerprint(stores)
     return plan_import(
-        [ImportInput(str(store.source), store_entries(store, scope)) for store in stores],
+        [
+            ImportInput(
+                str(store.source),
+                store_entries(store, scope),
+                protocol_records=store_protocol_records(store),
+            )
+            for store in stores
+        ],
         policy,
     )
 

@@ -50,7 +50,7 @@ from sqlalchemy import Connection, bindparam, delete, func, insert, literal, sel
 
 from ficache.errors import StalePlanError
 from ficache.fingerprint import Fingerprint
-from ficache.kinds import ACTIONS, Kind
+from ficache.kinds import ACTIONS, STORED_KINDS, Kind
 from ficache.models import COMMITS as C
 from ficache.models import FINGERPRINTS as F
 from ficache.models import policy_text
@@ -146,8 +146,7 @@ def new_commit(
         user: str | None = getpass.getuser()
     except Exception:  # noqa: BLE001 - no user database in some containers
         user = None
-    counts = {"added": 0, "replaced": 0, "removed": 0}
-    counts.update({"records_added": 0, "records_replaced": 0, "records_removed": 0})
+    counts = {k.count_column(a): 0 for k in STORED_KINDS for a in ACTIONS}
     for s in staged:
         counts.update({s.kind.count_column(a): n for a, n in s.counts().items()})
     result = conn.execute(

@@ -1,8 +1,9 @@
 """The kinds of stored result, one frozen description each: what the store machinery takes.
 
-ficache stores two kinds of tuned result: FlashInfer entries (``entries`` /
-``entry_changes``) and namespaced records (``records`` / ``record_changes``),
-see ``ficache.models``. Each is described here once, as a ``Kind``: its
+ficache stores three kinds of tuned result: FlashInfer entries (``entries`` /
+``entry_changes``), namespaced records (``records`` / ``record_changes``) and
+FlashInfer 0.7.4's protocol records (``protocol_records`` /
+``protocol_record_changes``), see ``ficache.models``. Each is described here once, as a ``Kind``: its
 current-row table and its change table, which columns name a row, which hold
 its value, which travel with the value without being part of it, which are
 derived, how a current row maps onto a change row, and which commit columns
@@ -56,14 +57,23 @@ from sqlalchemy import Column, Table
 from ficache.errors import FicacheError
 from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import parse_key
-from ficache.models import ENTRIES, ENTRY_CHANGES, RECORD_CHANGES, RECORDS
-from ficache.values import NewEntry, NewRecord
+from ficache.models import (
+    ENTRIES,
+    ENTRY_CHANGES,
+    PROTOCOL_RECORD_CHANGES,
+    PROTOCOL_RECORDS,
+    RECORD_CHANGES,
+    RECORDS,
+)
+from ficache.values import NewEntry, NewProtocolRecord, NewRecord
 
 __all__ = [
     "ACTIONS",
     "ENTRY_KIND",
     "KINDS",
+    "PROTOCOL_KIND",
     "RECORD_KIND",
+    "STORED_KINDS",
     "CurrentRow",
     "Kind",
     "StoredChange",
@@ -112,7 +122,8 @@ class StoredChange(NamedTuple):
 class Kind:
     """One kind of stored result, described by its tables and columns (see the module docstring)."""
 
-    #: Singular, as messages and ``RevertConflict.kind`` name one: "entry", "record".
+    #: Singular, as messages and ``RevertConflict.kind`` name one: "entry", "record",
+    #: "protocol record".
     name: str
     #: Plural, as messages count them: "entries", "records".
     plural: str
@@ -137,7 +148,7 @@ class Kind:
     new: tuple[tuple[str, str], ...]
     #: Action -> the ``commits`` column counting this kind's changes of it.
     counts: tuple[tuple[str, str], ...]
-    #: Prefix of this kind's fields in ``WriteResult`` ("" or "records_").
+    #: Prefix of this kind's fields in ``WriteResult`` ("", "records_", "protocol_").
     result_prefix: str
     #: Attribute names, on a writer's item (``NewEntry``, ``NewRecord``), of the
     #: identity (after fingerprint and scope), the value and the carried columns,
@@ -368,12 +379,59 @@ RECORD_KIND = Kind(
     make_item=_record_item,
 )
 
+
+def _protocol_item(
+    fp: Fingerprint,
+    scope: str,
+    ident: tuple[Any, ...],
+    value: tuple[Any, ...],
+    carried: tuple[Any, ...],
+) -> NewProtocolRecord:
+    namespace, key = ident
+    value_json, policy_json = value
+    (tuned_at,) = carried
+    return NewProtocolRecord(fp, namespace, key, value_json, policy_json, scope, tuned_at)
+
+
+#: FlashInfer 0.7.4 protocol records: one JSON value of one (namespace, key), with the
+#: measurement policy of its v2 entry file (``ficache.models.ProtocolRecordRow``).
+PROTOCOL_KIND = Kind(
+    name="protocol record",
+    plural="protocol records",
+    rows=PROTOCOL_RECORDS,
+    changes=PROTOCOL_RECORD_CHANGES,
+    identity=("namespace", "key"),
+    values=("value", "policy_id"),
+    carried=("tuned_at",),
+    derived=(),
+    policy_columns=("policy_id",),
+    old=(
+        ("value", "old_value"),
+        ("policy_id", "old_policy_id"),
+        ("tuned_at", "old_tuned_at"),
+        ("commit_id", "old_commit_id"),
+    ),
+    new=(("value", "new_value"), ("policy_id", "new_policy_id")),
+    counts=(
+        ("added", "protocol_added"),
+        ("replaced", "protocol_replaced"),
+        ("removed", "protocol_removed"),
+    ),
+    result_prefix="protocol_",
+    item_identity=("namespace", "key"),
+    item_values=("value_json", "policy_json"),
+    item_carried=("tuned_at",),
+    make_item=_protocol_item,
+)
+
 #: Every kind, in the order a commit writes, shows and reverts them.
-KINDS: tuple[Kind, ...] = (ENTRY_KIND, RECORD_KIND)
+KINDS: tuple[Kind, ...] = (ENTRY_KIND, RECORD_KIND, PROTOCOL_KIND)
+#: The same tuple, by the name the machinery's loops use: a new kind is one more description.
+STORED_KINDS = KINDS
 
 _BY_NAME: Mapping[str, Kind] = {k.name: k for k in KINDS}
 
 
 def kind_named(name: str) -> Kind:
-    """The kind called ``name`` ("entry", "record"); ``KeyError`` for another."""
+    """The kind called ``name`` ("entry", "record", "protocol record"); ``KeyError`` for another."""
     return _BY_NAME[name]

@@ -53,6 +53,12 @@ Invariants:
   values (``MergePlan.records``).
   ``newest`` compares their ``tuned_at`` (a file's mtime; a bundle carries
   no time for records, so they take the bundle file's mtime).
+- FlashInfer 0.7.4's protocol records (``ficache.protocol_records``) merge
+  the same way, by the same code (``PROTOCOL_MERGE``): a conflict is one
+  (fingerprint, scope, namespace, key) with different values (JSON value and
+  measurement policy), reported in ``MergePlan.protocol``. A merge that
+  involves none reads, plans, reports and records exactly what it did
+  before they were stored (``as_json``, provenance and digests unchanged).
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import select
 from sqlalchemy.exc import DatabaseError
@@ -93,13 +99,14 @@ from ficache.kind_merge import (
     plan_kind,
     resolve,
 )
-from ficache.kinds import ENTRY_KIND, RECORD_KIND
+from ficache.kinds import ENTRY_KIND, PROTOCOL_KIND, RECORD_KIND
 from ficache.models import ENTRIES as E
 from ficache.models import (
     ENTRY_VALUE_COLUMNS,
     SHARED_SCOPE,
 )
 from ficache.models import FINGERPRINTS as F
+from ficache.protocol_records import NewProtocolRecord, ProtocolWrite, protocol_values
 from ficache.records import NewRecord, RecordWrite, record_values
 from ficache.registry_access import RegistryAccess
 from ficache.values import (
@@ -130,15 +137,20 @@ class SourceSummary:
     digest: str  # sha256 hex
     entries: int
     records: int = 0  # namespaced records (``_records``)
+    protocol_records: int = 0  # FlashInfer 0.7.4's protocol records
 
     def as_json(self) -> dict[str, Any]:
-        return {
+        """The source as provenance names it (``protocol_records`` only when it holds some)."""
+        out: dict[str, Any] = {
             "source": self.name,
             "kind": self.kind,
             "digest": self.digest,
             "entries": self.entries,
             "records": self.records,
         }
+        if self.protocol_records:
+            out["protocol_records"] = self.protocol_records
+        return out
 
 
 @dataclass(frozen=True)
@@ -150,11 +162,17 @@ class MergeSource:
     digest: str
     entries: tuple[NewEntry, ...] = field(repr=False)  # tuned_at set where known
     records: tuple[NewRecord, ...] = field(default=(), repr=False)
+    protocol_records: tuple[NewProtocolRecord, ...] = field(default=(), repr=False)
 
     @property
     def summary(self) -> SourceSummary:
         return SourceSummary(
-            self.name, self.kind, self.digest, len(self.entries), len(self.records)
+            self.name,
+            self.kind,
+            self.digest,
+            len(self.entries),
+            len(self.records),
+            len(self.protocol_records),
         )
 
 
@@ -197,6 +215,7 @@ def _open_source(text: str) -> MergeSource:
             read.digest,
             tuple(read.entries),
             records=tuple(bundle_records(read, tuned_time.tuned_at(None, path))),
+            protocol_records=read.protocol_records,
         )
     return _flashinfer_source(path)
 
@@ -255,7 +274,11 @@ def _interned(fp: Fingerprint) -> Fingerprint:
     return fp
 
 
-def registry_digest(entries: Sequence[NewEntry], records: Sequence[NewRecord] = ()) -> str:
+def registry_digest(
+    entries: Sequence[NewEntry],
+    records: Sequence[NewRecord] = (),
+    protocol_records: Sequence[NewProtocolRecord] = (),
+) -> str:
     """The sha256 of a registry's content: one canonical JSON line per entry and record.
 
     Each entry's line is ``[fingerprint digest, scope, key, runner, tactic,
@@ -264,7 +287,9 @@ def registry_digest(entries: Sequence[NewEntry], records: Sequence[NewRecord] = 
     namespace, key, value, tuned_at]``, lines sorted; two registries holding
     the same entries and records have the same digest, whatever their
     histories (a registry without records has the digest it had before
-    records were stored).
+    records were stored). Protocol records add ``["protocol", fingerprint digest,
+    scope, namespace, key, value, policy, tuned_at]`` lines, likewise only when
+    there are some.
     """
     lines = sorted(
         json.dumps(
@@ -303,6 +328,28 @@ def registry_digest(entries: Sequence[NewEntry], records: Sequence[NewRecord] = 
                 ),
             ]
         )
+    if protocol_records:
+        lines = sorted(
+            [
+                *lines,
+                *(
+                    json.dumps(
+                        [
+                            "protocol",
+                            r.fingerprint.digest,
+                            r.scope,
+                            r.namespace,
+                            r.key,
+                            r.value_json,
+                            r.policy_json,
+                            r.tuned_at,
+                        ],
+                        separators=(",", ":"),
+                    )
+                    for r in protocol_records
+                ),
+            ]
+        )
     digest = hashlib.sha256()
     for line in lines:
         digest.update(line.encode())
@@ -337,6 +384,7 @@ def _registry_source(spec: str) -> MergeSource:
                 select(*ENTRY_VALUE_COLUMNS).order_by(E.c.fingerprint_id, E.c.scope, E.c.key)
             ).all()
             stored_records = record_values(conn)
+            stored_protocol = protocol_values(conn)
     except DatabaseError as exc:
         raise schema.translate_operational_error(exc, location) from None
     finally:
@@ -353,8 +401,17 @@ def _registry_source(spec: str) -> MergeSource:
         NewRecord(fps[fid], ns, key, value, scope, tuned_at)
         for fid, scope, ns, key, value, tuned_at in stored_records
     )
+    protocol_records = tuple(
+        NewProtocolRecord(fps[fid], ns, key, value, policy, scope, tuned_at)
+        for fid, scope, ns, key, value, policy, tuned_at in stored_protocol
+    )
     return MergeSource(
-        name, "registry", registry_digest(entries, records), entries, records=records
+        name,
+        "registry",
+        registry_digest(entries, records, protocol_records),
+        entries,
+        records=records,
+        protocol_records=protocol_records,
     )
 
 
@@ -433,14 +490,15 @@ class RecordConflict:
 
 @dataclass(frozen=True)
 class RecordMergePlan:
-    """The record part of a ``MergePlan``."""
+    """The record part of a ``MergePlan`` (and, with a ``ProtocolWrite``, its protocol
+    record part)."""
 
     added: int = 0
     replaced: int = 0
     removed: int = 0
     identical: int = 0
     conflicts: tuple[RecordConflict, ...] = ()
-    write: RecordWrite = field(default_factory=RecordWrite, repr=False)
+    write: RecordWrite | ProtocolWrite = field(default_factory=RecordWrite, repr=False)
 
     @property
     def candidates(self) -> int:
@@ -471,6 +529,10 @@ class MergePlan:
     # The commit that wrote each written or removed entry's value when planned (None: absent).
     expected: tuple[tuple[Identity, int | None], ...] = field(repr=False)
     records: RecordMergePlan = field(default_factory=RecordMergePlan)
+    #: The protocol records' part (``PROTOCOL_MERGE``; its ``write`` a ``ProtocolWrite``).
+    protocol: RecordMergePlan = field(
+        default_factory=lambda: RecordMergePlan(write=ProtocolWrite())
+    )
 
     def _total(self, name: str) -> int:
         return sum(getattr(g, name) for g in self.groups)
@@ -498,12 +560,19 @@ class MergePlan:
     @property
     def is_empty(self) -> bool:
         """True when executing would change nothing (and make no commit)."""
-        return not self.writes and not self.removals and self.records.write.is_empty
+        return (
+            not self.writes
+            and not self.removals
+            and self.records.write.is_empty
+            and self.protocol.write.is_empty
+        )
 
     @property
     def refused(self) -> bool:
-        """True when the policy is ``fail`` and there are conflicts (entries or records)."""
-        return self.policy == "fail" and bool(self.conflicts or self.records.conflicts)
+        """True when the policy is ``fail`` and there are conflicts (of any kind)."""
+        return self.policy == "fail" and bool(
+            self.conflicts or self.records.conflicts or self.protocol.conflicts
+        )
 
     @property
     def totals_str(self) -> str:
@@ -517,7 +586,8 @@ class MergePlan:
         return {"policy": self.policy, "sources": [s.as_json() for s in self.sources]}
 
     def as_json(self) -> dict[str, Any]:
-        return {
+        """The plan as JSON; ``protocol_records`` only when a source holds some."""
+        out = {
             "target": self.target,
             "policy": self.policy,
             "sources": [s.as_json() for s in self.sources],
@@ -532,6 +602,9 @@ class MergePlan:
             "conflicts": [c.as_json() for c in self.conflicts],
             "records": self.records.as_json(),
         }
+        if self.protocol.candidates:
+            out["protocol_records"] = self.protocol.as_json()
+        return out
 
     def check(self) -> None:
         """Raise ``MergeConflictError`` when the plan is refused (``fail`` with conflicts)."""
@@ -541,6 +614,8 @@ class MergePlan:
                 if self.records.conflicts
                 else ""
             )
+            if self.protocol.conflicts:
+                records += f" and {len(self.protocol.conflicts)} conflicting protocol records"
             raise MergeConflictError(
                 f"{self.conflicting} conflicting entries{records}; nothing merged; choose how to "
                 "resolve them with --on-conflict keep|theirs|newest|vote|drop"
@@ -557,7 +632,10 @@ class MergePlan:
         registry.require_planned_on(self.target)
         if self.is_empty:
             return WriteResult(
-                None, unchanged=self.identical, records_unchanged=self.records.identical
+                None,
+                unchanged=self.identical,
+                records_unchanged=self.records.identical,
+                protocol_unchanged=self.protocol.identical,
             )
         names = ", ".join(s.name for s in self.sources)
         with paused_gc():
@@ -568,7 +646,8 @@ class MergePlan:
                 provenance=self.provenance,
                 removals=self.removals,
                 expected=self.expected,  # pairs: no dict to build (and hash) per entry
-                records=self.records.write,
+                records=cast(RecordWrite, self.records.write),
+                protocol_records=cast(ProtocolWrite, self.protocol.write),
             )
 
 
@@ -630,10 +709,35 @@ def _record_conflict(
     )
 
 
+def _protocol_conflict(
+    digest: str,
+    fingerprint_id: int | None,
+    scope: str,
+    key: tuple[str, str],
+    baseline: tuple[str, str | None] | None,
+    candidates: Sequence[tuple[int, NewProtocolRecord]],
+    resolution: str,
+) -> RecordConflict:
+    """A protocol record conflict, shown by its values (its policies decide it, unshown)."""
+    namespace, record_key = key
+    return RecordConflict(
+        digest,
+        fingerprint_id,
+        scope,
+        namespace,
+        record_key,
+        baseline[0] if baseline is not None else None,
+        tuple((n, r.value_json) for n, r in candidates),
+        resolution,
+    )
+
+
 #: Entries: one per (fingerprint, scope, key); value (runner, tactic, policy).
 ENTRY_MERGE = MergeKind(ENTRY_KIND, NewEntry, _entry_op, _entry_conflict)
 #: Namespaced records: one per (fingerprint, scope, namespace, key); value its JSON.
 RECORD_MERGE = MergeKind(RECORD_KIND, NewRecord, _record_op, _record_conflict)
+#: Protocol records: one per (fingerprint, scope, namespace, key); value (JSON, policy).
+PROTOCOL_MERGE = MergeKind(PROTOCOL_KIND, NewProtocolRecord, _record_op, _protocol_conflict)
 
 
 def plan_merge(
@@ -697,6 +801,14 @@ def _plan(registry: RegistryAccess, sources: Sequence[MergeSource], policy: str)
                 if any(s.records for s in sources)
                 else RecordMergePlan()
             )
+            protocol = (
+                _record_plan(
+                    plan_kind(conn, PROTOCOL_MERGE, [s.protocol_records for s in sources], policy),
+                    ProtocolWrite,
+                )
+                if any(s.protocol_records for s in sources)
+                else RecordMergePlan(write=ProtocolWrite())
+            )
     except DatabaseError as exc:
         raise schema.translate_operational_error(exc, registry.location) from None
     fps, ids = entries.fingerprints, entries.target_ids
@@ -719,10 +831,13 @@ def _plan(registry: RegistryAccess, sources: Sequence[MergeSource], policy: str)
         tuple(entries.removals),
         tuple(entries.expected),
         records,
+        protocol,
     )
 
 
-def _record_plan(plan: KindPlan) -> RecordMergePlan:
+def _record_plan(
+    plan: KindPlan, write: type[RecordWrite] | type[ProtocolWrite] = RecordWrite
+) -> RecordMergePlan:
     """The records' part: totals over every group, conflicts by (digest, scope, key)."""
     added, replaced, removed, identical = (
         sum(n[i] for n in plan.counts.values()) for i in (ADDED, REPLACED, REMOVED, IDENTICAL)
@@ -739,7 +854,7 @@ def _record_plan(plan: KindPlan) -> RecordMergePlan:
         removed,
         identical,
         tuple(plan.conflicts[ident] for ident in sorted(plan.conflicts, key=by_digest)),
-        RecordWrite(tuple(plan.writes), tuple(plan.removals), tuple(plan.expected)),
+        write(tuple(plan.writes), tuple(plan.removals), tuple(plan.expected)),
     )
 
 
@@ -756,6 +871,7 @@ __all__ = [
     "read_sources",
     "registry_digest",
     "ENTRY_MERGE",
+    "PROTOCOL_MERGE",
     "RECORD_MERGE",
     "RecordConflict",
     "RecordMergePlan",

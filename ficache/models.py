@@ -29,6 +29,16 @@ Tables:
   scope, namespace, record key); ``value`` is canonical JSON text
   (``flashinfer_format.record_value_json``). ``record_changes`` is their
   change log, as ``entry_changes`` is the entries' (``ficache.records``).
+- ``protocol_records`` (from ``0009_protocol_records``): FlashInfer 0.7.4's
+  protocol records (``publish_protocol_record(namespace, key, value)``,
+  persisted by FlashInfer only in a v2 store, as entries keyed
+  ``('__protocol__', namespace, key)``), one row per (fingerprint, scope,
+  namespace, key): ``value`` canonical JSON text, ``policy_id`` the entry
+  file's measurement policy (NULL: none, what FlashInfer writes today).
+  A table of their own: they never share a row, a namespace or a change log
+  with ``records`` (FlashInfer's v1 ``_records``). ``protocol_record_changes``
+  is their change log; ``commits.protocol_added``/``protocol_replaced``/
+  ``protocol_removed`` count them.
 - ``schema_compat`` (from ``0007_compat``): one row naming the registry's
   revision and the oldest ficache schema heads that can still read it
   (``readable_from``) and write it (``writable_from``), so code older than
@@ -148,6 +158,12 @@ class CommitRow(Base):
     records_added: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
     records_replaced: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
     records_removed: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    # From 0009_protocol_records: the commit's protocol record changes per action.
+    protocol_added: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    protocol_replaced: Mapped[int] = mapped_column(
+        Integer, nullable=False, server_default=text("0")
+    )
+    protocol_removed: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
 
     __table_args__ = (Index("ix_commits_created_at", "created_at"),)
 
@@ -241,6 +257,54 @@ class RecordChangeRow(Base):
     __table_args__ = (Index("ix_record_changes_commit_id", "commit_id"),)
 
 
+class ProtocolRecordRow(Base):
+    """One FlashInfer 0.7.4 protocol record (``ficache.protocol_records``)."""
+
+    __tablename__ = "protocol_records"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    fingerprint_id: Mapped[int] = mapped_column(ForeignKey("fingerprints.id"), nullable=False)
+    scope: Mapped[str] = mapped_column(String(64), nullable=False)
+    namespace: Mapped[str] = mapped_column(Text, nullable=False)
+    key: Mapped[str] = mapped_column(Text, nullable=False)
+    value: Mapped[str] = mapped_column(Text, nullable=False)  # canonical JSON
+    policy_id: Mapped[int | None] = mapped_column(ForeignKey("policies.id"))
+    commit_id: Mapped[int] = mapped_column(ForeignKey("commits.id"), nullable=False)
+    updated_at: Mapped[float] = mapped_column(Float, nullable=False)
+    tuned_at: Mapped[float] = mapped_column(Float, nullable=False)
+
+    __table_args__ = (
+        UniqueConstraint(
+            "fingerprint_id",
+            "scope",
+            "namespace",
+            "key",
+            name="uq_protocol_records_fingerprint_scope_namespace_key",
+        ),
+        Index("ix_protocol_records_commit_id", "commit_id"),
+    )
+
+
+class ProtocolRecordChangeRow(Base):
+    __tablename__ = "protocol_record_changes"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    commit_id: Mapped[int] = mapped_column(ForeignKey("commits.id"), nullable=False)
+    fingerprint_id: Mapped[int] = mapped_column(ForeignKey("fingerprints.id"), nullable=False)
+    scope: Mapped[str] = mapped_column(String(64), nullable=False)
+    namespace: Mapped[str] = mapped_column(Text, nullable=False)
+    key: Mapped[str] = mapped_column(Text, nullable=False)
+    action: Mapped[str] = mapped_column(String(8), nullable=False)  # added/replaced/removed
+    old_value: Mapped[str | None] = mapped_column(Text)
+    old_policy_id: Mapped[int | None] = mapped_column(ForeignKey("policies.id"))
+    old_commit_id: Mapped[int | None] = mapped_column(Integer)
+    old_tuned_at: Mapped[float | None] = mapped_column(Float)
+    new_value: Mapped[str | None] = mapped_column(Text)  # NULL for removed
+    new_policy_id: Mapped[int | None] = mapped_column(ForeignKey("policies.id"))
+
+    __table_args__ = (Index("ix_protocol_record_changes_commit_id", "commit_id"),)
+
+
 # The tables as SQLAlchemy Core objects, for the bulk queries of the modules
 # that read and write many rows at once (registry, merge, history, verify, records).
 FINGERPRINTS = cast(Table, FingerprintRow.__table__)
@@ -250,6 +314,8 @@ COMMITS = cast(Table, CommitRow.__table__)
 ENTRY_CHANGES = cast(Table, EntryChangeRow.__table__)
 RECORDS = cast(Table, RecordRow.__table__)
 RECORD_CHANGES = cast(Table, RecordChangeRow.__table__)
+PROTOCOL_RECORDS = cast(Table, ProtocolRecordRow.__table__)
+PROTOCOL_RECORD_CHANGES = cast(Table, ProtocolRecordChangeRow.__table__)
 
 
 def policy_text(policy_id: Any) -> Any:

@@ -79,6 +79,7 @@ from ficache import (
     stored_entries,
     stored_fingerprints,
 )
+from ficache import protocol_records as proto
 from ficache import records as rec
 from ficache._gcpause import paused_gc
 from ficache._interrupts import HeldInterrupts
@@ -92,7 +93,7 @@ from ficache.errors import (
 from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import CacheFile
 from ficache.kind_store import COMMIT_KINDS as COMMIT_KINDS  # re-exported
-from ficache.kinds import ENTRY_KIND, RECORD_KIND
+from ficache.kinds import ENTRY_KIND, PROTOCOL_KIND, RECORD_KIND, STORED_KINDS, Kind
 from ficache.models import (
     ENTRY_VALUE_COLUMNS,
     SHARED_SCOPE,
@@ -127,6 +128,7 @@ class PruneGroup:
     scope: str
     entries: int
     records: int = 0  # namespaced records (``ficache.records``) of the group
+    protocol_records: int = 0  # FlashInfer 0.7.4's protocol records of the group
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,8 @@ class PrunePlan:
     entry_versions: tuple[tuple[int, int], ...] = field(repr=False)  # (entry id, commit id)
     #: (record id, commit id) of the records it removes.
     record_versions: tuple[tuple[int, int], ...] = field(default=(), repr=False)
+    #: (protocol record id, commit id) of the protocol records it removes.
+    protocol_versions: tuple[tuple[int, int], ...] = field(default=(), repr=False)
 
     @property
     def total(self) -> int:
@@ -155,8 +159,20 @@ class PrunePlan:
         return len(self.record_versions)
 
     @property
+    def protocol_total(self) -> int:
+        return len(self.protocol_versions)
+
+    @property
     def is_empty(self) -> bool:
-        return not self.entry_versions and not self.record_versions
+        return not self.entry_versions and not self.record_versions and not self.protocol_versions
+
+    def versions(self, kind: Kind) -> tuple[tuple[int, int], ...]:
+        """``(row id, commit id)`` of the rows of ``kind`` the plan removes."""
+        return {
+            ENTRY_KIND.name: self.entry_versions,
+            RECORD_KIND.name: self.record_versions,
+            PROTOCOL_KIND.name: self.protocol_versions,
+        }[kind.name]
 
     def execute(self, registry: Registry) -> WriteResult:
         return registry._execute_prune(self)
@@ -423,6 +439,7 @@ class Registry:
         expected: Expected | None = None,
         keep_existing: bool = False,
         records: rec.RecordWrite | Iterable[rec.NewRecord] = (),
+        protocol_records: proto.ProtocolWrite | Iterable[proto.NewProtocolRecord] = (),
         reverts_commit_id: int | None = None,
         once_token: str | None = None,
         token_is_new: bool = False,
@@ -445,7 +462,9 @@ class Registry:
         expected commits) are written in the same transaction and commit,
         under the same rules (``ficache.records``); a write that changes
         only records is a commit too. Invalid records raise ``RecordError``
-        before anything is written. ``reverts_commit_id``: the commit a
+        before anything is written. ``protocol_records`` (``NewProtocolRecord``s, or a
+        ``ProtocolWrite``) likewise, for FlashInfer 0.7.4's protocol records
+        (``ficache.protocol_records``). ``reverts_commit_id``: the commit a
         ``revert`` write undoes (``ficache.revert``).
         ``once_token``: the write lands at most once for this token. The token
         is stored in the commit's provenance (``commit_log.TOKEN_FIELD``), and
@@ -464,6 +483,12 @@ class Registry:
             records if isinstance(records, rec.RecordWrite) else rec.RecordWrite(tuple(records))
         )
         record_write.validate()
+        protocol_write = (
+            protocol_records
+            if isinstance(protocol_records, proto.ProtocolWrite)
+            else proto.ProtocolWrite(tuple(protocol_records))
+        )
+        protocol_write.validate()
         self._once = None if once_token is None or token_is_new else (once_token, kind)
         try:
             with paused_gc():  # a large write allocates many small objects, no cycles
@@ -478,6 +503,7 @@ class Registry:
                     expected=expected,
                     keep_existing=keep_existing,
                     record_write=record_write,
+                    protocol_write=protocol_write,
                     reverts_commit_id=reverts_commit_id,
                 )
         finally:
@@ -496,6 +522,7 @@ class Registry:
         expected: Expected | None,
         keep_existing: bool,
         record_write: rec.RecordWrite = rec.RecordWrite(),  # noqa: B008 - frozen, never mutated
+        protocol_write: proto.ProtocolWrite = proto.ProtocolWrite(),  # noqa: B008 - frozen
         reverts_commit_id: int | None = None,
     ) -> WriteResult:
         """``write``'s body, run with the garbage collector paused: each kind's
@@ -504,6 +531,12 @@ class Registry:
             kind_store.prepare(ENTRY_KIND, entries, removals, expected),
             kind_store.prepare(
                 RECORD_KIND, record_write.records, record_write.removals, record_write.expected
+            ),
+            kind_store.prepare(
+                PROTOCOL_KIND,
+                protocol_write.records,
+                protocol_write.removals,
+                protocol_write.expected,
             ),
         )
         if all(p.is_empty for p in prepared):
@@ -520,10 +553,11 @@ class Registry:
                 raise _NothingToWrite(
                     WriteResult(
                         None,
-                        unchanged=counts["unchanged"],
-                        kept=counts["kept"],
-                        records_unchanged=counts["records_unchanged"],
-                        records_kept=counts["records_kept"],
+                        **{
+                            k.result_field(what): counts[k.result_field(what)]
+                            for k in STORED_KINDS
+                            for what in ("unchanged", "kept")
+                        },
                     )
                 )
             commit_id = kind_store.new_commit(
@@ -601,7 +635,9 @@ class Registry:
         row was last written (``--older-than``). They go in the same commit
         as the entries (its ``record_changes``, so ``show`` lists them and
         ``revert`` restores them). A criterion records lack (an op or key
-        filter) would leave records untouched.
+        filter) would leave records untouched. FlashInfer 0.7.4's protocol
+        records (``ficache.protocol_records``) are pruned by the same
+        criteria and code, every stored kind in turn (``kinds.STORED_KINDS``).
         """
         if (
             not fingerprint_ids
@@ -649,27 +685,23 @@ class Registry:
 
         def run() -> PrunePlan:
             groups: dict[tuple[int, str], list[Any]] = {}
-            versions: list[tuple[int, int]] = []
-            record_versions: list[tuple[int, int]] = []
+            found: list[list[tuple[int, int]]] = [[] for _kind in STORED_KINDS]
             with self._read() as conn:
-                for at, (kind, found) in enumerate(
-                    ((ENTRY_KIND, versions), (RECORD_KIND, record_versions)), start=2
-                ):
+                for at, kind in enumerate(STORED_KINDS, start=2):
                     for row_id, cid, fid, sc, gpu, fiver in kind_store.prune_candidates(
                         conn, kind, conditions
                     ):
-                        found.append((row_id, cid))
-                        g = groups.setdefault((fid, sc), [gpu, fiver, 0, 0])
+                        found[at - 2].append((row_id, cid))
+                        g = groups.setdefault((fid, sc), [gpu, fiver, *(0 for _ in STORED_KINDS)])
                         g[at] += 1
             return PrunePlan(
                 self.location.display,
                 tuple(criteria),
                 tuple(
-                    PruneGroup(fid, g[0], g[1], sc, g[2], g[3])
+                    PruneGroup(fid, g[0], g[1], sc, *g[2:])
                     for (fid, sc), g in sorted(groups.items())
                 ),
-                tuple(versions),
-                tuple(record_versions),
+                *(tuple(versions) for versions in found),
             )
 
         return self._guard(run)
@@ -681,10 +713,8 @@ class Registry:
 
         def body(conn: Connection) -> WriteResult:
             staged = []
-            for kind, versions in (
-                (ENTRY_KIND, plan.entry_versions),
-                (RECORD_KIND, plan.record_versions),
-            ):
+            for kind in STORED_KINDS:
+                versions = plan.versions(kind)
                 found = kind_store.stage_planned_removals(conn, kind, versions)
                 if len(found.removed) != len(versions):
                     raise ConflictError(
@@ -705,7 +735,11 @@ class Registry:
                 kind_store.apply(conn, s, commit_id, now)
             counts = kind_store.result_counts(staged)
             return WriteResult(
-                commit_id, removed=counts["removed"], records_removed=counts["records_removed"]
+                commit_id,
+                **{
+                    k.result_field("removed"): counts[k.result_field("removed")]
+                    for k in STORED_KINDS
+                },
             )
 
         return self._write(body)

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from sqlalchemy import Engine
 
 from ficache.fingerprint import Fingerprint
+from ficache.protocol_records import NewProtocolRecord, ProtocolWrite
 from ficache.records import NewRecord, RecordWrite
 from ficache.schema import Location
 from ficache.values import CommitInfo, Expected, NewEntry, WriteResult
@@ -55,6 +56,7 @@ class RegistryAccess(Protocol):
         expected: Expected | None = None,
         keep_existing: bool = False,
         records: RecordWrite | Iterable[NewRecord] = (),
+        protocol_records: ProtocolWrite | Iterable[NewProtocolRecord] = (),
         reverts_commit_id: int | None = None,
         once_token: str | None = None,
         token_is_new: bool = False,

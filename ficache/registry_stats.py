@@ -21,6 +21,7 @@ from typing import Any
 from sqlalchemy import Connection, case, func, select
 from sqlalchemy import text as sql_text
 
+from ficache import protocol_records as proto
 from ficache import records as rec
 from ficache import schema
 from ficache.models import COMMITS as C
@@ -49,9 +50,23 @@ class Stats:
     #: ``(fingerprint id, starts served, replay starts, keys those replay starts missed)``
     #: (``ficache.usage``: counted by the served mark, a lower bound).
     start_counts: tuple[tuple[int, int, int, int], ...] = ()
+    #: ``(fingerprint id, namespace, protocol records)`` of every stored protocol namespace.
+    protocol_namespaces: tuple[tuple[int, str, int], ...] = ()
+
+    @property
+    def protocol_records(self) -> int:
+        return sum(n for _fid, _ns, n in self.protocol_namespaces)
 
     def as_json(self) -> dict[str, Any]:
+        """Every field; the protocol records' only when the registry holds some."""
         data = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        del data["protocol_namespaces"]
+        if self.protocol_namespaces:
+            data["protocol_records"] = self.protocol_records
+            data["protocol_namespaces"] = [
+                {"fingerprint": fid, "namespace": ns, "protocol_records": n}
+                for fid, ns, n in self.protocol_namespaces
+            ]
         data["ops"] = dict(self.ops)
         data["last_served"] = {str(fid): served for fid, served in self.last_served}
         data["start_counts"] = {
@@ -111,6 +126,7 @@ def stats(conn: Connection, location: schema.Location) -> Stats:
         sum(n for _fid, _ns, n in record_namespaces),
         record_namespaces,
         start_counts,
+        proto.protocol_counts(conn),
     )
 
 

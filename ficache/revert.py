@@ -42,9 +42,10 @@ from ficache import schema
 from ficache.errors import ConflictError, NotFoundError
 from ficache.fingerprint import Fingerprint
 from ficache.kind_store import commit_changes, restored_item
-from ficache.kinds import ENTRY_KIND, RECORD_KIND, Kind
+from ficache.kinds import ENTRY_KIND, PROTOCOL_KIND, RECORD_KIND, Kind
 from ficache.models import COMMITS as C
 from ficache.models import FINGERPRINTS as F
+from ficache.protocol_records import ProtocolWrite
 from ficache.records import RecordWrite
 from ficache.registry_access import RegistryAccess
 from ficache.values import CommitInfo, NewEntry, WriteResult, fingerprint_from_row
@@ -58,10 +59,10 @@ _CHUNK = 500  # keys per IN (...) list
 class RevertConflict:
     """One entry or record of the commit that a later commit changed."""
 
-    kind: str  # "entry" or "record"
+    kind: str  # "entry", "record" or "protocol record"
     fingerprint_id: int
     scope: str
-    namespace: str | None  # records only
+    namespace: str | None  # records and protocol records only
     key: str
     action: str  # what the reverted commit did to it: added, replaced, removed
     changed_by: int | None  # the later commit that holds it now or removed it
@@ -105,6 +106,9 @@ class RevertPlan:
         default=(), repr=False
     )
     record_write: RecordWrite = field(default_factory=RecordWrite, repr=False)
+    #: What undoing the commit's protocol record changes does (``ficache.protocol_records``).
+    protocol: RevertCounts = RevertCounts()
+    protocol_write: ProtocolWrite = field(default_factory=ProtocolWrite, repr=False)
 
     @property
     def refusal(self) -> str | None:
@@ -117,13 +121,16 @@ class RevertPlan:
             )
         if not self.conflicts:
             return None
-        n_entries = sum(c.kind == "entry" for c in self.conflicts)
-        n_records = len(self.conflicts) - n_entries
+        n_entries = sum(c.kind == ENTRY_KIND.name for c in self.conflicts)
+        n_records = sum(c.kind == RECORD_KIND.name for c in self.conflicts)
+        n_protocol = len(self.conflicts) - n_entries - n_records
         parts = []
         if n_entries:
             parts.append(f"{n_entries} of {self.entries.total} entries")
         if n_records:
             parts.append(f"{n_records} of {self.records.total} records")
+        if n_protocol:
+            parts.append(f"{n_protocol} of {self.protocol.total} protocol records")
         return (
             f"{' and '.join(parts)} of commit {cid} changed in later commits; "
             "revert those first (ficache log)"
@@ -140,7 +147,8 @@ class RevertPlan:
             raise ConflictError(self.refusal)
 
     def as_json(self) -> dict[str, Any]:
-        return {
+        """The plan as JSON; ``protocol_records`` only when the commit changed some."""
+        out = {
             "target": self.target,
             "reverts": self.commit.as_json(),
             "entries": self.entries.as_json(),
@@ -149,6 +157,9 @@ class RevertPlan:
             "conflicts": [c.as_json() for c in self.conflicts],
             "refused": self.refusal,
         }
+        if self.protocol.total:
+            out["protocol_records"] = self.protocol.as_json()
+        return out
 
     def execute(self, registry: RegistryAccess) -> WriteResult:
         """Apply the plan as one ``revert`` commit.
@@ -168,6 +179,7 @@ class RevertPlan:
                 removals=self.removals,
                 expected=self.expected,
                 records=self.record_write,
+                protocol_records=self.protocol_write,
             )
         except ConflictError:
             raise ConflictError(
@@ -186,6 +198,7 @@ def plan_revert(registry: RegistryAccess, commit_id: int) -> RevertPlan:
             fingerprints: dict[int, Fingerprint] = {}
             entries = _undo(conn, ENTRY_KIND, commit_id, fingerprints)
             records = _undo(conn, RECORD_KIND, commit_id, fingerprints)
+            protocol = _undo(conn, PROTOCOL_KIND, commit_id, fingerprints)
             reverted_by = _undone_by(conn, commit_id)
     except DatabaseError as exc:
         raise schema.translate_operational_error(exc, registry.location) from None
@@ -194,12 +207,14 @@ def plan_revert(registry: RegistryAccess, commit_id: int) -> RevertPlan:
         found[0],
         entries.counts,
         records.counts,
-        entries.conflicts + records.conflicts,
+        entries.conflicts + records.conflicts + protocol.conflicts,
         reverted_by,
         tuple(entries.writes),
         tuple(entries.removals),
         tuple(entries.expected),
         RecordWrite(tuple(records.writes), tuple(records.removals), tuple(records.expected)),
+        protocol.counts,
+        ProtocolWrite(tuple(protocol.writes), tuple(protocol.removals), tuple(protocol.expected)),
     )
 
 

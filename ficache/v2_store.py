@@ -23,11 +23,17 @@ reads and writes it::
   ``key_fields``, that ``str(key_fields) == key`` and that the file name is
   the hash of the key. Both write ``json.dump(obj, indent=2, sort_keys=True)``.
 - Entries whose key is ``('__protocol__', namespace, key)`` are protocol
-  records (arbitrary JSON, FlashInfer 0.7.4+), not tactics. An import counts
-  them and does not store them: FlashInfer keeps them apart from the
-  ``_records`` ficache stores as records (``get_protocol_records``, never
-  exported by its v1 JSON API), so no ficache export could give them back
-  as what they were (``ficache.adopt`` says more).
+  records (arbitrary JSON, FlashInfer 0.7.4+), not tactics: FlashInfer's
+  ``publish_protocol_record`` writes them with ``runner`` = namespace,
+  ``tactic`` = the value and ``key_fields``, and serves them through
+  ``get_protocol_records``, never through ``_records``. An import stores
+  them as protocol records (``ficache.protocol_records``, a kind of their
+  own, shared, with the entry file's ``profiling_policy`` when it has one);
+  an export writes them back byte for byte as FlashInfer writes them. A
+  protocol entry FlashInfer could not have written (a namespace or key that
+  is not a string, a runner that is not its namespace, a value that is not
+  finite JSON or nests deeper than ``flashinfer_format.MAX_RECORD_DEPTH``)
+  is skipped and counted like a malformed entry.
 - Root: ``FLASHINFER_AUTOTUNE_CACHE_DIR``, else FlashInfer's cache dir
   ``/autotune``; ``autotune_v2(cache_root=...)`` overrides both.
 
@@ -100,9 +106,14 @@ from ficache.flashinfer_format import (
     _check_entry,
     _unquote,
 )
+from ficache.protocol_records import (
+    check_protocol_identity,
+    protocol_policy_json,
+    protocol_value_json,
+)
 from ficache.publish import publish
 from ficache.scopes import SHARED_SCOPE
-from ficache.values import NewEntry, validate_scope
+from ficache.values import NewEntry, NewProtocolRecord, validate_scope
 
 SCHEMA = "v2"
 SCHEMA_KEY = "cache_schema"
@@ -289,10 +300,49 @@ def encode_key_fields(key: str) -> Any | None:
 
 
 def _is_protocol_key(key: str) -> bool:
-    if not key.startswith(f"('{PROTOCOL_KEY}'"):
-        return False
-    value = _key_value(key)
-    return isinstance(value, tuple) and len(value) == 3 and value[0] == PROTOCOL_KEY
+    """Whether ``key`` claims to be a protocol record's (``('__protocol__', ...)``)."""
+    return key.startswith((f"('{PROTOCOL_KEY}'", f'("{PROTOCOL_KEY}"'))
+
+
+def protocol_file_key(namespace: str, key: str) -> str:
+    """The entry key FlashInfer stores a protocol record under: ``str(('__protocol__',
+    namespace, key))`` (Python's own text of a tuple of strings; nothing is evaluated)."""
+    return str((PROTOCOL_KEY, namespace, key))
+
+
+@dataclass(frozen=True)
+class ProtocolEntry:
+    """One protocol record of a v2 environment, as its entry file held it."""
+
+    namespace: str
+    key: str
+    value_json: str  # canonical JSON
+    policy_json: str | None  # the entry file's profiling_policy, canonical JSON; None: none
+
+
+def _protocol_entry(key: str, data: Mapping[str, Any]) -> ProtocolEntry:
+    """A protocol entry file's record; ``ValueError`` for one FlashInfer could not have
+    written (its key is not ``str(('__protocol__', namespace, key))`` of two strings, its
+    runner not its namespace, its value not finite JSON or too deep)."""
+    fields = _key_value(key)
+    if not (
+        isinstance(fields, tuple)
+        and len(fields) == 3
+        and fields[0] == PROTOCOL_KEY
+        and all(isinstance(f, str) for f in fields)
+        and protocol_file_key(fields[1], fields[2]) == key
+    ):
+        raise ValueError("protocol key is not ('__protocol__', namespace, key) of strings")
+    _, namespace, record_key = fields
+    check_protocol_identity(namespace, record_key)
+    if data["runner"] != namespace:
+        raise ValueError("protocol record's runner is not its namespace")
+    try:
+        value = protocol_value_json(data["tactic"])
+        policy = protocol_policy_json(data.get("profiling_policy"))
+    except ValueError as exc:
+        raise ValueError(f"protocol record value refused: {exc}") from None
+    return ProtocolEntry(namespace, record_key, value, policy)
 
 
 # --------------------------------------------------------------------------
@@ -319,11 +369,13 @@ class StoreEnvironment:
     fingerprint: Fingerprint
     measurement: tuple[tuple[str, str], ...]  # the manifest's measure_* fields, sorted
     entries: tuple[FileEntry, ...]
-    records: int  # protocol records (not tactics; not imported)
+    records: int  # protocol records (``protocol``)
     skipped: int  # malformed entries
     first_skipped: tuple[Skipped, ...]  # the first MAX_REASONS of them
     #: When each of ``entries`` was tuned: its entry file's mtime (``tuned_time.tuned_at``).
     tuned_at: tuple[float, ...] = ()
+    #: Its protocol records, with their entry files' mtimes, in file name order.
+    protocol: tuple[tuple[ProtocolEntry, float], ...] = ()
 
     @property
     def measurement_fields(self) -> dict[str, str]:
@@ -366,7 +418,7 @@ class StoredEnvironment:
     measurement: tuple[tuple[str, str], ...]  # the manifest's measure_* fields, sorted
     entries: int
     skipped: int  # malformed entry files
-    records: int  # protocol records (not tactics; not stored)
+    records: int  # protocol records (``ficache.protocol_records``)
 
     @classmethod
     def of(cls, env: StoreEnvironment) -> StoredEnvironment:
@@ -508,8 +560,9 @@ def _read_manifest(env_dir: Path) -> tuple[Fingerprint, tuple[tuple[str, str], .
     return fingerprint, measurement, digest
 
 
-def _read_entry(path: Path) -> FileEntry | None:
-    """One entry file: a ``FileEntry``, ``None`` for a protocol record, else ``ValueError``."""
+def _read_entry(path: Path) -> FileEntry | ProtocolEntry:
+    """One entry file: a ``FileEntry``, a ``ProtocolEntry`` for a protocol record, else
+    ``ValueError``."""
     data = _read_json(path)
     if not isinstance(data, dict):
         raise ValueError("not a JSON object")
@@ -519,7 +572,7 @@ def _read_entry(path: Path) -> FileEntry | None:
     if path.name != entry_file_name(key):
         raise ValueError("file name is not the hash of its key")
     if _is_protocol_key(key):
-        return None
+        return _protocol_entry(key, data)
     value = [runner, data["tactic"]]
     policy = data.get("profiling_policy")
     if policy is not None:
@@ -533,7 +586,8 @@ def _read_environment(env_dir: Path) -> StoreEnvironment:
     entries: list[FileEntry] = []
     tuned: list[float] = []
     skipped: list[Skipped] = []
-    records = n_skipped = 0
+    protocol: list[tuple[ProtocolEntry, float]] = []
+    n_skipped = 0
     if entries_dir.exists():
         if not entries_dir.is_dir():
             raise ValueError(f"{ENTRIES} is not a directory")
@@ -549,8 +603,8 @@ def _read_environment(env_dir: Path) -> StoreEnvironment:
                 if len(skipped) < MAX_REASONS:
                     skipped.append(Skipped(str(path), str(exc)))
                 continue
-            if entry is None:
-                records += 1
+            if isinstance(entry, ProtocolEntry):
+                protocol.append((entry, tuned_time.tuned_at(None, path)))
             else:
                 entries.append(entry)
                 tuned.append(tuned_time.tuned_at(None, path))
@@ -560,10 +614,11 @@ def _read_environment(env_dir: Path) -> StoreEnvironment:
         fingerprint,
         measurement,
         tuple(entries),
-        records,
+        len(protocol),
         n_skipped,
         tuple(skipped),
         tuple(tuned),
+        tuple(protocol),
     )
 
 
@@ -603,6 +658,18 @@ def store_entries(store: StoreContents, scope: str = SHARED_SCOPE) -> tuple[NewE
         )
         for env in store.environments
         for e, at in zip(env.entries, env.tuned_at, strict=True)
+    )
+
+
+def store_protocol_records(store: StoreContents) -> tuple[NewProtocolRecord, ...]:
+    """Every protocol record of ``store``'s environments, stored shared (FlashInfer keeps
+    one per namespace and key for every rank), each dated by its entry file's mtime."""
+    return tuple(
+        NewProtocolRecord(
+            env.fingerprint, p.namespace, p.key, p.value_json, p.policy_json, SHARED_SCOPE, at
+        )
+        for env in store.environments
+        for p, at in env.protocol
     )
 
 
@@ -661,6 +728,7 @@ class StoreExport:
     env_hash: str
     files: tuple[tuple[str, str], ...]  # (entry file name, text), sorted by name
     not_preloadable: int  # entries without key_fields (served by lookup only)
+    protocol_records: int = 0  # of ``files``, protocol records
 
     @property
     def measurement(self) -> dict[str, str]:
@@ -693,6 +761,16 @@ def _entry_text(
     return _flashinfer_json(entry), key_fields is not None
 
 
+def _protocol_text(namespace: str, key: str, value_json: str, policy_json: str | None) -> str:
+    """A protocol record's entry file, as ``publish_protocol_record(persist=True)`` writes it."""
+    file_key = protocol_file_key(namespace, key)
+    entry: dict[str, Any] = {"key": file_key, "runner": namespace, "tactic": json.loads(value_json)}
+    if policy_json is not None:
+        entry["profiling_policy"] = json.loads(policy_json)
+    entry["key_fields"] = encode_key_fields(file_key)
+    return _flashinfer_json(entry)
+
+
 def export_measurement(
     recorded: Mapping[str, Mapping[str, str]], digests: Iterable[str]
 ) -> dict[str, str]:
@@ -720,10 +798,12 @@ def store_export(
     metadata: Mapping[str, str],
     measurement: Mapping[str, str],
     rows: Iterable[tuple[str, str, str, str | None, str | None]],
+    protocol: Iterable[tuple[str, str, str, str | None]] = (),
 ) -> StoreExport:
     """The files of one environment: ``metadata`` and ``measurement`` make its manifest,
     ``rows`` (``(key, runner, tactic, policy, selection)``, as ``Registry.slice_rows``
-    gives them) its entry files (v2 entries carry no selection)."""
+    gives them) its entry files (v2 entries carry no selection), ``protocol``
+    (``(namespace, key, value, policy)``) its protocol records' entry files."""
     manifest = manifest_for(metadata, measurement)
     files = []
     not_preloadable = 0
@@ -731,9 +811,18 @@ def store_export(
         text, preloadable = _entry_text(key, runner, tactic_json, policy_json)
         not_preloadable += not preloadable
         files.append((entry_file_name(key), text))
+    n_protocol = 0
+    for namespace, key, value_json, policy_json in protocol:
+        n_protocol += 1
+        text = _protocol_text(namespace, key, value_json, policy_json)
+        files.append((entry_file_name(protocol_file_key(namespace, key)), text))
     files.sort()
     return StoreExport(
-        tuple(sorted(manifest.items())), env_hash(manifest), tuple(files), not_preloadable
+        tuple(sorted(manifest.items())),
+        env_hash(manifest),
+        tuple(files),
+        not_preloadable,
+        n_protocol,
     )
 
 

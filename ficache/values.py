@@ -111,9 +111,21 @@ class CommitInfo:
     records_added: int = 0
     records_replaced: int = 0
     records_removed: int = 0
+    protocol_added: int = 0
+    protocol_replaced: int = 0
+    protocol_removed: int = 0
 
     def as_json(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        """Every field; the protocol record counts only when one is not 0 (a commit
+        without protocol records reads as it did before ``0009_protocol_records``)."""
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        if not (self.protocol_added or self.protocol_replaced or self.protocol_removed):
+            for name in _PROTOCOL_COUNTS:
+                del out[name]
+        return out
+
+
+_PROTOCOL_COUNTS = ("protocol_added", "protocol_replaced", "protocol_removed")
 
 
 @dataclass(frozen=True)
@@ -130,6 +142,11 @@ class WriteResult:
     records_removed: int = 0
     records_unchanged: int = 0
     records_kept: int = 0
+    protocol_added: int = 0
+    protocol_replaced: int = 0
+    protocol_removed: int = 0
+    protocol_unchanged: int = 0
+    protocol_kept: int = 0
 
     @property
     def changed(self) -> int:
@@ -138,6 +155,10 @@ class WriteResult:
     @property
     def records_changed(self) -> int:
         return self.records_added + self.records_replaced + self.records_removed
+
+    @property
+    def protocol_changed(self) -> int:
+        return self.protocol_added + self.protocol_replaced + self.protocol_removed
 
 
 #: (fingerprint, scope, namespace, record key): one record's identity.
@@ -160,6 +181,28 @@ class NewRecord:
         return (self.fingerprint, self.scope, self.namespace, self.key)
 
 
+@dataclass(frozen=True, slots=True)
+class NewProtocolRecord:
+    """One FlashInfer 0.7.4 protocol record a writer wants stored (``ficache.protocol_records``).
+
+    ``value_json``: canonical JSON; ``policy_json``: the measurement policy its
+    v2 entry file carried (canonical JSON list; None: none, as FlashInfer's
+    ``publish_protocol_record`` writes it).
+    """
+
+    fingerprint: Fingerprint
+    namespace: str
+    key: str
+    value_json: str
+    policy_json: str | None = None
+    scope: str = SHARED_SCOPE
+    tuned_at: float | None = None  # when the value was tuned; None: now
+
+    @property
+    def identity(self) -> RecordIdentity:
+        return (self.fingerprint, self.scope, self.namespace, self.key)
+
+
 def fingerprint_from_row(row: Any) -> Fingerprint:
     """The ``Fingerprint`` of one ``fingerprints`` row."""
     return Fingerprint(**{name: getattr(row, name) for name in ALL_FIELDS})
@@ -170,6 +213,7 @@ __all__ = [
     "CommitInfo",
     "Expected",
     "NewEntry",
+    "NewProtocolRecord",
     "NewRecord",
     "RecordIdentity",
     "WriteResult",

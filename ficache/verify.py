@@ -119,8 +119,18 @@ description, ``kinds.Kind``)
 - ``record_revert_mismatch``: a revert commit's record changes are the
   inverse of its target's (as ``revert_mismatch`` for entries).
 
+FlashInfer 0.7.4's protocol records (``protocol_records`` and
+``protocol_record_changes``) are checked by the same code as the namespaced
+records, over their own description (``kinds.PROTOCOL_KIND``), and reported as
+``orphan_protocol``, ``bad_protocol``, ``protocol_counts``,
+``protocol_unlogged`` and ``protocol_revert_mismatch`` (the records' rules; a
+protocol record's value is canonical JSON FlashInfer could have written, its
+policy an existing ``policies`` row).
+
 ``Checked`` counts the rows the data checks read, table by table, the
-records tables included (``records``, ``record_changes``).
+records tables included (``records``, ``record_changes``; the protocol
+records' ``protocol_records`` and ``protocol_changes``, in ``as_json`` only
+when not 0, so a registry without them reports as before).
 
 Cost: one snapshot; SQLite's ``integrity_check``; four bulk SELECTs (every
 row of every table, fetched in batches as the driver's tuples) and five
@@ -166,19 +176,20 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import DatabaseError
 from sqlalchemy.pool import NullPool
 
+from ficache import protocol_records as proto
 from ficache import records as rec
 from ficache import schema
 from ficache.errors import FingerprintError, RecordError, RegistryError
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
 from ficache.flashinfer_format import canonical_json, check_namespace, parse_key, selection_json
-from ficache.kinds import ACTIONS, ENTRY_KIND, RECORD_KIND, Kind
+from ficache.kinds import ACTIONS, ENTRY_KIND, PROTOCOL_KIND, RECORD_KIND, Kind
 from ficache.models import COMMITS as C
 from ficache.models import ENTRIES as E
 from ficache.models import ENTRY_CHANGES as H
 from ficache.models import FINGERPRINTS as F
 from ficache.models import POLICIES as P
+from ficache.models import PROTOCOL_RECORD_CHANGES as PH
 from ficache.models import RECORD_CHANGES as RH
-from ficache.models import RECORDS as R
 from ficache.models import Base
 from ficache.policies import policy_digest
 from ficache.registry import COMMIT_KINDS, validate_scope
@@ -190,6 +201,16 @@ _RECORD_KINDS = {
     "record_counts": "a commit's record counts differ from its record changes",
     "record_unlogged": "a record is not what the record change log last wrote",
     "record_revert_mismatch": "a revert's record changes are not the inverse of its target's",
+}
+#: The same for FlashInfer 0.7.4's protocol records.
+_PROTOCOL_KINDS = {
+    "orphan_protocol": "a protocol record or its change names a missing fingerprint, commit "
+    "or policy",
+    "bad_protocol": "a protocol record's scope, namespace, key or value is not what writers store",
+    "protocol_counts": "a commit's protocol record counts differ from its protocol record changes",
+    "protocol_unlogged": "a protocol record is not what its change log last wrote",
+    "protocol_revert_mismatch": "a revert's protocol record changes are not the inverse of its "
+    "target's",
 }
 
 
@@ -265,6 +286,31 @@ _RECORD_LOG = _Log(
     revert="record_revert_mismatch",
     counts_prefix="record changes: ",
 )
+_PROTOCOL_LOG = _Log(
+    PROTOCOL_KIND,
+    "protocol record change",
+    order="protocol_unlogged",
+    bad_change="protocol_unlogged",
+    log="protocol_unlogged",
+    counts="protocol_counts",
+    revert="protocol_revert_mismatch",
+    counts_prefix="protocol record changes: ",
+)
+
+
+@dataclass(frozen=True)
+class _RecordCheck:
+    """How one records-like kind (namespaced records, protocol records) is checked:
+    its log, the problem kinds of its own rows, and what one row's columns must be."""
+
+    log: _Log
+    orphan: str
+    bad: str
+    #: ``problem(scope, namespace, key, values)``: why a row's columns are not what
+    #: writers store, or None (``values``: the value columns, None where a change has none).
+    problem: Callable[[str, str, str, Iterable[Any]], str | None]
+    #: ``(column, parent table, what)`` each row and change row must find.
+    parents: tuple[tuple[str, Table, str], ...] = ()
 
 
 #: Every kind of problem, in report order, with what it means.
@@ -293,6 +339,7 @@ KINDS: dict[str, str] = {
     "entry_value": "an entry's value differs from the value the log wrote",
     "entry_lost": "the change log holds an entry the entries table lacks",
     **_RECORD_KINDS,
+    **_PROTOCOL_KINDS,
 }
 
 #: Foreign keys the orphan checks cover: ``(table, parent table)``.
@@ -308,6 +355,12 @@ _ORPHAN_CHECKED = {
     ("records", "commits"),
     ("record_changes", "commits"),
     ("record_changes", "fingerprints"),
+    ("protocol_records", "fingerprints"),
+    ("protocol_records", "commits"),
+    ("protocol_records", "policies"),
+    ("protocol_record_changes", "commits"),
+    ("protocol_record_changes", "fingerprints"),
+    ("protocol_record_changes", "policies"),
 }
 _TABLES = (
     "fingerprints",
@@ -317,6 +370,8 @@ _TABLES = (
     "entry_changes",
     "records",
     "record_changes",
+    "protocol_records",
+    "protocol_record_changes",
 )
 _BATCH = 10_000  # rows fetched at a time
 _Ident = tuple[int, str, str]  # (fingerprint id, scope, key): one entry
@@ -348,6 +403,15 @@ class Checked:
     records: int = 0  # namespaced records (``records``)
     record_changes: int = 0
     policies: int = 0  # measurement policies (``policies``)
+    protocol_records: int = 0  # FlashInfer 0.7.4's protocol records (``protocol_records``)
+    protocol_changes: int = 0
+
+    def as_json(self) -> dict[str, int]:
+        """Every count; the protocol records' only when one is not 0."""
+        out = asdict(self)
+        if not (self.protocol_records or self.protocol_changes):
+            del out["protocol_records"], out["protocol_changes"]
+        return out
 
 
 @dataclass(frozen=True)
@@ -383,7 +447,7 @@ class VerifyReport:
             "revision": self.revision,
             "head": self.head,
             "ok": self.ok,
-            "checked": None if self.checked is None else asdict(self.checked),
+            "checked": None if self.checked is None else self.checked.as_json(),
             "counts": dict(self.counts),
             "problems": [p.as_json() for p in self.problems],
             "notes": list(self.notes),
@@ -505,7 +569,9 @@ def _selection_problem(value: str) -> str | None:
     return None
 
 
-def _record_problem(scope: str, namespace: str, values: Iterable[str | None]) -> str | None:
+def _record_problem(
+    scope: str, namespace: str, _key: str, values: Iterable[str | None]
+) -> str | None:
     """Why a record's scope, namespace or a value is not what writers store, or None."""
     try:
         if validate_scope(scope) != scope:
@@ -517,6 +583,43 @@ def _record_problem(scope: str, namespace: str, values: Iterable[str | None]) ->
     except (ValueError, RecordError) as exc:
         return str(exc)
     return None
+
+
+def _protocol_problem(scope: str, namespace: str, key: str, values: Iterable[Any]) -> str | None:
+    """Why a protocol record's scope, namespace, key or value is not what writers store, or
+    None (its policy, an id, is checked as an orphan and by ``policy_digest``)."""
+    value = next(iter(values))
+    try:
+        if validate_scope(scope) != scope:
+            return f"scope {scope[:80]!r} is not in its canonical form"
+        proto.check_protocol_identity(namespace, key)
+        if value is not None and proto.protocol_value_json(json.loads(value)) != value:
+            return f"value {_short(value)} is not canonical JSON"
+    except (ValueError, TypeError) as exc:
+        return str(exc)
+    return None
+
+
+_RECORDS_CHECK = _RecordCheck(
+    _RECORD_LOG,
+    "orphan_record",
+    "bad_record",
+    _record_problem,
+    (("fingerprint_id", F, "fingerprint"), ("commit_id", C, "commit")),
+)
+_PROTOCOL_CHECK = _RecordCheck(
+    _PROTOCOL_LOG,
+    "orphan_protocol",
+    "bad_protocol",
+    _protocol_problem,
+    (
+        ("fingerprint_id", F, "fingerprint"),
+        ("commit_id", C, "commit"),
+        ("policy_id", P, "policy"),
+        ("old_policy_id", P, "old policy"),
+        ("new_policy_id", P, "new policy"),
+    ),
+)
 
 
 class _Verifier:
@@ -822,7 +925,11 @@ class _Verifier:
         )
         self._fingerprints(fingerprints)
         reverts = self._commits(commits)
-        record_commits = {cid for (cid,) in self.conn.execute(select(RH.c.commit_id).distinct())}
+        record_commits = {
+            cid
+            for changes in (RH, PH)
+            for (cid,) in self.conn.execute(select(changes.c.commit_id).distinct())
+        }
         changes = self._stream(select(*_ENTRY_LOG.change_columns).order_by(H.c.id))
         state, n_changes = self._replay(
             _ENTRY_LOG, changes, reverts, self._entry_change, record_commits
@@ -843,7 +950,8 @@ class _Verifier:
         n_entries = self._entries(entries, state)
         n_policies = self._policies()
         self._selections()
-        n_records, n_record_changes = self._records(reverts)
+        n_records, n_record_changes = self._records(_RECORDS_CHECK, reverts)
+        n_protocol, n_protocol_changes = self._records(_PROTOCOL_CHECK, reverts)
         return Checked(
             len(fingerprints),
             n_entries,
@@ -852,6 +960,8 @@ class _Verifier:
             n_records,
             n_record_changes,
             n_policies,
+            n_protocol,
+            n_protocol_changes,
         )
 
     def _selections(self) -> None:
@@ -1003,74 +1113,81 @@ class _Verifier:
         ):
             self._check_row(where, scope, key, (("old ", old_tactic), ("new ", new_tactic)))
 
-    def _records(self, reverts: Mapping[int, int]) -> tuple[int, int]:
-        """The records tables: orphans, then the replay of their change log (the
-        entries' rules), then every stored record against it. Returns the numbers
-        of records and record changes read."""
-        for table, name in ((R, "record"), (RH, "record change")):
-            for column, parent, what in (
-                ("fingerprint_id", F, "fingerprint"),
-                ("commit_id", C, "commit"),
-            ):
+    def _records(self, check: _RecordCheck, reverts: Mapping[int, int]) -> tuple[int, int]:
+        """One records-like kind's tables (``check``): orphans, then the replay of its
+        change log (the entries' rules), then every stored row against it. Returns the
+        numbers of rows and changes read."""
+        kind = check.log.kind
+        for table, name in ((kind.rows, kind.name), (kind.changes, check.log.change_noun)):
+            for column, parent, what in check.parents:
+                if column not in table.c:
+                    continue
                 ref = table.c[column]
                 query = (
                     select(table.c.id, ref)
                     .select_from(table.outerjoin(parent, parent.c.id == ref))
-                    .where(parent.c.id.is_(None))
+                    .where(ref.is_not(None), parent.c.id.is_(None))
                     .order_by(table.c.id)
                 )
                 for row_id, missing in self.conn.execute(query):
                     self.problem(
-                        "orphan_record",
+                        check.orphan,
                         f"{name} {row_id}: {what} {missing} is missing",
                         table.name,
                         row_id,
                     )
-        entry_commits = {cid for (cid,) in self.conn.execute(select(H.c.commit_id).distinct())}
-        changes = self._stream(select(*_RECORD_LOG.change_columns).order_by(RH.c.id))
-        state, n_changes = self._replay(
-            _RECORD_LOG, changes, reverts, self._record_change, entry_commits
-        )
-        return self._stored_records(state), n_changes
+        other_commits = {
+            cid
+            for changes in (H, RH, PH)
+            if changes is not kind.changes
+            for (cid,) in self.conn.execute(select(changes.c.commit_id).distinct())
+        }
+        changes = self._stream(select(*check.log.change_columns).order_by(kind.changes.c.id))
 
-    def _record_change(self, where: tuple[str, int], row: tuple[Any, ...]) -> None:
-        """Scope, namespace and values of one record change (``_RECORD_LOG.change_columns``)."""
-        hid, _cid, _fid, scope, namespace, _key, _action, old, _old_cid, new = row
-        problem = _record_problem(scope, namespace, (old, new))
-        if problem is not None:
-            self.problem("bad_record", f"record change {hid}: {problem}", *where)
+        def check_change(where: tuple[str, int], row: tuple[Any, ...]) -> None:
+            at_action, at_old, at_old_commit, at_new, _required = check.log.positions
+            _hid, _cid, _fid, scope, namespace, key = row[:at_action]
+            for values in (row[at_old:at_old_commit], row[at_new:]):
+                problem = check.problem(scope, namespace, key, values)
+                if problem is not None:
+                    self.problem(check.bad, f"{check.log.change_noun} {row[0]}: {problem}", *where)
+                    return
 
-    def _stored_records(self, state: dict[tuple[Any, ...], Any]) -> int:
-        """Every stored record is what the replayed log ends with; returns their number."""
+        state, n_changes = self._replay(check.log, changes, reverts, check_change, other_commits)
+        return self._stored_records(check, state), n_changes
+
+    def _stored_records(self, check: _RecordCheck, state: dict[tuple[Any, ...], Any]) -> int:
+        """Every stored row of ``check``'s kind is what the replayed log ends with;
+        returns their number."""
+        kind = check.log.kind
+        rows, name, unlogged = kind.rows, kind.name, check.log.log
         count = 0
-        for rid, fid, scope, ns, key, value, cid in self._stream(
+        for rid, fid, scope, ns, key, *value, cid in self._stream(
             select(
-                R.c.id,
-                *(R.c[name] for name in RECORD_KIND.identity_columns),
-                *(R.c[name] for name in RECORD_KIND.values),
-                R.c.commit_id,
-            ).order_by(R.c.id)
+                rows.c.id,
+                *(rows.c[n] for n in kind.identity_columns),
+                *(rows.c[n] for n in kind.values),
+                rows.c.commit_id,
+            ).order_by(rows.c.id)
         ):
             count += 1
-            problem = _record_problem(scope, ns, (value,))
+            problem = check.problem(scope, ns, key, value)
             if problem is not None:
-                self.problem("bad_record", f"record {rid}: {problem}", "records", rid)
+                self.problem(check.bad, f"{name} {rid}: {problem}", rows.name, rid)
             logged = state.pop((fid, scope, ns, key), None)
             if logged is None:
+                self.problem(unlogged, f"{name} {rid}: no {name} change holds it", rows.name, rid)
+            elif logged != (cid, *value):
                 self.problem(
-                    "record_unlogged", f"record {rid}: no record change holds it", "records", rid
-                )
-            elif logged != (cid, value):
-                self.problem(
-                    "record_unlogged",
-                    f"record {rid} is not what commit {logged[0]} wrote",
-                    "records",
+                    unlogged,
+                    f"{name} {rid} is not what commit {logged[0]} wrote",
+                    rows.name,
                     rid,
                 )
-        for (fid, scope, ns, key), (cid, _value) in state.items():
+        for (fid, scope, ns, key), (cid, *_value) in state.items():
             self.problem(
-                "record_unlogged",
-                f"commit {cid} wrote a record that is missing (fingerprint {fid}, scope {scope}, "
+                unlogged,
+                f"commit {cid} wrote a {name} that is missing (fingerprint {fid}, scope {scope}, "
                 f"namespace {ns[:80]}, key {key[:80]!r})",
             )
         return count

@@ -489,15 +489,22 @@ def test_records_are_adopted_shared_where_every_rank_holds_them(
     )
     assert {r.fingerprint for r in plan.records} == {FP}
     # The single file's "a" lost to the per-rank files'; the v2 store's protocol record
-    # is counted, not adopted (see ficache.adopt); rank 1's truncated file is skipped.
-    assert (plan.record_conflicts, plan.ignored_records, plan.skipped_count) == (1, 1, 1)
+    # is adopted as a protocol record, shared, never a namespaced record (see ficache.adopt);
+    # rank 1's truncated file is skipped.
+    assert (plan.record_conflicts, plan.ignored_records, plan.skipped_count) == (1, 0, 1)
     assert (len(plan.records), plan.records_shared, plan.records_scoped) == (7, 2, 5)
+    env_time = (tree["env"] / "entries" / entry_file_name(PROTOCOL_KEY)).stat().st_mtime
+    assert [
+        (p.fingerprint, p.scope, p.namespace, p.key, p.value_json, p.policy_json, p.tuned_at)
+        for p in plan.protocol_records
+    ] == [(FP, "shared", NS, "bucket8", '{"tiles":[1,2]}', None, env_time)]
 
     with Registry.open(registry_db) as reg:
         result = plan.execute(reg)
         again = plan_adoption(Sources((tree["root"],))).execute(reg)
         (commit,) = reg.log()
     assert (result.commit_id, result.added, result.records_added) == (1, 2, 7)
+    assert (result.protocol_added, commit.protocol_added) == (1, 1)
     assert stored_records(registry_db) == expected_records(tree)
     assert (commit.records_added, commit.records_replaced, commit.records_removed) == (7, 0, 0)
     assert {k: commit.provenance[k] for k in ("records", "records_shared", "records_scoped")} == {
@@ -505,8 +512,13 @@ def test_records_are_adopted_shared_where_every_rank_holds_them(
         "records_shared": 2,
         "records_scoped": 5,
     }
-    assert (commit.provenance["record_conflicts"], commit.provenance["ignored_records"]) == (1, 1)
+    assert (commit.provenance["record_conflicts"], commit.provenance["ignored_records"]) == (1, 0)
+    assert (commit.provenance["protocol_records"], commit.provenance["protocol_conflicts"]) == (
+        1,
+        0,
+    )
     assert (again.commit_id, again.records_added, again.records_unchanged) == (None, 0, 7)
+    assert again.protocol_unchanged == 1
 
 
 def test_a_rank_loads_the_adopted_records_it_held(tmp_path: Path, registry_db: str) -> None:
@@ -533,16 +545,15 @@ def test_cli_reports_adopted_and_ignored_records(
 
     assert result.exit_code == 0
     assert result.stdout.splitlines()[-1] == (
-        "adopted 2 entries (2 shared, 0 scoped) and 7 records (2 shared, 5 scoped) from 7 "
-        "file(s): 2 added, 0 replaced, 0 unchanged; records 7 added, 0 replaced, 0 unchanged "
+        "adopted 2 entries (2 shared, 0 scoped) and 7 records (2 shared, 5 scoped) and 1 "
+        "protocol records (shared) from 7 file(s): 2 added, 0 replaced, 0 unchanged; records 7 "
+        "added, 0 replaced, 0 unchanged; protocol records 1 added, 0 replaced, 0 unchanged "
         "(commit 1)"
     )
     stderr = result.stderr.removeprefix(created_note(registry_db))
     assert stderr.splitlines()[1:] == [
         "warning: 1 record(s) held different values in two vLLM caches; the later cache's "
         "value was kept",
-        "warning: 1 v2 protocol record(s) were not imported (FlashInfer keeps them apart from "
-        "the _records that ficache stores, and they stay in the store it serves them from)",
     ]
     assert stderr.startswith("warning: skipped 1 unreadable file(s)")
     assert {
@@ -556,16 +567,22 @@ def test_cli_reports_adopted_and_ignored_records(
             "commit",
             "records_added",
             "records_unchanged",
+            "protocol_records",
+            "protocol_added",
+            "protocol_unchanged",
         )
     } == {
         "records": 7,
         "records_shared": 2,
         "records_scoped": 5,
         "record_conflicts": 1,
-        "ignored_records": 1,
+        "ignored_records": 0,
         "commit": None,
         "records_added": 0,
         "records_unchanged": 7,
+        "protocol_records": 1,
+        "protocol_added": 0,
+        "protocol_unchanged": 1,
     }
     assert stored_records(registry_db) == expected_records(tree)
 

@@ -29,6 +29,7 @@ from ficache.bundle import (
 from ficache.errors import BundleError, CacheFileError
 from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import read_cache_file
+from ficache.protocol_records import NewProtocolRecord, stored_protocol_records
 from ficache.registry import NewEntry, Registry
 
 META = SHORT_H200_METADATA
@@ -432,6 +433,103 @@ def test_records_are_read_and_imported(cli, target: Path, tmp_path: Path, dump_d
         }
 
 
+#: Protocol records a version 3 bundle carries (H200 only: a fingerprint they alone use).
+PROTOCOL = (
+    NewProtocolRecord(FP_H200, "moe_ep_megamoe", "", "7", '["cuda_graph",null]', "shared", 5.0),
+    NewProtocolRecord(
+        FP_H200, "moe_ep_megamoe", '{"tokens":128}', '{"knobs":[4,2]}', None, "shared", 6.0
+    ),
+)
+
+
+def test_a_bundle_without_protocol_records_is_written_as_before(tmp_path: Path) -> None:
+    """No protocol record: the bytes of format version 1 exactly, as an older ficache wrote
+    them (the frozen digest below), read back with no protocol records."""
+    path = tmp_path / "all.bundle"
+    entries = [
+        NewEntry(
+            FP_H200,
+            K16,
+            "Runner",
+            "[1,[2,3]]",
+            '["cuda_graph_profile_replays",null]',
+            "shared",
+            None,
+            1.0,
+        ),
+        NewEntry(FP_B200, K32, "Runner", "4", None, "tp2/rank1", None, 2.0),
+    ]
+    records = {FP_H200.digest: {"shared": {"trtllm_moe_da": {"k": [1]}}}}
+    data = render_bundle(entries, records)
+    path.write_bytes(data)
+
+    assert data.startswith(b"ficache-bundle 1 ")
+    assert b"protocol_records" not in data
+    assert render_bundle(entries, records, protocol_records=()) == data
+    # The digest main's ficache (10ff7fe, before format version 3) renders for this content.
+    assert hashlib.sha256(data).hexdigest() == (
+        "aa57cb2a67c920aff253c41e912aae62df5b4e10db4347864f0d8abb8216610a"
+    )
+    assert read_bundle(path).protocol_records == ()
+
+
+def test_protocol_records_travel_in_a_version_3_bundle(
+    cli, target: Path, tmp_path: Path, dump_db
+) -> None:
+    path, again = tmp_path / "protocol.bundle", tmp_path / "again.bundle"
+    entries = [NewEntry(FP_B200, K16, "Runner", "3", None, "shared", None, 10.0)]
+    path.write_bytes(render_bundle(entries, protocol_records=reversed(PROTOCOL)))
+
+    bundle = read_bundle(path)
+    result = cli("import", path, db=target)
+    second = cli("import", path, db=target)
+    fresh = tmp_path / "fresh.db"
+    assert cli("import", path, db=fresh).exit_code == 0
+    exported = cli("export", "--bundle", again, "--all", db=fresh)
+
+    assert bundle.format_version == 3
+    assert bundle.protocol_records == PROTOCOL
+    assert bundle.provenance["protocol_records"] == 2
+    assert result.stdout == (
+        "imported 1 entries and 2 protocol records from 1 bundle(s): 1 added, 0 replaced, "
+        "0 unchanged; protocol records 2 added, 0 replaced, 0 unchanged (commit 2)\n"
+    )
+    assert second.stdout.endswith(
+        "protocol records 0 added, 0 replaced, 2 unchanged (nothing new, no commit)\n"
+    )
+    with Registry.open(str(target), create=False) as reg, reg.engine.connect() as conn:
+        assert [
+            (r.scope, r.namespace, r.key, r.value_json, r.policy_json, r.tuned_at)
+            for r in stored_protocol_records(conn)
+        ] == [
+            (p.scope, p.namespace, p.key, p.value_json, p.policy_json, p.tuned_at) for p in PROTOCOL
+        ]
+    # a registry holding them exports the same bundle again, byte for byte
+    assert exported.stdout.startswith(
+        f"wrote bundle {again}: 1 entries and 2 protocol records of 2"
+    )
+    assert again.read_bytes() == path.read_bytes()
+
+
+def test_a_damaged_protocol_record_in_a_bundle_is_refused(
+    cli, target: Path, tmp_path: Path, dump_db
+) -> None:
+    data = render_bundle([], protocol_records=PROTOCOL)
+    before = dump_db(target)
+    for bad, detail in (
+        (b'"value":"7"', b'"value":"NaN"'),
+        (b'"namespace":"moe_ep_megamoe","policy":"[', b'"namespace":"","policy":"['),
+    ):
+        path = tmp_path / "bad.bundle"
+        header, payload = split(data)
+        payload = payload.replace(bad, detail, 1)
+        path.write_bytes(frame(payload, version=3) + payload)
+        result = cli("import", path, db=target)
+        assert result.exit_code == 1
+        assert result.stderr.startswith(f"error: {path}: invalid bundle (protocol record 0")
+        assert dump_db(target) == before
+
+
 def test_import_refuses_mixed_bundles_and_cache_files(
     cli, bundle_file: Path, cache_file, target: Path, dump_db
 ) -> None:
@@ -551,14 +649,14 @@ def test_non_canonical_encoding_is_refused(bundle_file: Path, tmp_path: Path) ->
 def _framing_cases(data: bytes) -> dict[str, tuple[bytes, str]]:
     header, payload = split(data)
     n = len(payload)
-    newer = frame(payload, version=3) + payload
+    newer = frame(payload, version=4) + payload
     huge = b"ficache-bundle 1 %d sha256=%s\n" % (10**15, b"0" * 64) + payload
     return {
         "one flipped byte": (_flip(data), f"damaged bundle (checksum mismatch); {AGAIN}"),
         "trailing bytes": (data + b"\n", f"damaged bundle (1 bytes after its payload); {AGAIN}"),
         "newer format version": (
             newer,
-            "bundle format version 3 is newer than this ficache reads (up to 2); upgrade ficache",
+            "bundle format version 4 is newer than this ficache reads (up to 3); upgrade ficache",
         ),
         "version 0": (
             b"ficache-bundle 0" + newer[16:],

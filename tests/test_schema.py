@@ -34,6 +34,8 @@ TABLES = {
     "entry_changes",
     "records",
     "record_changes",
+    "protocol_records",
+    "protocol_record_changes",
     "schema_compat",
 }
 DATA = Path(__file__).parent / "data"
@@ -103,6 +105,7 @@ def test_down_to_base_and_up_again_through_the_cli(cli, cache_file, registry_pat
     assert (down.exit_code, down.stdout) == (
         0,
         f"downgrade plan: {where} from {HEAD} to base (drops all stored entries)\n"
+        "  0009_protocol_records -> 0008_start_counts: keeps every stored value\n"
         "  0008_start_counts -> 0007_compat: keeps every stored value\n"
         "  0007_compat -> 0006_policies: keeps every stored value\n"
         "  0006_policies -> 0005_drop_op_index: keeps every stored value\n"
@@ -275,7 +278,15 @@ def test_a_frozen_registry_upgrades_to_head_and_keeps_its_data(
         assert reg.stats().revision == HEAD
         infos = {i.fingerprint: i for i in reg.fingerprints()}
         assert {fp: i.entries for fp, i in infos.items()} == {h200: 4, b200: 0}
-        assert [(c.kind, c.added, c.replaced, c.removed, c.host) for c in reg.log()] == [
+        log = reg.log()
+        if frozen.name >= "registry-0009":  # a fifth commit: protocol records (checked below)
+            protocol_commit = log.pop(0)
+            assert (protocol_commit.kind, protocol_commit.message) == (
+                "import",
+                "frozen protocol records",
+            )
+            assert (protocol_commit.added, protocol_commit.protocol_added) == (0, 2)
+        assert [(c.kind, c.added, c.replaced, c.removed, c.host) for c in log] == [
             ("prune", 0, 0, 1, "frozen-host"),
             ("import", 0, 1, 0, "frozen-host"),
             ("import", 1, 0, 0, "frozen-host"),
@@ -292,7 +303,7 @@ def test_a_frozen_registry_upgrades_to_head_and_keeps_its_data(
             _frozen_key(64, '(torch.float8_e4m3fn, None, "it\'s")'): ["CutlassFp4Runner", -1],
         }
         # old data stays writable: undo the prune
-        prune = reg.log()[0].id
+        prune = log[0].id
         assert reg.revert(prune).added == 1
         assert {i.fingerprint: i.entries for i in reg.fingerprints()} == {h200: 4, b200: 1}
 
@@ -373,6 +384,33 @@ def test_a_frozen_registry_upgrades_to_head_and_keeps_its_data(
         assert counts == {infos[h200].id: [5, 2, 3], infos[b200].id: [0, 0, 0]}
     else:  # older registries upgrade with every count at 0
         assert counts == {infos[h200].id: [0, 0, 0], infos[b200].id: [0, 0, 0]}
+    protocol = query(
+        path,
+        "SELECT r.fingerprint_id, r.scope, r.namespace, r.key, r.value, p.policy, r.commit_id "
+        "FROM protocol_records r LEFT JOIN policies p ON p.id = r.policy_id ORDER BY r.key",
+    )
+    if frozen.name >= "registry-0009":  # protocol records are frozen from 0009 on
+        hot = '["cuda_graph_profile_replays",null,"l2_cache_policy","hot"]'
+        assert protocol == [
+            (infos[h200].id, "shared", "moe_ep_megamoe", "", "7", hot, 5),
+            (
+                infos[h200].id,
+                "shared",
+                "moe_ep_megamoe",
+                '{"tokens":128}',
+                '{"knobs":[4,2],"ok":true}',
+                None,
+                5,
+            ),
+        ]
+        # never mixed with the v1 records: these stay the namespaced records of 0003
+        assert query(path, "SELECT DISTINCT namespace FROM records") == [("trtllm_moe_da",)]
+        with Registry.open(str(path)) as reg:  # and still writable: revert their commit
+            assert reg.revert(protocol_commit.id).protocol_removed == 2
+        assert query(path, "SELECT count(*) FROM protocol_records") == [(0,)]
+    else:  # older registries upgrade to empty protocol record tables
+        assert protocol == []
+        assert query(path, "SELECT count(*) FROM protocol_record_changes") == [(0,)]
 
 
 def test_downgrading_below_0003_drops_records_and_their_commits_only(
@@ -398,6 +436,8 @@ def test_downgrading_below_0003_drops_records_and_their_commits_only(
         "record_changes",
         "policies",
         "schema_compat",
+        "protocol_records",  # from 0009, above 0002 too
+        "protocol_record_changes",
     }
     # The import of entries and records keeps its entries; the records-only ones are gone.
     assert query(registry_path, "SELECT id, added FROM commits") == [(1, 1)]
@@ -517,6 +557,50 @@ def test_downgrading_below_0008_drops_the_start_counts_and_keeps_everything_else
     assert query(
         registry_path, "SELECT served_starts, replay_starts, replay_misses FROM fingerprints"
     ) == [(0, 0, 0)]
+
+
+def test_downgrading_below_0009_drops_protocol_records_and_their_commits_only(
+    cli, cache_file, registry_path: Path
+) -> None:
+    from ficache.values import NewProtocolRecord
+
+    assert cli("import", entry_file(cache_file)).exit_code == 0
+    fp = Fingerprint.from_flashinfer_metadata({**_FROZEN_FIELDS, "gpu": "NVIDIA H200"})
+    with Registry.open(str(registry_path)) as reg:
+        only = reg.write(
+            [],
+            kind="import",
+            protocol_records=[NewProtocolRecord(fp, "moe_ep", "k", '{"a":1}', '["hot"]')],
+        )
+        assert (only.protocol_added, only.changed, only.records_changed) == (1, 0, 0)
+        assert reg.revert(only.commit_id).protocol_removed == 1
+        again = reg.write(
+            [], kind="import", protocol_records=[NewProtocolRecord(fp, "moe_ep", "k", "2")]
+        )
+        assert again.protocol_added == 1
+    entries_before = query(registry_path, "SELECT key, tactic, commit_id FROM entries ORDER BY key")
+    commits_before = query(registry_path, "SELECT id FROM commits ORDER BY id")
+
+    plan = cli("db", "downgrade", "0008_start_counts", "--dry-run")
+    down = cli("db", "downgrade", "0008_start_counts", "--yes")
+
+    assert (
+        "  0009_protocol_records -> 0008_start_counts: 1 protocol records, 3 protocol record "
+        "change rows and 3 commits that changed only protocol records\n"
+    ) in plan.stdout
+    assert down.exit_code == 0, down.stderr
+    assert revision(registry_path) == [("0008_start_counts",)]
+    assert "protocol_records" not in tables(registry_path)
+    assert "protocol_record_changes" not in tables(registry_path)
+    columns = {row[1] for row in query(registry_path, "PRAGMA table_info(commits)")}
+    assert not columns & {"protocol_added", "protocol_replaced", "protocol_removed"}
+    assert query(registry_path, "SELECT key, tactic, commit_id FROM entries ORDER BY key") == (
+        entries_before
+    )
+    assert query(registry_path, "SELECT id FROM commits ORDER BY id") == commits_before[:1]
+    assert cli("db", "upgrade").exit_code == 0
+    assert cli("verify").stdout.endswith("ok: no problems\n")
+    assert query(registry_path, "SELECT count(*) FROM protocol_records") == [(0,)]
 
 
 _FROZEN_FIELDS = {
@@ -682,6 +766,7 @@ def test_a_downgrade_plan_counts_what_each_step_drops(
     assert (dry.exit_code, dry.stdout) == (
         0,
         f"downgrade plan: {schema.resolve(registry_db).display} from {HEAD} to 0002_fleet\n"
+        "  0009_protocol_records -> 0008_start_counts: keeps every stored value\n"
         "  0008_start_counts -> 0007_compat: keeps every stored value\n"
         "  0007_compat -> 0006_policies: keeps every stored value\n"
         "  0006_policies -> 0005_drop_op_index: keeps every stored value\n"

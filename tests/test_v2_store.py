@@ -33,6 +33,8 @@ from flashinfer.autotuner import ProfilingCacheKey, _collect_metadata, _tactic_t
 from samples import H200_METADATA
 
 from ficache.fingerprint import Fingerprint
+from ficache.protocol_records import stored_protocol_records
+from ficache.registry import Registry
 from ficache.v2_store import encode_key_fields, read_store
 
 HOT = ("cuda_graph_profile_replays", None, "l2_cache_policy", "hot")
@@ -138,7 +140,8 @@ def test_import_reads_every_environment_with_its_fingerprint_and_policy(
     root = tmp_path / "autotune"
     here = publish_like_tuning(root, policy=GRAPHS)
     h200 = publish_like_tuning(root, metadata=H200_METADATA, tuned=TUNED[:2])
-    # A protocol record (FlashInfer's own publish path for them): not a tactic.
+    # A protocol record (FlashInfer's own publish path for them): not a tactic, stored
+    # as a protocol record of its own kind.
     fields = ("__protocol__", "trtllm_moe_da", "bucket8")
     here.publish(str(fields), "trtllm_moe_da", {"tiles": [1, 2]}, key_fields=fields)
     rows = sorted(
@@ -155,12 +158,16 @@ def test_import_reads_every_environment_with_its_fingerprint_and_policy(
         "environment       fingerprint   measurement                entries  skipped\n"
         + "".join(f"{h}  {d[:12]}  {m:<25}  {n:<7}  0\n" for h, d, m, n in rows)
         + "imported 7 entries from 2 environment(s): 7 added, 0 replaced, 0 unchanged (commit 1)\n"
+        + "imported 1 protocol records (shared): 1 added, 0 replaced, 0 unchanged\n"
     )
-    assert result.stderr == created_note(registry_path) + (
-        "warning: 1 protocol record(s) were not imported (FlashInfer keeps them apart from the "
-        "_records that ficache stores, and they stay in the store it serves them from)\n"
-    )
+    assert result.stderr == created_note(registry_path)
+    # never a namespaced record: they stay apart from _records
     assert json.loads(cli("list", "--records", "--format", "json").stdout) == []
+    with Registry.open(str(registry_path)) as reg, reg.engine.connect() as conn:
+        assert [
+            (r.scope, r.namespace, r.key, r.value_json, r.policy_json)
+            for r in stored_protocol_records(conn)
+        ] == [("shared", "trtllm_moe_da", "bucket8", '{"tiles":[1,2]}', None)]
     fingerprints = {
         f["digest"]: f for f in json.loads(cli("fingerprints", "--format", "json").stdout)
     }
@@ -186,10 +193,10 @@ def test_import_reads_every_environment_with_its_fingerprint_and_policy(
 def test_flashinfer_keeps_protocol_records_apart_from_namespaced_records(
     autotuner: Any, tmp_path: Path
 ) -> None:
-    """Why an import counts a store's protocol records and stores none (``ficache.adopt``):
-    FlashInfer serves them through another API than ``_records``, never saves them in a
-    cache file and never serves a ``_records`` value as one, so ficache, which stores and
-    exports ``_records``, could give them back only as what they are not."""
+    """Why protocol records are a kind of their own, never namespaced records
+    (``ficache.protocol_records``): FlashInfer serves them through another API than
+    ``_records``, never saves them in a cache file and never serves a ``_records`` value as
+    one, so a ``_records`` export could give them back only as what they are not."""
     value = {"tiles": [1, 2]}
     autotuner.publish_protocol_record("trtllm_moe_da", "bucket8", value, persist=False)
     saved = tmp_path / "saved.json"
@@ -306,6 +313,59 @@ def test_an_export_is_served_by_flashinfers_own_store(cli, autotuner, tmp_path: 
         hydrated = {k[2] for k in autotuner._managed_decoded if k[:2] == (str(out), store.env_hash)}
     assert store.env_dir == served.env_dir
     assert hydrated == {k.key_fields for k in cache_keys()}
+
+
+#: Protocol records FlashInfer 0.7.4 publishes (a MegaMoE-like namespace): keys and values
+#: of several shapes, an empty key and one needing quotes in the entry key's text.
+PROTOCOL_VALUES = {
+    "tokens=128": {"knobs": [4, 2], "ok": True},
+    "": 7,
+    'it\'s "q"': [1.5, None, "x"],
+}
+
+
+def test_protocol_records_round_trip_as_flashinfer_writes_and_reads_them(
+    cli, autotuner, tmp_path: Path
+) -> None:
+    """FlashInfer's own ``publish_protocol_record(persist=True)`` writes them into a store;
+    an import stores them as protocol records (shared, never ``_records``); an export writes
+    them back byte for byte, and FlashInfer's own reader serves them from it."""
+    tuned = tmp_path / "tuned"
+    publish_like_tuning(tuned, policy=GRAPHS)
+    with autotune_v2(
+        mode="tune", cache_root=tuned, measurement_policy=GRAPHS, cache_scope="context"
+    ):
+        for key, value in PROTOCOL_VALUES.items():
+            autotuner.publish_protocol_record("moe_ep_megamoe", key, value, persist=True)
+    autotuner.clear_cache()
+    imported = cli("import", tuned)
+    assert imported.stdout.endswith(
+        "imported 5 entries from 1 environment(s): 5 added, 0 replaced, 0 unchanged (commit 1)\n"
+        "imported 3 protocol records (shared): 3 added, 0 replaced, 0 unchanged\n"
+    )
+    out = tmp_path / "served"
+
+    result = cli("export", "--v2-store", out, "--fingerprint", "current")
+
+    served = store_of(out, GRAPHS)
+    assert (result.exit_code, result.stderr) == (0, "")
+    assert result.stdout == (
+        f"exported 5 entries and 3 protocol records to {served.env_dir} (measurement policy "
+        "execution_mode=cuda_graph): 8 written, 0 unchanged\n"
+    )
+    assert files_of(out) == files_of(tuned)
+    with autotune_v2(
+        mode="replay", cache_root=out, measurement_policy=GRAPHS, cache_scope="context"
+    ):
+        assert autotuner.get_protocol_records("moe_ep_megamoe") == PROTOCOL_VALUES
+    # Never exported into a v1 file's _records, nor served as namespaced records.
+    v1 = json.loads(cli("export", "--fingerprint", "current").stdout)
+    assert "_records" not in v1
+    assert json.loads(cli("list", "--records", "--format", "json").stdout) == []
+    again = cli("import", tuned)
+    assert again.stdout.endswith(
+        "imported 3 protocol records (shared): 0 added, 0 replaced, 3 unchanged\n"
+    )
 
 
 def test_a_store_is_dated_by_its_entry_files_through_import_and_adoption(

@@ -37,6 +37,7 @@ from sqlalchemy.pool import NullPool
 from ficache import schema
 from ficache.fingerprint import Fingerprint
 from ficache.merge import open_source, plan_merge
+from ficache.protocol_records import NewProtocolRecord
 from ficache.records import NewRecord
 from ficache.registry import NewEntry, Registry
 from ficache.verify import KINDS, Checked, Problem, VerifyReport, verify
@@ -250,18 +251,22 @@ def test_every_frozen_registry_upgraded_to_head_is_clean(frozen: Path, tmp_path:
 
     report = verify(str(path))
 
-    # Registries made at 0003_records and later hold two records, each added once.
+    # Registries made at 0003_records and later hold two records, each added once; from
+    # 0009_protocol_records on, a fifth commit adds two protocol records.
     records = 2 if frozen.stem >= "registry-0003" else 0
+    protocol = 2 if frozen.stem >= "registry-0009" else 0
     assert (report.problems, report.checked) == (
         (),
         Checked(
             fingerprints=2,
             entries=4,
-            commits=4,
+            commits=4 + (protocol > 0),
             changes=7,
             records=records,
             record_changes=records,
             policies=1,
+            protocol_records=protocol,
+            protocol_changes=protocol,
         ),
     )
 
@@ -734,6 +739,97 @@ def test_a_record_revert_that_does_not_invert_its_target_is_found(
     found_read_only(cli, registry_db, backend, dump_db, damage, statements, counts, first, request)
 
 
+def build_protocol(db: str) -> None:
+    """``build``'s registry, then commit 7: two protocol records of H200 (``moe/a`` 1 with
+    ``POLICY``, ``moe/b`` {"x":2}), and commit 8: protocol record 1 replaced by 3
+    (protocol record changes 1, 2 added; 3 replaced)."""
+    build(db)
+    with Registry.open(db) as reg:
+        reg.write(
+            [],
+            kind="import",
+            protocol_records=[
+                NewProtocolRecord(H200, "moe", "a", "1", POLICY),
+                NewProtocolRecord(H200, "moe", "b", '{"x":2}'),
+            ],
+        )
+        reg.write(
+            [], kind="import", protocol_records=[NewProtocolRecord(H200, "moe", "a", "3", POLICY)]
+        )
+
+
+#: Damage to the protocol records' tables: ``(statements, {kind: count}, first message)``.
+PROTOCOL_DAMAGE = {
+    "protocol record of a missing fingerprint": (
+        ["UPDATE protocol_records SET fingerprint_id = 7 WHERE id = 2"],
+        {"orphan_protocol": 1, "protocol_unlogged": 2},
+        "protocol record 2: fingerprint 7 is missing",
+    ),
+    "protocol record value not canonical": (
+        ["UPDATE protocol_records SET value = '{\"x\": 2}' WHERE id = 2"],
+        {"bad_protocol": 1, "protocol_unlogged": 1},
+        "protocol record 2: value '{\"x\": 2}' is not canonical JSON",
+    ),
+    "protocol record counts": (
+        ["UPDATE commits SET protocol_replaced = 0 WHERE id = 8"],
+        {"protocol_counts": 1},
+        "commit 8 has protocol record changes: 1 replaced (the commit says 0)",
+    ),
+    "protocol record value differs from the log": (
+        ["UPDATE protocol_records SET value = '4' WHERE id = 1"],
+        {"protocol_unlogged": 1},
+        "protocol record 1 is not what commit 8 wrote",
+    ),
+    "protocol record policy differs from the log": (
+        ["UPDATE protocol_records SET policy_id = NULL WHERE id = 1"],
+        {"protocol_unlogged": 1},
+        "protocol record 1 is not what commit 8 wrote",
+    ),
+}
+
+
+@both_backends
+@pytest.mark.parametrize("damage", PROTOCOL_DAMAGE, ids=list(PROTOCOL_DAMAGE))
+def test_damage_to_protocol_records_is_found_read_only(
+    cli, registry_db: str, backend: str, dump_db, damage: str, request: pytest.FixtureRequest
+) -> None:
+    """A good registry with protocol records is clean; each tampered row is found."""
+    build_protocol(registry_db)
+    report = verify(registry_db)
+    assert (report.problems, report.checked.protocol_records, report.checked.protocol_changes) == (
+        (),
+        2,
+        3,
+    )
+    found_read_only(cli, registry_db, backend, dump_db, damage, *PROTOCOL_DAMAGE[damage], request)
+
+
+#: Damage to a protocol record revert (``build_protocol`` and commit 9, the revert of commit 8).
+PROTOCOL_REVERT_DAMAGE = {
+    "protocol revert writes back another value": (
+        [
+            "UPDATE protocol_record_changes SET new_value = '4' WHERE id = 4",
+            "UPDATE protocol_records SET value = '4' WHERE id = 1",
+        ],
+        {"protocol_revert_mismatch": 1},
+        "commit 9 reverts commit 8, but 1 of its protocol records do not undo it",
+    ),
+}
+
+
+@both_backends
+@pytest.mark.parametrize("damage", PROTOCOL_REVERT_DAMAGE, ids=list(PROTOCOL_REVERT_DAMAGE))
+def test_a_protocol_revert_that_does_not_invert_its_target_is_found(
+    cli, registry_db: str, backend: str, dump_db, damage: str, request: pytest.FixtureRequest
+) -> None:
+    build_protocol(registry_db)
+    with Registry.open(registry_db) as reg:
+        assert reg.revert(8).protocol_replaced == 1
+    assert verify(registry_db).ok
+    statements, counts, first = PROTOCOL_REVERT_DAMAGE[damage]
+    found_read_only(cli, registry_db, backend, dump_db, damage, statements, counts, first, request)
+
+
 #: A second entry with entry 7's identity (H200, shared, m128), as a restore tool might insert it.
 DUPLICATE_ENTRY = (
     "INSERT INTO entries (fingerprint_id, scope, key, op, runner, tactic, policy_id, commit_id, "
@@ -1197,6 +1293,10 @@ OTHER_DAMAGE_CASES = {
                 "record_revert_mismatch",
                 "test_a_record_revert_that_does_not_invert_its_target_is_found",
             ),
+            (
+                "protocol_revert_mismatch",
+                "test_a_protocol_revert_that_does_not_invert_its_target_is_found",
+            ),
         )
         for backend in ("sqlite", "postgres")
     },
@@ -1209,7 +1309,11 @@ def test_every_kind_is_found_by_a_damage_case_on_each_backend() -> None:
     both = ("sqlite", "postgres")
     found = {
         (kind, backend)
-        for _statements, counts, _first in (*DAMAGE.values(), *RECORD_DAMAGE.values())
+        for _statements, counts, _first in (
+            *DAMAGE.values(),
+            *RECORD_DAMAGE.values(),
+            *PROTOCOL_DAMAGE.values(),
+        )
         for kind in counts
         for backend in both
     }

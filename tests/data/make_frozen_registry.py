@@ -7,7 +7,8 @@ Run once per schema revision, with the ficache release that adds it:
 It writes ``tests/data/registry-<revision>.db`` through the public API (two
 fingerprints, shared and rank-scoped entries, policies, nested tactics,
 namespaced records from 0003 on, a FlashInfer 0.7.4 selection (a value's fourth element)
-from 0004 on, start counts from 0008 on, and import, replace and prune commits), then pins times and hosts so the file is
+from 0004 on, start counts from 0008 on, a FlashInfer 0.7.4 protocol record (with a measurement
+policy) in a fifth commit from 0009 on, and import, replace and prune commits), then pins times and hosts so the file is
 reproducible, and leaves it as one self-contained file (no WAL).
 ``tests/test_schema.py`` copies each frozen file, opens it with the current
 code (which upgrades it to head) and reads its data back through the API.
@@ -47,6 +48,13 @@ def key(m: int, extras: str = "(torch.bfloat16, 1)") -> str:
 RECORDS = {"trtllm_moe_da": {'{"num_tokens":16}': {"schema": 1, "bodies": [{"tile_n": 8}]}}}
 #: How FlashInfer 0.7.4 chose the shared H200 m=16 entry (stored from 0004_selection on).
 SELECTION = {"time_ms": 0.0123, "runner_up_ms": 0.0131, "margin": 0.065041, "candidates": 7}
+#: FlashInfer 0.7.4 protocol records of the frozen files (from 0009_protocol_records on):
+#: (namespace, key, value, policy JSON or None), in a fifth commit.
+PROTOCOL_RECORDS = (
+    ("moe_ep_megamoe", '{"tokens":128}', {"knobs": [4, 2], "ok": True}, None),
+    ("moe_ep_megamoe", "", 7, json.dumps(POLICY, separators=(",", ":"))),
+)
+PROTOCOL_MESSAGE = "frozen protocol records"
 RANK1_RECORDS = {"trtllm_moe_da": {'{"num_tokens":16}': {"schema": 1, "bodies": [{"tile_n": 16}]}}}
 
 
@@ -112,6 +120,19 @@ def build(path: Path) -> None:
             if i.fingerprint == Fingerprint.from_flashinfer_metadata(B200)
         )
         reg.plan_prune(fingerprint_ids=[b200]).execute(reg)
+        if head_has_protocol_records():  # commit 5: protocol records, shared, one with a policy
+            from ficache.values import NewProtocolRecord
+
+            h200 = Fingerprint.from_flashinfer_metadata(H200)
+            reg.write(
+                [],
+                kind="import",
+                message=PROTOCOL_MESSAGE,
+                protocol_records=[
+                    NewProtocolRecord(h200, ns, k, json.dumps(v, separators=(",", ":")), pol)
+                    for ns, k, v, pol in PROTOCOL_RECORDS
+                ],
+            )
     conn = sqlite3.connect(path)
     with conn:
         conn.execute(
@@ -121,6 +142,11 @@ def build(path: Path) -> None:
         if head_has_records():
             conn.execute(
                 "UPDATE records SET updated_at = 1767225600 + commit_id, "
+                "tuned_at = 1767225600 + commit_id"
+            )
+        if head_has_protocol_records():
+            conn.execute(
+                "UPDATE protocol_records SET updated_at = 1767225600 + commit_id, "
                 "tuned_at = 1767225600 + commit_id"
             )
         conn.execute("UPDATE fingerprints SET created_at = 1767225600")
@@ -140,6 +166,10 @@ def head_has_records() -> bool:
 
 def head_has_selection() -> bool:
     return any(rev == "0004_selection" for rev, _down, _title in schema.history())
+
+
+def head_has_protocol_records() -> bool:
+    return any(rev == "0009_protocol_records" for rev, _down, _title in schema.history())
 
 
 def head_has_start_counts() -> bool:
