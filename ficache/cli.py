@@ -2032,6 +2032,8 @@ def prune_cmd(
         _confirm_or_stop(f"Remove {what}?", dry_run=dry_run, yes=yes)
         result = plan.execute(reg)
     records = f" and {result.records_removed} records" if plan.records_total > 0 else ""
+    if plan.protocol_total > 0:
+        records += f" and {result.protocol_removed} protocol records"
     click.echo(f"removed {result.removed} entries{records} (commit {result.commit_id})")
 
 
@@ -2041,10 +2043,12 @@ def _echo_prune_plan(plan: Any) -> str:
 
     click.echo(f"prune plan ({', '.join(f'{k}={v}' for k, v in plan.criteria)}):")
     with_records = plan.records_total > 0
+    with_protocol = plan.protocol_total > 0
     click.echo(
         _table(
             ["fingerprint", "gpu", "flashinfer", "scope", "entries"]
-            + (["records"] if with_records else []),
+            + (["records"] if with_records else [])
+            + (["protocol records"] if with_protocol else []),
             (
                 (
                     g.fingerprint_id,
@@ -2054,11 +2058,15 @@ def _echo_prune_plan(plan: Any) -> str:
                     g.entries,
                 )
                 + ((g.records,) if with_records else ())
+                + ((g.protocol_records,) if with_protocol else ())
                 for g in plan.groups
             ),
         )
     )
-    return f"{plan.total} entries" + (f" and {plan.records_total} records" if with_records else "")
+    what = f"{plan.total} entries" + (f" and {plan.records_total} records" if with_records else "")
+    if with_protocol:
+        what += f" and {plan.protocol_total} protocol records"
+    return what
 
 
 #: ``revert`` lists this many conflicts in its plan (``--format json`` lists all).

@@ -226,3 +226,59 @@ def test_protocol_records_never_collide_with_namespaced_records(registry_db: str
     assert (commit.records_added, commit.protocol_added) == (1, 1)
     assert [r[2:4] for r in protocol_rows(registry_db)] == [("t1", '"protocol"')]
     assert exported["_records"] == {NS: {"t1": "v1"}}
+
+
+def _deep(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+#: Protocol entry files FlashInfer could not have written: ``(entry key, runner, tactic text)``.
+BAD_PROTOCOL_ENTRIES = {
+    "empty namespace": ("('__protocol__', '', 'k')", "", "1"),
+    "namespace not a string": ("('__protocol__', 7, 'k')", "7", "1"),
+    "key not a string": (f"('__protocol__', '{NS}', 3)", NS, "1"),
+    "key of four parts": (f"('__protocol__', '{NS}', 'k', 'x')", NS, "1"),
+    "runner not its namespace": (f"('__protocol__', '{NS}', 'k')", "other", "1"),
+    "NaN value": (f"('__protocol__', '{NS}', 'k')", NS, '{"x": NaN}'),
+    "value nested 40 deep": (f"('__protocol__', '{NS}', 'k')", NS, json.dumps(_deep(40))),
+}
+
+
+@pytest.mark.parametrize("case", BAD_PROTOCOL_ENTRIES, ids=list(BAD_PROTOCOL_ENTRIES))
+def test_a_malformed_protocol_entry_is_skipped_and_counted(
+    cli, registry_db: str, tmp_path: Path, dump_db, case: str
+) -> None:
+    """As a malformed entry is: skipped, counted in one warning line, the registry unchanged
+    (by ``import`` and by ``--from-vllm`` adoption alike)."""
+    from ficache.v2_store import entry_file_name, env_hash, manifest_for
+
+    write(registry_db, ("t1", "1", None))
+    root = tmp_path / "store"
+    manifest = manifest_for(H200_METADATA, {})
+    env_dir = root / "v2" / env_hash(manifest)
+    (env_dir / "entries").mkdir(parents=True)
+    (env_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    key, runner, tactic = BAD_PROTOCOL_ENTRIES[case]
+    (env_dir / "entries" / entry_file_name(key)).write_text(
+        f'{{"key": {json.dumps(key)}, "runner": {json.dumps(runner)}, "tactic": {tactic}}}'
+    )
+    before = dump_db(registry_db)
+
+    imported = cli("import", root)
+    adopted = cli("import", "--from-vllm", root)
+
+    assert imported.exit_code == 0, imported.output
+    assert imported.stdout.endswith(
+        "imported 0 entries from 1 environment(s): 0 added, 0 replaced, 0 unchanged "
+        "(nothing new, no commit)\n"
+    )
+    [warning] = imported.stderr.splitlines()
+    assert warning.startswith(
+        "warning: skipped 1 malformed entry (FlashInfer treats them as misses)"
+    )
+    assert adopted.exit_code == 0, adopted.output
+    assert adopted.stderr.startswith("warning: skipped 1 unreadable file(s), entr(ies)")
+    assert dump_db(registry_db) == before
