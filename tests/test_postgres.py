@@ -57,6 +57,8 @@ TABLES = {
     "records",
     "record_changes",
     "schema_compat",
+    "protocol_records",
+    "protocol_record_changes",
 }
 REPO = Path(__file__).resolve().parent.parent
 FROZEN_0001 = Path(__file__).parent / "data" / "registry-0001_registry.db"
@@ -172,6 +174,8 @@ def test_records_down_to_0002_and_up_again(cli, postgres_url: str, cache_file) -
         "record_changes",
         "policies",
         "schema_compat",
+        "protocol_records",
+        "protocol_record_changes",
     }
     assert sql(postgres_url, "SELECT id, added FROM commits") == [(1, 1)]
     assert cli("db", "upgrade", db=postgres_url).exit_code == 0
