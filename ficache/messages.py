@@ -37,7 +37,7 @@ from ficache.errors import FicacheError
 #: The first bytes of every byte message.
 MAGIC = b"FIC"
 #: The wire format's version; a start's ranks all run the same one.
-VERSION = 1
+VERSION = 2  # 2: protocol records (SliceOffer, StatusReport, TunedResults, CommitOutcome)
 
 M = TypeVar("M", bound="_ByteMessage")
 I = TypeVar("I", bound="_IntMessage")  # noqa: E741 - the integer-message type
@@ -62,6 +62,17 @@ def _check(name: str, value: Any, kinds: tuple[type, ...], what: str) -> None:
 def _optional_str(name: str, value: Any, what: str) -> None:
     if value is not None:
         _check(name, value, (str,), what)
+
+
+def _text_map(name: str, value: Any, what: str) -> None:
+    """``value`` is ``{namespace: {key: text}}`` (records, protocol records): strings only."""
+    _check(name, value, (dict,), what)
+    for ns, by_key in value.items():
+        _check(name, ns, (str,), f"a namespace of {what}")
+        _check(name, by_key, (dict,), f"a namespace's {what}")
+        for key, text in by_key.items():
+            _check(name, key, (str,), f"a key of {what}")
+            _check(name, text, (str,), f"a value of {what}")
 
 
 def _strs(name: str, value: Any, what: str, optional: bool = False) -> None:
@@ -194,7 +205,10 @@ class SliceOffer(_ByteMessage):
     rank 0's start mode (``tune`` or ``replay``), which every rank follows.
     ``reused`` means rank 0 read nothing: every rank loads what its earlier
     start of this process (``warm_start(reuse=...)``) left it holding, and
-    ``base``, ``overlays`` and ``record_counts`` are empty.
+    ``base``, ``overlays`` and ``record_counts`` are empty. ``protocol`` is
+    the shared protocol records (``namespace -> key -> canonical JSON``) every
+    rank publishes after its load (empty when reused: each rank publishes what
+    its earlier start left it).
     """
 
     KIND: ClassVar[int] = 1
@@ -209,9 +223,11 @@ class SliceOffer(_ByteMessage):
     record_counts: tuple[int, ...] = ()
     mode: str = "tune"  # rank 0's ``warm_start`` mode: every rank takes it
     reused: bool = False  # every rank loads what its earlier start left it (no base)
+    protocol: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def _validate(self) -> None:
         name = type(self).__name__
+        _text_map(name, self.protocol, "protocol records")
         _check(name, self.mode, (str,), "mode")
         _check(name, self.reused, (bool,), "reused")
         _optional_str(name, self.fingerprint, "fingerprint")
@@ -301,19 +317,26 @@ class TuningGroupCreated(_ByteMessage):
 @dataclass(frozen=True)
 class StatusReport(_IntMessage):
     """Step 8, every rank to every rank (the status exchange, integers): did my block raise,
-    how many new entries I hold, whether I could read my tuner, how many new records."""
+    how many new entries I hold, whether I could read my tuner, how many new records and
+    new protocol records."""
 
     KIND: ClassVar[int] = 5
     raised: int
     new_entries: int
     tuner_failed: int
     new_records: int
+    new_protocol: int = 0
 
     @classmethod
     def _from_ints(cls, values: list[int]) -> StatusReport:
         message = cls(*values)
         _flags(cls.__name__, raised=message.raised, tuner_failed=message.tuner_failed)
-        _counts(cls.__name__, new_entries=message.new_entries, new_records=message.new_records)
+        _counts(
+            cls.__name__,
+            new_entries=message.new_entries,
+            new_records=message.new_records,
+            new_protocol=message.new_protocol,
+        )
         return message
 
     @property
@@ -322,7 +345,7 @@ class StatusReport(_IntMessage):
 
     @property
     def tuned_any(self) -> bool:
-        return bool(self.new_entries or self.new_records)
+        return bool(self.new_entries or self.new_records or self.new_protocol)
 
 
 @dataclass(frozen=True)
@@ -345,13 +368,14 @@ class FailureNote(_ByteMessage):
 
 @dataclass(frozen=True)
 class TunedResults(_ByteMessage):
-    """Step 9a, every rank to rank 0 (gather): the entries and records this rank holds that
-    differ from what it loaded. Entries are ``key -> (runner, tactic, policy, selection)``;
-    records ``namespace -> key -> canonical JSON``."""
+    """Step 9a, every rank to rank 0 (gather): the entries, records and protocol records this
+    rank holds that differ from what it loaded. Entries are ``key -> (runner, tactic, policy,
+    selection)``; records and protocol records ``namespace -> key -> canonical JSON``."""
 
     KIND: ClassVar[int] = 7
     entries: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     records: dict[str, dict[str, str]] = field(default_factory=dict)
+    protocol: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def _validate(self) -> None:
         name = type(self).__name__
@@ -361,19 +385,15 @@ class TunedResults(_ByteMessage):
             _check(name, row, (tuple,), "an entry")
             if len(row) < 3 or not all(v is None or isinstance(v, str) for v in row):
                 raise MalformedMessageError(f"malformed {name}: an entry is not a row of texts")
-        _check(name, self.records, (dict,), "records")
-        for ns, by_key in self.records.items():
-            _check(name, ns, (str,), "a namespace")
-            _check(name, by_key, (dict,), "a namespace's records")
-            for key, value in by_key.items():
-                _check(name, key, (str,), "a record key")
-                _check(name, value, (str,), "a record value")
+        _text_map(name, self.records, "records")
+        _text_map(name, self.protocol, "protocol records")
 
 
 @dataclass(frozen=True)
 class CommitOutcome(_ByteMessage):
     """Step 9b, rank 0 to every rank: what the commit did (or why nothing was committed),
-    and the final slices (the registry after the commit) when they could be exported."""
+    and the final slices (the registry after the commit) when they could be exported, with
+    the shared protocol records every rank then publishes."""
 
     KIND: ClassVar[int] = 8
     reason: str | None = None
@@ -387,11 +407,15 @@ class CommitOutcome(_ByteMessage):
     warnings: tuple[str, ...] = ()
     base: str | None = None
     overlays: tuple[str | None, ...] = ()
+    protocol_committed: int = 0
+    protocol: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def _validate(self) -> None:
         name = type(self).__name__
         _optional_str(name, self.reason, "reason")
-        for what in ("committed", "shared", "scoped", "disagreements", "kept", "records_committed"):
+        _text_map(name, self.protocol, "protocol records")
+        counts = ("committed", "shared", "scoped", "disagreements", "kept", "records_committed")
+        for what in (*counts, "protocol_committed"):
             _check(name, getattr(self, what), (int,), what)
         if self.commit_id is not None:
             _check(name, self.commit_id, (int,), "commit_id")

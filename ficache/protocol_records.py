@@ -44,7 +44,13 @@ from typing import Any
 from sqlalchemy import Connection, func, select
 
 from ficache.errors import RecordError
-from ficache.flashinfer_format import MAX_NAMESPACE_CHARS, canonical_json, record_value_json
+from ficache.flashinfer_format import (
+    MAX_PROTOCOL_KEY_CHARS,
+    canonical_json,
+    check_protocol_identity,
+    protocol_policy_json,
+    protocol_value_json,
+)
 from ficache.kind_store import commit_changes
 from ficache.kinds import PROTOCOL_KIND
 from ficache.models import PROTOCOL_RECORDS as P
@@ -62,42 +68,8 @@ __all__ = [
     "protocol_value_json",
 ]
 
-#: Longest protocol record key kept (FlashInfer's are short JSON texts).
-MAX_PROTOCOL_KEY_CHARS = 4096
-
 #: ``{namespace: {key: canonical JSON value}}``: what one rank publishes.
 ProtocolMap = dict[str, dict[str, str]]
-
-
-def check_protocol_identity(namespace: Any, key: Any) -> None:
-    """``ValueError`` unless ``(namespace, key)`` is one ``publish_protocol_record`` accepts."""
-    if not isinstance(namespace, str) or not namespace:
-        raise ValueError(f"protocol namespace {str(namespace)[:80]!r} is not a non-empty string")
-    if len(namespace) > MAX_NAMESPACE_CHARS:
-        raise ValueError(f"protocol namespace longer than {MAX_NAMESPACE_CHARS} characters")
-    if not isinstance(key, str):
-        raise ValueError(f"protocol record key {str(key)[:80]!r} is not a string")
-    if len(key) > MAX_PROTOCOL_KEY_CHARS:
-        raise ValueError(f"protocol record key longer than {MAX_PROTOCOL_KEY_CHARS} characters")
-
-
-def protocol_value_json(value: Any) -> str:
-    """The canonical JSON of a protocol record's value; ``ValueError`` for one FlashInfer
-    could not have written (a non-finite number, too deep, not JSON)."""
-    try:
-        return record_value_json(value)
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
-
-
-def protocol_policy_json(policy: Any) -> str | None:
-    """The canonical JSON of an entry file's ``profiling_policy`` (None: absent); ``ValueError``
-    for one that is not a list of JSON scalars and lists."""
-    if policy is None:
-        return None
-    if not isinstance(policy, list):
-        raise ValueError("profiling_policy must be a list")
-    return protocol_value_json(policy)
 
 
 def _canonical(text: Any, what: str) -> None:

@@ -330,6 +330,11 @@ class Registry:
         """``{namespace: {key: canonical JSON}}`` as one rank loads it (``slice_rows``'s order)."""
         return self._reading(stored_entries.slice_records, fingerprint_ids, scopes)
 
+    def slice_protocol_records(self, fingerprint_ids: Sequence[int]) -> proto.ProtocolMap:
+        """``{namespace: {key: canonical JSON}}`` every rank publishes: the shared protocol
+        records of ``fingerprint_ids``, an earlier fingerprint winning."""
+        return self._reading(proto.slice_protocol_records, fingerprint_ids, [SHARED_SCOPE])
+
     def export_for(self, current: Fingerprint, *, scope: str = SHARED_SCOPE) -> tuple[str, int]:
         """The cache file the environment ``current`` should load, and its size.
 

@@ -17,6 +17,10 @@ Invariants:
   on another would desynchronize tuning the same way): when the ranks'
   record keys differ, every rank gets the shared records only, with a
   warning.
+- FlashInfer 0.7.4's protocol records (``ficache.protocol_records``) are
+  stored shared, so every rank gets the same ones (``RankSlices.protocol``):
+  they never ride in the texts (a v1 file has no place for them); each rank
+  publishes them after loading its text (``ficache.sync``).
 - Slices are symmetric or shared-only. FlashInfer's synchronized tuning
   deadlocks when one rank hits where another misses, so when the ranks'
   slices differ in size (a rank's scoped entries were pruned, say) every
@@ -64,7 +68,7 @@ from ficache.scopes import SHARED_SCOPE, rank_scope
 if TYPE_CHECKING:
     from ficache.registry import Registry
 
-FORMAT = 2
+FORMAT = 3  # 3: protocol records in the header
 MAGIC = b"FICACHE-SLICES"
 
 #: ``(last commit id, last commit time, entry count, last entry id, last entry update)``.
@@ -89,6 +93,8 @@ class RankSlices:
     cache: str = "off"  # "hit", "miss" or "off"
     warnings: tuple[str, ...] = field(default=())
     record_counts: tuple[int, ...] = ()  # namespaced records each rank then holds
+    #: ``{namespace: {key: canonical JSON}}``: the shared protocol records every rank publishes.
+    protocol: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @property
     def uniform(self) -> bool:
@@ -104,9 +110,10 @@ def default_cache_dir() -> Path:
 def registry_state(reg: Registry) -> State:
     """A cheap token that changes whenever the registry's entries may have changed.
 
-    ``(schema revision, last commit id, its time, entry count, last entry id,
-    last entry update)``: any commit, migration, or insert or delete made
-    behind the registry's back changes it.
+    ``sqlite_fast.STATE_SQL``: the schema revision, the last commit, and the
+    count, last id and last update of entries, records and protocol records.
+    Any commit, migration, or insert or delete made behind the registry's back
+    changes it.
     """
     from sqlalchemy import text as sql_text
     from sqlalchemy.exc import DatabaseError
@@ -217,8 +224,9 @@ def _read_cache(path: Path, header_want: dict[str, Any]) -> RankSlices | None:
             "hit",
             tuple(header.get("warnings", ())),
             tuple(int(n) for n in header["record_counts"]),
+            _protocol_map(header["protocol"]),
         )
-    except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError):
+    except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError, AttributeError):
         return None
 
 
@@ -239,6 +247,7 @@ def _write_cache(path: Path, header_base: dict[str, Any], slices: RankSlices) ->
         "segments": [[len(s), hashlib.sha256(s).hexdigest()] for s in segments],
         "warnings": list(slices.warnings),
         "record_counts": list(slices.record_counts),
+        "protocol": slices.protocol,
     }
     data = b"".join(
         [MAGIC, b" ", json.dumps(header, separators=(",", ":")).encode(), b"\n", *segments]
@@ -296,6 +305,23 @@ def _export(
             render_cache(metadata, ()), (None,) * world, (0,) * world, ids, state,
             record_counts=(0,) * world,
         )  # fmt: skip
+    return dataclasses.replace(
+        _export_texts(reg, metadata, ids, layout, world, state, symmetric=symmetric),
+        protocol=reg.slice_protocol_records(ids),
+    )
+
+
+def _export_texts(
+    reg: Registry,
+    metadata: Any,
+    ids: tuple[int, ...],
+    layout: str,
+    world: int,
+    state: State,
+    *,
+    symmetric: bool,
+) -> RankSlices:
+    """The texts of every rank's slice from the fingerprints ``ids`` (at least one)."""
     shared = reg.slice_rows(ids, [SHARED_SCOPE])
     shared_records = reg.slice_records(ids, [SHARED_SCOPE])
     base = render_cache(metadata, shared.values(), shared_records)
@@ -391,6 +417,18 @@ def _overlays(
         else:
             overlays.append(None)
     return overlays
+
+
+def _protocol_map(value: Any) -> dict[str, dict[str, str]]:
+    """A cache header's protocol records, checked to be ``{str: {str: str}}``."""
+    if not isinstance(value, dict) or not all(
+        isinstance(ns, str)
+        and isinstance(by_key, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in by_key.items())
+        for ns, by_key in value.items()
+    ):
+        raise ValueError("protocol records of a slice cache are not {str: {str: str}}")
+    return value
 
 
 def _record_count(records: dict[str, dict[str, str]]) -> int:

@@ -47,18 +47,23 @@ from ficache.fingerprint import ALL_FIELDS
 COMMITS_TABLE = "commits"
 ENTRIES_TABLE = "entries"
 RECORDS_TABLE = "records"
+PROTOCOL_RECORDS_TABLE = "protocol_records"
 FINGERPRINTS_TABLE = "fingerprints"
 
 #: The registry's state token: (schema revision, last commit id, its time, entry
 #: count, last entry id, last entry update, record count, last record id, last
-#: record update). Portable SQL: the full path runs it through the engine.
+#: record update, and the same three of protocol records). Portable SQL: the full
+#: path runs it through the engine.
 STATE_SQL = (
     "SELECT (SELECT max(version_num) FROM alembic_version), "
     f"(SELECT max(id) FROM {COMMITS_TABLE}), (SELECT max(created_at) FROM {COMMITS_TABLE}), "
     f"(SELECT count(*) FROM {ENTRIES_TABLE}), (SELECT max(id) FROM {ENTRIES_TABLE}), "
     f"(SELECT max(updated_at) FROM {ENTRIES_TABLE}), "
     f"(SELECT count(*) FROM {RECORDS_TABLE}), (SELECT max(id) FROM {RECORDS_TABLE}), "
-    f"(SELECT max(updated_at) FROM {RECORDS_TABLE})"
+    f"(SELECT max(updated_at) FROM {RECORDS_TABLE}), "
+    f"(SELECT count(*) FROM {PROTOCOL_RECORDS_TABLE}), "
+    f"(SELECT max(id) FROM {PROTOCOL_RECORDS_TABLE}), "
+    f"(SELECT max(updated_at) FROM {PROTOCOL_RECORDS_TABLE})"
 )
 
 _HOLDS_SQL = (

@@ -21,6 +21,12 @@ Invariants:
   stands for it. Every other new value is stored once per rank that holds
   it. A key or tactic ficache cannot store is skipped and counted in a
   warning, never raised.
+- A protocol record (FlashInfer 0.7.4, ``ficache.protocol_records``) is
+  always stored shared: FlashInfer keeps one per environment, and its
+  protocols publish on rank 0 and share the result themselves. Rank 0's
+  value stands for it; one only other ranks published is stored when they
+  all agree, and skipped with a warning when they do not (no rank's value is
+  more right than another's).
 - ``tally`` is the ``CommitOutcome`` being filled in (its fields by name);
   these functions only add to ``disagreements`` and ``warnings`` and set the
   counts of what was written.
@@ -29,6 +35,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from typing import Any
 
 from ficache.fingerprint import Fingerprint
@@ -43,6 +50,8 @@ Tally = dict[str, Any]
 TunedByRank = list[dict[str, Row]]
 #: A new record to store: ``(scope, namespace, key, value JSON)``.
 RecordRow = tuple[str, str, str, str]
+#: A new protocol record to store (shared): ``(namespace, key, value JSON)``.
+ProtocolRow = tuple[str, str, str]
 
 
 def selection_of(row: tuple[Any, ...]) -> str | None:
@@ -109,12 +118,48 @@ def classify_records(
     return out
 
 
+def classify_protocol(
+    gathered: list[dict[str, dict[str, str]] | None], tally: Tally
+) -> list[ProtocolRow]:
+    """The new protocol records to store shared (module docstring); counts disagreements and
+    warns of the ones skipped."""
+    per_rank = [g if isinstance(g, dict) else {} for g in gathered]
+    idents = sorted({(ns, key) for p in per_rank for ns, by in p.items() for key in by})
+    out: list[ProtocolRow] = []
+    skipped = 0
+    for ns, key in idents:
+        values = [p.get(ns, {}).get(key) for p in per_rank]
+        present = {v for v in values if v is not None}
+        if len(present) > 1:
+            tally["disagreements"] += 1
+        if values and values[0] is not None:
+            out.append((ns, key, values[0]))
+        elif len(present) == 1:
+            out.append((ns, key, present.pop()))
+        else:
+            skipped += 1
+    if skipped:
+        tally["warnings"].append(
+            f"{skipped} protocol records not stored: ranks other than rank 0 published "
+            "different values for them"
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class StartupContents:
+    """What the classification kept for the startup commit, by kind."""
+
+    shared: list[tuple[str, Row]]
+    scoped: list[tuple[int, str, Row]]
+    records: list[RecordRow] = field(default_factory=list)
+    protocol: list[ProtocolRow] = field(default_factory=list)
+
+
 def commit_contents(
     fp: Fingerprint,
     per_rank: TunedByRank,
-    shared: list[tuple[str, Row]],
-    scoped: list[tuple[int, str, Row]],
-    records: list[RecordRow],
+    contents: StartupContents,
     *,
     world: int,
     layout: str,
@@ -123,6 +168,12 @@ def commit_contents(
     provenance: dict[str, Any],
 ) -> tuple[list[NewEntry], dict[str, Any], str]:
     """The startup commit's entries, provenance (the caller's, plus the start's) and message."""
+    shared, scoped, records, protocol = (
+        contents.shared,
+        contents.scoped,
+        contents.records,
+        contents.protocol,
+    )
     entries = [
         NewEntry(fp, k, v[0], v[1], v[2], SHARED_SCOPE, selection_json=selection_of(v))
         for k, v in shared
@@ -145,9 +196,13 @@ def commit_contents(
     }
     if records:
         recorded["records"] = len(records)
+    if protocol:
+        recorded["protocol_records"] = len(protocol)
     keys = len(set().union(*per_rank))
-    message = f"warm start on {world} rank(s) ({layout}): {keys} new keys" + (
-        f", {len(records)} new records" if records else ""
+    message = (
+        f"warm start on {world} rank(s) ({layout}): {keys} new keys"
+        + (f", {len(records)} new records" if records else "")
+        + (f", {len(protocol)} new protocol records" if protocol else "")
     )
     return entries, recorded, message
 
@@ -164,7 +219,13 @@ def count_written(written: WriteResult, tally: Tally) -> None:
             f"{written.records_kept} published records not stored: the registry "
             "holds other values for those keys; every rank loads the stored ones"
         )
-    tally["kept"] = written.kept + written.records_kept
+    tally["protocol_committed"] = written.protocol_added + written.protocol_replaced
+    if written.protocol_kept:
+        tally["warnings"].append(
+            f"{written.protocol_kept} published protocol records not stored: the registry "
+            "holds other values for those keys; every rank publishes the stored ones"
+        )
+    tally["kept"] = written.kept + written.records_kept + written.protocol_kept
     if written.kept:
         tally["warnings"].append(
             f"{written.kept} tuned values not stored: another server committed "

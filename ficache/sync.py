@@ -134,6 +134,21 @@ Decisions:
   republished with another value is not stored and is counted in
   ``report.kept`` (replace stored records with ``ficache import`` or
   ``merge``). A record JSON cannot carry exactly is skipped, with a warning.
+- Protocol records (FlashInfer 0.7.4's ``publish_protocol_record``,
+  ``ficache.protocol_records``) are stored shared, so the ``SliceOffer``
+  carries one map every rank publishes after its load (``Tuner.publish_protocol``:
+  in memory, ``persist=False``, under the identity a v1 block reads; in v2
+  mode also as protocol entry files of the store it serves). At exit a rank
+  holds as new the ones that differ from what it held after the load
+  (``Tuner.protocol_records``; in v2 mode the store's files too); they travel
+  in ``TunedResults`` and rank 0 stores them shared in the startup commit
+  (``startup_commit.classify_protocol``: rank 0's value; one only other ranks
+  published when they agree), keeping a stored value as for entries. The
+  final ``CommitOutcome`` carries the registry's map after the commit, which
+  every rank publishes again. A FlashInfer without them publishes none (a
+  warning); the counts are ``report.protocol_loaded``, ``protocol_tuned`` and
+  ``protocol_committed``, and a start whose ranks only published protocol
+  records is "partial" on every rank, as for entries.
 - The tuning group. FlashInfer's all-reduces run on a dedicated gloo group
   (one per process and caller group, created collectively with
   ``torch.distributed.new_group`` the first time and reused), not on
@@ -201,6 +216,7 @@ from ficache.fingerprint import ALL_FIELDS, Fingerprint, collect
 from ficache.flashinfer_format import (
     canonical_json,
     check_namespace,
+    check_protocol_identity,
     record_value_json,
 )
 from ficache.messages import (
@@ -217,7 +233,7 @@ from ficache.messages import (
 from ficache.retrying import retry_transient
 from ficache.scopes import rank_scope
 from ficache.tuner import FlashInferTuner, Row, Tuner, row_value
-from ficache.values import NewRecord, WriteResult
+from ficache.values import NewProtocolRecord, NewRecord, WriteResult
 
 if TYPE_CHECKING:
     # Only rank 0 reads or writes the registry: it imports these (SQLAlchemy,
@@ -283,6 +299,9 @@ class WarmStartReport:
     records_loaded: int = 0  # namespaced records this rank loaded
     records_tuned: int = 0  # namespaced records this rank published that differ from the loaded
     records_committed: int = 0  # record rows this start added or replaced (all ranks)
+    protocol_loaded: int = 0  # FlashInfer 0.7.4 protocol records this rank published from the slice
+    protocol_tuned: int = 0  # protocol records this rank held at exit that differ from the loaded
+    protocol_committed: int = 0  # protocol record rows this start added or replaced
     synchronized: bool = False  # tuning all-reduced over every rank, from matching caches
     slice_cache: str = "off"  # rank 0's slice cache: "hit", "miss" or "off"
     mode: str = "tune"  # "tune", or "replay": served the registry, never profiled
@@ -560,6 +579,10 @@ class _Loaded:
 
     texts: list[str] = field(default_factory=list)
     records: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: The protocol records published with the texts (the slice's), and those held after.
+    protocol_served: dict[str, dict[str, str]] = field(default_factory=dict)
+    protocol: dict[str, dict[str, str]] = field(default_factory=dict)
+    published: int = 0  # of ``protocol_served``, how many the tuner published
 
 
 @dataclass
@@ -581,6 +604,7 @@ class _Verdict:
     readonly: bool = False  # the registry can be read, not written (step 3)
     rank_failed: bool = False  # a rank raised, or could not take part (step 8)
     commit_failed: bool = False  # rank 0's commit met the registry failing (step 9)
+    anyone_tuned: bool = False  # a status said a rank holds something new (step 8)
 
 
 @dataclass
@@ -600,6 +624,7 @@ class _ExitState:
     failed_at: float = 0.0  # wall clock: the earliest failure is the root cause
     new: dict[str, Row] = field(default_factory=dict)  # step 7: entries new on this rank
     new_records: dict[str, dict[str, str]] = field(default_factory=dict)
+    new_protocol: dict[str, dict[str, str]] = field(default_factory=dict)
     tuner_error: str | None = None  # step 7: this rank could not read its tuner
     statuses: list[StatusReport] | None = None  # step 8: everyone's, or None on a failure
     outcome: CommitOutcome | None = None  # step 9
@@ -607,6 +632,47 @@ class _ExitState:
     @property
     def raised(self) -> bool:
         return self.exc is not None
+
+
+def _check_record_identity(namespace: Any, key: Any) -> None:
+    """``ValueError`` unless ``(namespace, key)`` names a namespaced record FlashInfer keeps."""
+    check_namespace(namespace)
+    if not isinstance(key, str) or not key:
+        raise ValueError("a record key is not a non-empty string")
+
+
+def _canonical_held(
+    held: Any, check_identity: Callable[[Any, Any], None]
+) -> tuple[dict[str, dict[str, str]], int]:
+    """``{namespace: {key: value}}`` a tuner holds (records or protocol records) as canonical
+    JSON, and how many items were skipped: a bad identity, or a value JSON cannot carry."""
+    out: dict[str, dict[str, str]] = {}
+    skipped = 0
+    for ns, by_key in (held or {}).items():
+        if not isinstance(by_key, dict):
+            skipped += 1
+            continue
+        for key, value in by_key.items():
+            try:
+                check_identity(ns, key)
+                text = record_value_json(value)
+            except (ValueError, RecursionError):
+                skipped += 1
+                continue
+            out.setdefault(ns, {})[key] = text
+    return out, skipped
+
+
+def _changed(
+    held: dict[str, dict[str, str]], loaded: dict[str, dict[str, str]]
+) -> dict[str, dict[str, str]]:
+    """The items of ``held`` absent from ``loaded`` or holding another value there."""
+    new: dict[str, dict[str, str]] = {}
+    for ns, by_key in held.items():
+        for key, text in by_key.items():
+            if loaded.get(ns, {}).get(key) != text:
+                new.setdefault(ns, {})[key] = text
+    return new
 
 
 # --------------------------------------------------------------------------
@@ -961,6 +1027,7 @@ class WarmStart:
             if offer.fingerprint == state.fp.digest:
                 try:
                     state.loaded = self._load_reused() if offer.reused else self._load_slice(offer)
+                    self.report.protocol_loaded = self._loaded.published
                 except Exception as exc:  # noqa: BLE001 - a failed load is a value
                     state.load_ok = False
                     state.load_error = (
@@ -1010,6 +1077,8 @@ class WarmStart:
             else offer.record_count(state.rank)
         )
         self.report.records_loaded = held_records if verdict.uncached is None else 0
+        if verdict.uncached is not None:
+            self.report.protocol_loaded = 0
 
     def _confirm_reason(self, confirmations: list[LoadConfirmation]) -> str | None:
         """Why the ranks cannot use their slices (None: they can); may all-gather
@@ -1108,7 +1177,7 @@ class WarmStart:
         overlay = message.overlay(self.report.rank)
         if overlay is not None:
             texts.append(overlay)
-        return self._load_texts(texts)
+        return self._load_texts(texts, message.protocol)
 
     def _load_reused(self) -> int:
         """Step 4 of a reused offer: load what the earlier start left this rank holding. A rank
@@ -1119,18 +1188,33 @@ class WarmStart:
                 "rank 0 reused its earlier start's slices and this rank has no such start "
                 "(every rank of a group must pass warm_start(reuse=...) alike)"
             )
-        return self._load_texts(list(earlier._loaded.texts))
+        return self._load_texts(list(earlier._loaded.texts), earlier._loaded.protocol_served)
 
-    def _load_texts(self, texts: list[str]) -> int:
+    def _load_texts(self, texts: list[str], protocol: dict[str, dict[str, str]]) -> int:
+        """Load the slice texts, then publish its protocol records (``Tuner.publish_protocol``,
+        where the tuner has it); keep what the tuner then holds, to compare at exit."""
         self._loaded = _Loaded()
         loaded = 0
         for text in texts:
             loaded += self.tuner.load(text)
             self._loaded.texts.append(text)
+        publish = getattr(self.tuner, "publish_protocol", None)
+        published = publish(protocol) if publish is not None and protocol else 0
+        if protocol and not published:
+            self._warn(
+                f"rank {self.report.rank}: {sum(len(b) for b in protocol.values())} protocol "
+                "records not served: this FlashInfer has none (publish_protocol_record)"
+            )
+        self._loaded.protocol_served, self._loaded.published = protocol, published
         try:
             self._loaded.records, _skipped = self._held_records()
+            held_protocol, _skipped = self._held_protocol()
         except Exception:  # noqa: BLE001 - then every record held at exit counts as new
-            self._loaded.records = {}
+            self._loaded.records, held_protocol = {}, {}
+        # What was published is loaded, whatever identity FlashInfer filed it under.
+        for ns, by_key in protocol.items():
+            held_protocol[ns] = {**by_key, **held_protocol.get(ns, {})}
+        self._loaded.protocol = held_protocol
         return loaded
 
     def _export_payload(self, world: int, layout: str) -> SliceOffer:
@@ -1186,6 +1270,7 @@ class WarmStart:
             cache=slices.cache,
             warnings=tuple(warnings),
             record_counts=tuple(int(n) for n in slices.record_counts),
+            protocol=slices.protocol,
         )
 
     def _set_tuning_group(self, alive: bool) -> None:
@@ -1303,21 +1388,30 @@ class WarmStart:
                     f"rank {rank}: {skipped_records} namespaced records JSON cannot carry "
                     "exactly; not stored"
                 )
+            state.new_protocol, skipped_protocol = self._new_protocol()
+            if skipped_protocol:
+                self._warn(
+                    f"rank {rank}: {skipped_protocol} protocol records ficache cannot store "
+                    "exactly; not stored"
+                )
         except Exception as exc2:  # noqa: BLE001
             state.tuner_error = f"rank {rank} could not read its tuner: {_one_line(exc2)}"
         self.report.tuned = len(state.new)
         self.report.records_tuned = sum(len(by_key) for by_key in state.new_records.values())
+        self.report.protocol_tuned = sum(len(by_key) for by_key in state.new_protocol.values())
         if self._v2 is not None and self._v2.active:
             for warning in self._v2.warnings:
                 self._warn(warning)
             self.report.v2 = self._v2.report.as_json()
         if self._replay is not None:
-            if state.new or state.new_records:
+            if state.new or state.new_records or state.new_protocol:
                 self._warn(
-                    f"rank {rank}: replay mode: {len(state.new)} entries and "
-                    f"{self.report.records_tuned} records produced in the block are not committed"
+                    f"rank {rank}: replay mode: {len(state.new)} entries, "
+                    f"{self.report.records_tuned} records and {self.report.protocol_tuned} "
+                    "protocol records produced in the block are not committed"
                 )
-            state.new, state.new_records = {}, {}  # replay commits nothing (no step 9)
+            # replay commits nothing (no step 9)
+            state.new, state.new_records, state.new_protocol = {}, {}, {}
 
     # -- replay mode ------------------------------------------------------
 
@@ -1400,6 +1494,7 @@ class WarmStart:
             len(state.new),
             int(state.tuner_error is not None),
             report.records_tuned,
+            report.protocol_tuned,
         )
         statuses = self._decode_all(
             StatusReport,
@@ -1418,6 +1513,7 @@ class WarmStart:
         else:
             state.statuses = statuses
             report.tuned_by_rank = [s.new_entries for s in statuses]
+            self._verdict.anyone_tuned = any(s.tuned_any for s in statuses)
 
     def _step_share_failures(self, state: _ExitState) -> None:
         """8b. Only when a status says a rank raised or cannot read its tuner (every rank
@@ -1454,13 +1550,16 @@ class WarmStart:
         knows the outcome: nothing to commit."""
         statuses = state.statuses
         if statuses is not None and any(s.tuned_any for s in statuses):
-            state.outcome = self._commit_phase(state.new, statuses, state.new_records)
+            state.outcome = self._commit_phase(
+                state.new, statuses, state.new_records, state.new_protocol
+            )
 
     def _commit_phase(
         self,
         new: dict[str, Row],
         statuses: list[StatusReport],
         new_records: dict[str, dict[str, str]] | None = None,
+        new_protocol: dict[str, dict[str, str]] | None = None,
     ) -> CommitOutcome | None:
         """9a-b. One gather of every rank's ``TunedResults`` to rank 0, which commits
         (``_commit``, never raises, bounded by ``registry_timeout``), then one broadcast of
@@ -1469,11 +1568,12 @@ class WarmStart:
         outcome as unknown or nothing committed, never a commit that did not happen."""
         channel, report, verdict = self._channel, self.report, self._verdict
         t = time.perf_counter()
-        gathered = channel.gather(_encoded(TunedResults(new, new_records or {}), "what it tuned"))
+        mine_tuned = TunedResults(new, new_records or {}, new_protocol or {})
+        gathered = channel.gather(_encoded(mine_tuned, "what it tuned"))
         t = self._phase("gather", t)
         outcome: CommitOutcome | None = None
         if report.rank == 0 and gathered is not None:
-            outcome = self._commit(*self._decode_tuned(gathered))
+            outcome = self._commit(self._decode_tuned(gathered))
             t = self._phase("commit", t)
         data = channel.broadcast(_encoded(outcome, "the outcome") if outcome is not None else None)
         mine: CommitOutcome | None = None
@@ -1506,31 +1606,20 @@ class WarmStart:
         self._phase("final", t)
         return mine
 
-    def _decode_tuned(
-        self, gathered: list[Any]
-    ) -> tuple[list[dict[str, Row] | None], list[dict[str, dict[str, str]] | None]]:
-        """Rank 0: every rank's ``TunedResults`` as (entries, records) per rank; a rank's that
-        does not decode is None in both, and the reason nothing may be committed."""
-        entries: list[dict[str, Row] | None] = []
-        records: list[dict[str, dict[str, str]] | None] = []
+    def _decode_tuned(self, gathered: list[Any]) -> list[TunedResults | None]:
+        """Rank 0: every rank's ``TunedResults``; a rank's that does not decode is None, and
+        the reason nothing may be committed."""
+        out: list[TunedResults | None] = []
         for r, data in enumerate(gathered):
             try:
-                results = TunedResults.decode(data)
+                out.append(TunedResults.decode(data))
             except MalformedMessageError as exc:
                 verdict = self._verdict
                 verdict.no_commit = verdict.no_commit or f"{exc} (from rank {r})"
-                entries.append(None)
-                records.append(None)
-                continue
-            entries.append(results.entries)
-            records.append(results.records)
-        return entries, records
+                out.append(None)
+        return out
 
-    def _commit(
-        self,
-        gathered: list[dict[str, Row] | None],
-        gathered_records: list[dict[str, dict[str, str]] | None] | None = None,
-    ) -> CommitOutcome:
+    def _commit(self, gathered: list[TunedResults | None]) -> CommitOutcome:
         """Rank 0: classify, commit once, export the final slices. Never raises.
 
         Concurrent servers: the value already committed wins. When another
@@ -1557,19 +1646,27 @@ class WarmStart:
             "kept": 0,
             "warnings": [],
         }
-        per_rank: list[dict[str, Row]] = [g if isinstance(g, dict) else {} for g in gathered]
+        per_rank: list[dict[str, Row]] = [dict(g.entries) if g else {} for g in gathered]
         synchronized = self.report.synchronized and verdict.no_commit is None
         world, layout = self.report.world_size, self.report.layout
         shared, scoped = startup_commit.classify_entries(per_rank, world, synchronized, result)
         records = startup_commit.classify_records(
-            gathered_records or [], world, layout, synchronized, result
+            [g.records if g else None for g in gathered], world, layout, synchronized, result
+        )
+        protocol = startup_commit.classify_protocol(
+            [g.protocol if g else None for g in gathered], result
         )
         result["shared"], result["scoped"] = len(shared), len(scoped)
         if verdict.no_commit is None and verdict.readonly:
             verdict.no_commit = f"registry {self.report.registry} is read-only"
         fp = self._enter.fp
-        if verdict.no_commit is None and fp is not None and (shared or scoped or records):
-            self._write_commit(fp, per_rank, shared, scoped, records, synchronized, result)
+        if (
+            verdict.no_commit is None
+            and fp is not None
+            and (shared or scoped or records or protocol)
+        ):
+            contents = startup_commit.StartupContents(shared, scoped, records, protocol)
+            self._write_commit(fp, per_rank, contents, synchronized, result)
         result["reason"] = verdict.no_commit
         if verdict.no_commit is not None:
             result["shared"] = result["scoped"] = 0
@@ -1580,9 +1677,7 @@ class WarmStart:
         self,
         fp: Fingerprint,
         per_rank: list[dict[str, Row]],
-        shared: list[tuple[str, Row]],
-        scoped: list[tuple[int, str, Row]],
-        records: list[tuple[str, str, str, str]],
+        contents: startup_commit.StartupContents,
         synchronized: bool,
         result: dict[str, Any],
     ) -> None:
@@ -1595,9 +1690,7 @@ class WarmStart:
         entries, provenance, message = startup_commit.commit_contents(
             fp,
             per_rank,
-            shared,
-            scoped,
-            records,
+            contents,
             world=world,
             layout=layout,
             synchronized=synchronized,
@@ -1627,7 +1720,12 @@ class WarmStart:
                     once_token=token,
                     token_is_new=attempts == 1,  # a retry looks the token up first
                     records=[
-                        NewRecord(fp, ns, key, value, scope) for scope, ns, key, value in records
+                        NewRecord(fp, ns, key, value, scope)
+                        for scope, ns, key, value in contents.records
+                    ],
+                    protocol_records=[
+                        NewProtocolRecord(fp, ns, key, value)
+                        for ns, key, value in contents.protocol
                     ],
                 )
 
@@ -1668,7 +1766,7 @@ class WarmStart:
                     use_cache=self.slice_cache,
                     for_tuning=False,
                 )
-            result.update(base=final.base, overlays=tuple(final.overlays))
+            result.update(base=final.base, overlays=tuple(final.overlays), protocol=final.protocol)
         except Exception as exc:  # noqa: BLE001 - ranks keep what they hold
             result["warnings"].append(f"could not export the final slices: {_one_line(exc)}")
 
@@ -1676,37 +1774,24 @@ class WarmStart:
         """Records the tuner holds that differ from what it held after the load, as
         canonical JSON, and how many it holds that JSON cannot carry exactly (skipped)."""
         held, skipped = self._held_records()
-        loaded = self._loaded.records
-        new: dict[str, dict[str, str]] = {}
-        for ns, by_key in held.items():
-            for key, text in by_key.items():
-                if loaded.get(ns, {}).get(key) != text:
-                    new.setdefault(ns, {})[key] = text
-        return new, skipped
+        return _changed(held, self._loaded.records), skipped
+
+    def _new_protocol(self) -> tuple[dict[str, dict[str, str]], int]:
+        """Protocol records the tuner holds that differ from what it held after the load
+        (published during the block), as ``_new_records``."""
+        held, skipped = self._held_protocol()
+        return _changed(held, self._loaded.protocol), skipped
 
     def _held_records(self) -> tuple[dict[str, dict[str, str]], int]:
         """The records the tuner holds, as canonical JSON, and how many JSON cannot carry."""
         read = getattr(self.tuner, "records", None)
-        held = read() if read is not None else {}
-        if not held:
-            return {}, 0
-        out: dict[str, dict[str, str]] = {}
-        skipped = 0
-        for ns, by_key in held.items():
-            if not isinstance(by_key, dict):
-                skipped += 1
-                continue
-            for key, value in by_key.items():
-                try:
-                    check_namespace(ns)
-                    if not isinstance(key, str) or not key:
-                        raise ValueError("a record key is not a non-empty string")
-                    text = record_value_json(value)
-                except (ValueError, RecursionError):
-                    skipped += 1
-                    continue
-                out.setdefault(ns, {})[key] = text
-        return out, skipped
+        return _canonical_held(read() if read is not None else {}, _check_record_identity)
+
+    def _held_protocol(self) -> tuple[dict[str, dict[str, str]], int]:
+        """The protocol records the tuner holds (``Tuner.protocol_records``, where it has it),
+        as canonical JSON, and how many ficache cannot store exactly."""
+        read = getattr(self.tuner, "protocol_records", None)
+        return _canonical_held(read() if read is not None else {}, check_protocol_identity)
 
     def _finish(self, outcome: CommitOutcome | None, exc: BaseException | None) -> None:
         report, verdict = self.report, self._verdict
@@ -1718,15 +1803,22 @@ class WarmStart:
             report.disagreements = outcome.disagreements
             report.kept = outcome.kept
             report.records_committed = outcome.records_committed
+            report.protocol_committed = outcome.protocol_committed
             for warning in outcome.warnings:
                 self._warn(warning)
             verdict.no_commit = outcome.reason or verdict.no_commit
-        tuned_any = any(report.tuned_by_rank) or report.tuned > 0 or report.records_tuned > 0
+        tuned_any = (
+            verdict.anyone_tuned
+            or any(report.tuned_by_rank)
+            or report.tuned > 0
+            or report.records_tuned > 0
+            or report.protocol_tuned > 0
+        )
         if verdict.uncached is not None:
             report.status = f"uncached: {verdict.uncached}"
             report.reason = verdict.uncached
         else:
-            if not any(report.loaded_by_rank):
+            if not (any(report.loaded_by_rank) or report.records_loaded or report.protocol_loaded):
                 report.status = "cold"
             elif tuned_any:
                 report.status = "partial"

@@ -41,6 +41,18 @@ Invariants:
   ``get_namespaced_records`` returns them (copies); the namespaces are read
   from the private ``_namespaced_records``, read-only. It is optional for
   other tuners (``ficache.sync`` treats a tuner without it as holding none).
+- ``publish_protocol`` and ``protocol_records`` (optional for other tuners,
+  as ``records``) are FlashInfer 0.7.4's protocol records
+  (``ficache.protocol_records``). ``publish_protocol`` publishes each with the
+  public ``publish_protocol_record(namespace, key, value, persist=False)``
+  outside any ``autotune_v2`` context, so they land under the identity a v1
+  block reads (FlashInfer's ``("__memory__",)``, no store and no policy), and
+  it returns 0 without publishing on a FlashInfer that has none (0.7.2).
+  ``protocol_records`` is what the tuner holds under the identities it is
+  asked for (default: that one), ``{namespace: {key: value}}`` as copies; it
+  reads the private ``_protocol_record_partitions`` under the tuner's lock,
+  read-only, because ``get_protocol_records`` needs the namespace and reads
+  only the calling thread's identity (a test checks the two agree).
 - ``set_process_group`` is ``set_autotune_process_group``: while a group is
   set, FlashInfer all-reduces every per-tactic timing over it, so every rank
   of the group must profile the same sequence (see ``ficache.sync``).
@@ -65,11 +77,12 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -106,6 +119,10 @@ class Tuner(Protocol):
     def set_process_group(self, group: Any | None) -> None:
         """Set (or clear, with None) the group timings are all-reduced over."""
 
+
+#: FlashInfer's protocol-record identity with no managed store and no measurement policy
+#: (``AutoTuner._winner_cache_identity() or ("__memory__",)``): what a v1 block reads.
+MEMORY_IDENTITY: tuple[str, ...] = ("__memory__",)
 
 #: How far ``FlashInferTuner.replay`` lowers ``AutoTuner._active_tuning_contexts``: far
 #: more ``autotune(True)`` contexts than any process opens, so the count stays below 1.
@@ -215,6 +232,39 @@ class FlashInferTuner:
             return {}
         get = self.autotuner.get_namespaced_records
         return {ns: get(ns) for ns in list(held) if isinstance(ns, str) and ns and ns[0] != "_"}
+
+    def publish_protocol(self, records: Mapping[str, Mapping[str, str]]) -> int:
+        """Publish protocol records (values as canonical JSON text) in memory, never to a
+        store; how many were published (0: this FlashInfer has no protocol records)."""
+        import json
+
+        publish = getattr(self.autotuner, "publish_protocol_record", None)
+        if publish is None or not records:
+            return 0
+        count = 0
+        try:
+            for namespace, by_key in records.items():
+                for key, value_json in by_key.items():
+                    publish(namespace, key, json.loads(value_json), persist=False)
+                    count += 1
+        except Exception as exc:  # noqa: BLE001 - FlashInfer raises several kinds
+            raise TunerError(f"FlashInfer refused a protocol record: {_one_line(exc)}") from None
+        return count
+
+    def protocol_records(
+        self, identities: tuple[tuple[Any, ...], ...] = (MEMORY_IDENTITY,)
+    ) -> dict[str, dict[str, Any]]:
+        """The protocol records held under ``identities`` (later ones win), as copies."""
+        partitions = getattr(self.autotuner, "_protocol_record_partitions", None)
+        if not partitions:
+            return {}
+        out: dict[str, dict[str, Any]] = {}
+        with self.autotuner._lock:
+            for identity in identities:
+                for namespace, by_key in partitions.get(identity, {}).items():
+                    if by_key:
+                        out.setdefault(namespace, {}).update(copy.deepcopy(by_key))
+        return out
 
     def tuned(self) -> dict[str, Row]:
         cache = self.autotuner.profiling_cache

@@ -36,6 +36,12 @@ Invariants:
   reader); a store that changes while it is read (its entry files listed,
   sized and dated before and after) is refused: ``tuned`` raises
   ``TunerError``, the start reports one line and commits nothing.
+- FlashInfer 0.7.4's protocol records travel in the store: the slice's are
+  written as protocol entry files beside its entries (``add_protocol``),
+  and what the block holds at exit is those files read back plus what it
+  published in memory under the store's identity or none
+  (``V2ModeTuner.protocol_records``); the start keeps the ones that differ
+  from what was served.
 - Entries tuned under a measurement policy other than the served one land
   in another environment directory of the root: they are counted and
   warned about, never committed.
@@ -58,7 +64,7 @@ from typing import Any
 from ficache import v2_store
 from ficache.errors import TunerError
 from ficache.flashinfer_format import canonical_json
-from ficache.tuner import Row, Tuner
+from ficache.tuner import MEMORY_IDENTITY, Row, Tuner
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +208,7 @@ class V2Mode:
         #: the block's first ``autotune_v2`` call (``_activate``).
         self.active = False
         self._pending: list[str] = []  # slice texts loaded before the store was written
+        self._pending_protocol: dict[str, dict[str, str]] = {}  # protocol records, likewise
         self._served: dict[str, tuple[Any, ...]] = {}
         self._saved_resolve: Callable[..., Any] | None = None
         self.warnings: list[str] = []
@@ -215,9 +222,22 @@ class V2Mode:
         else:
             self._pending.append(text)
 
+    def add_protocol(self, records: Mapping[str, Mapping[str, str]]) -> None:
+        """A slice's protocol records (canonical JSON values): written now when active, else
+        when activated."""
+        if not self.active:
+            for ns, by_key in records.items():
+                self._pending_protocol.setdefault(ns, {}).update(by_key)
+            return
+        rows = [(ns, k, v, None) for ns, by_key in records.items() for k, v in by_key.items()]
+        try:
+            v2_store.store_export(self.metadata, self.measurement, [], rows).write(self.root)
+        except v2_store.V2StoreError as exc:
+            raise TunerError(f"cannot serve the protocol records as a v2 store: {exc}") from None
+
     def wipe(self) -> None:
         """Remove every entry file under the root (manifests stay) and forget pending slices."""
-        self._pending = []
+        self._pending, self._pending_protocol = [], {}
         schema_dir = self.root / v2_store.SCHEMA
         if not schema_dir.is_dir():
             return
@@ -249,6 +269,25 @@ class V2Mode:
     def _read(self) -> dict[str, tuple[str, str, str | None]]:
         """The environment's entries, ``key -> (runner, tactic, policy)``; refused when the
         files change while they are read."""
+        env = self._read_environment()
+        return {e.key: (e.runner, e.tactic_json, e.policy_json) for e in env.entries}
+
+    def held_protocol(self) -> dict[str, dict[str, Any]]:
+        """The environment's protocol records, ``{namespace: {key: value}}`` (nothing before
+        the store is active); refused as ``_read`` is."""
+        if not self.active:
+            return {}
+        out: dict[str, dict[str, Any]] = {}
+        for entry, _at in self._read_environment().protocol:
+            out.setdefault(entry.namespace, {})[entry.key] = json.loads(entry.value_json)
+        return out
+
+    @property
+    def identity(self) -> tuple[str, str]:
+        """FlashInfer's winner-cache identity of this store (``_winner_cache_identity``)."""
+        return (str(self.root), self.env_hash)
+
+    def _read_environment(self) -> v2_store.StoreEnvironment:
         entries_dir = self.env_dir / v2_store.ENTRIES
         before = _signature(entries_dir)
         try:
@@ -260,7 +299,7 @@ class V2Mode:
                 f"v2 store {self.env_dir} changed while it was read; nothing taken from it "
                 "(stop other writers to that store root)"
             )
-        return {e.key: (e.runner, e.tactic_json, e.policy_json) for e in env.entries}
+        return env
 
     # -- the block ----------------------------------------------------------
 
@@ -300,6 +339,9 @@ class V2Mode:
         pending, self._pending = self._pending, []
         for text in pending:
             self.write_slice(text)
+        pending_protocol, self._pending_protocol = self._pending_protocol, {}
+        if pending_protocol:
+            self.add_protocol(pending_protocol)
         self.env_dir.mkdir(parents=True, exist_ok=True)
         if not (self.env_dir / v2_store.MANIFEST).exists():
             v2_store.store_export(self.metadata, self.measurement, []).write(self.root)
@@ -393,6 +435,25 @@ class V2ModeTuner:
     def records(self) -> dict[str, dict[str, Any]]:
         read = getattr(self.inner, "records", None)
         return read() if read is not None else {}
+
+    def publish_protocol(self, records: Mapping[str, Mapping[str, str]]) -> int:
+        """Publish in memory (as a v1 block reads them) and serve them in the store."""
+        publish = getattr(self.inner, "publish_protocol", None)
+        published = publish(records) if publish is not None else 0
+        if published:
+            self.mode.add_protocol(records)
+        return published
+
+    def protocol_records(self) -> dict[str, dict[str, Any]]:
+        """What the block holds: published in memory with no store or under this store's
+        identity, then the store's protocol entry files (which win)."""
+        read = getattr(self.inner, "protocol_records", None)
+        out: dict[str, dict[str, Any]] = {}
+        if read is not None:
+            out = read((MEMORY_IDENTITY, self.mode.identity))
+        for ns, by_key in self.mode.held_protocol().items():
+            out.setdefault(ns, {}).update(by_key)
+        return out
 
     def set_process_group(self, group: Any | None) -> None:
         self.inner.set_process_group(group)

@@ -105,6 +105,9 @@ from ficache.flashinfer_format import (
     FileEntry,
     _check_entry,
     _unquote,
+    check_protocol_identity,
+    protocol_policy_json,
+    protocol_value_json,
 )
 from ficache.publish import publish
 from ficache.scopes import SHARED_SCOPE
@@ -319,14 +322,6 @@ def _protocol_entry(key: str, data: Mapping[str, Any]) -> ProtocolEntry:
     """A protocol entry file's record; ``ValueError`` for one FlashInfer could not have
     written (its key is not ``str(('__protocol__', namespace, key))`` of two strings, its
     runner not its namespace, its value not finite JSON or too deep)."""
-    # Imported here: protocol_records loads the registry's models (SQLAlchemy), which a
-    # warm start's ranks never need (tests/test_start_imports.py).
-    from ficache.protocol_records import (
-        check_protocol_identity,
-        protocol_policy_json,
-        protocol_value_json,
-    )
-
     fields = _key_value(key)
     if not (
         isinstance(fields, tuple)

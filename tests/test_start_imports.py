@@ -61,17 +61,25 @@ def test_a_rank_zero_start_that_must_render_its_slices_still_opens_the_registry(
 
 def test_the_fast_paths_table_names_are_the_models() -> None:
     from ficache import sqlite_fast
-    from ficache.models import CommitRow, EntryRow, FingerprintRow, RecordRow
+    from ficache.models import (
+        CommitRow,
+        EntryRow,
+        FingerprintRow,
+        ProtocolRecordRow,
+        RecordRow,
+    )
 
     assert (
         CommitRow.__tablename__,
         EntryRow.__tablename__,
         RecordRow.__tablename__,
+        ProtocolRecordRow.__tablename__,
         FingerprintRow.__tablename__,
     ) == (
         sqlite_fast.COMMITS_TABLE,
         sqlite_fast.ENTRIES_TABLE,
         sqlite_fast.RECORDS_TABLE,
+        sqlite_fast.PROTOCOL_RECORDS_TABLE,
         sqlite_fast.FINGERPRINTS_TABLE,
     )
 

@@ -438,13 +438,18 @@ def _message_samples() -> list[Any]:
             warnings=("w1", "w2"),
             record_counts=(3, 4),
             mode="replay",
+            protocol={"moe_ep.sm100.next_cutedsl.native.v1": {'{"m": 8}': '{"tile": 128}'}},
         ),
         m.LoadConfirmation(1, 12, 0, m.LoadConfirmation.digest_words("cd" * 32)),
         m.LoadTrouble({"gpu": "H200", "cuda_version": "12.9"}, "rank 1 could not load"),
         m.TuningGroupCreated(False),
-        m.StatusReport(1, 6, 0, 2),
+        m.StatusReport(1, 6, 0, 2, 3),
         m.FailureNote(1764680000.25, "rank 1 raised ValueError: boom in the warm-start block"),
-        m.TunedResults({"('op', 'RunnerA', ((1,),), ())": row}, {"ns": {"k": '{"v": 1}'}}),
+        m.TunedResults(
+            {"('op', 'RunnerA', ((1,),), ())": row},
+            {"ns": {"k": '{"v": 1}'}},
+            {"moe_ep.sm107.cutedsl.variants.v1": {"k": "[1,2]"}},
+        ),
         m.CommitOutcome(
             reason=None,
             committed=6,
@@ -457,6 +462,8 @@ def _message_samples() -> list[Any]:
             warnings=("one warning",),
             base="{}",
             overlays=("{}", None),
+            protocol_committed=4,
+            protocol={"moe_ep.sm107.cutedsl.native.v1": {"": "null"}},
         ),
     ]
 
@@ -524,20 +531,31 @@ def test_a_message_carries_data_never_code_and_fields_of_the_right_type() -> Non
 
     header = m.MAGIC + bytes([m.VERSION, m.SliceOffer.KIND])
     hostile = header + pickle.dumps(
-        (os.system, None, False, None, None, (), "off", (), (), "tune", False)
+        (os.system, None, False, None, None, (), "off", (), (), "tune", False, {})
     )
     assert "refused a global" in _assert_one_clear_error(m.SliceOffer, hostile, "unreadable")
     # Right count, wrong types: a base that is not text, counts that are not integers.
-    bad_base = header + pickle.dumps(("ab", None, False, None, 5, (), "off", (), (), "tune", False))
+    bad_base = header + pickle.dumps(
+        ("ab", None, False, None, 5, (), "off", (), (), "tune", False, {})
+    )
     _assert_one_clear_error(m.SliceOffer, bad_base, "base is int")
-    bad_mode = header + pickle.dumps(("ab", None, False, None, None, (), "off", (), (), 1, False))
+    bad_mode = header + pickle.dumps(
+        ("ab", None, False, None, None, (), "off", (), (), 1, False, {})
+    )
     _assert_one_clear_error(m.SliceOffer, bad_mode, "mode is int")
     bad_reused = header + pickle.dumps(
-        ("ab", None, False, None, None, (), "off", (), (), "tune", "yes")
+        ("ab", None, False, None, None, (), "off", (), (), "tune", "yes", {})
     )
     _assert_one_clear_error(m.SliceOffer, bad_reused, "reused is str")
-    short = header + pickle.dumps(("ab", None, False, None, None, (), "off", (), (), "tune"))
-    _assert_one_clear_error(m.SliceOffer, short, "expected 11 fields")
+    short = header + pickle.dumps(("ab", None, False, None, None, (), "off", (), (), "tune", False))
+    _assert_one_clear_error(m.SliceOffer, short, "expected 12 fields")
+    # Protocol records are {namespace: {key: JSON text}}: a value that is not text is refused.
+    bad_protocol = header + pickle.dumps(
+        ("ab", None, False, None, None, (), "off", (), (), "tune", False, {"ns": {"k": 1}})
+    )
+    _assert_one_clear_error(m.SliceOffer, bad_protocol, "a value of protocol records is int")
+    bad_tuned_protocol = m.TunedResults({}, {}, {"ns": ["k"]}).encode()  # type: ignore[dict-item]
+    _assert_one_clear_error(m.TunedResults, bad_tuned_protocol, "protocol records is list")
     bad_counts = dataclasses.replace(_message_samples()[0], record_counts=("3",))
     _assert_one_clear_error(m.SliceOffer, bad_counts.encode(), "record count is str")
     bad_row = m.TunedResults({"k": ("RunnerA", 1, None)}, {}).encode()  # type: ignore[dict-item]

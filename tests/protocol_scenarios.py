@@ -1,0 +1,165 @@
+"""Warm starts that serve and harvest FlashInfer 0.7.4's protocol records, on real gloo ranks.
+
+``tests/test_protocol_start.py`` runs ``cold`` and then, in fresh processes,
+``warm_then_one_deleted`` through ``ficache._ranks.run_ranks`` (a hard
+timeout), on 2 and 4 ranks. Each runs two paths, each with its own registry:
+
+- ``v1``: the block tunes through FlashInfer's v1 loop (``autotune(True)``),
+  where FlashInfer keeps protocol records in memory only, never in a cache
+  file;
+- ``v2``: the block is shaped like vLLM PR #55671's warmup (``autotune_v2(
+  mode="tune", cache_root=<a node-local root>)``, then barrier,
+  ``autotune_v2_reload()``, barrier), where FlashInfer persists them in the
+  managed store.
+
+In both the block tunes the stand-in op through FlashInfer's real
+``choose_one`` (only CUDA timing stood in, ``ficache.standin_timing``) and
+runs ``KnobProtocol`` through FlashInfer's real ``choose_with_protocol``.
+``KnobProtocol`` is a stand-in for a MoE-EP MegaMoE protocol: it measures
+nothing; rank 0 publishes a value for every key it misses (keys do not
+depend on the rank), as those protocols do, and the other ranks publish
+nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import gloo_scenarios
+import torch.distributed as dist
+from gloo_scenarios import SHAPES_A, _sql
+
+from ficache.sync import warm_start
+
+#: The namespace of the MoE-EP protocol records on SM100 (FlashInfer 0.7.4).
+NS = "moe_ep.sm100.next_cutedsl.native.v1"
+KEYS = ('{"experts":256,"m":8}', '{"experts":256,"m":64}', '{"experts":256,"m":512}')
+
+
+def knob_value(key: str) -> dict[str, Any]:
+    """What the stand-in protocol "tunes" for ``key`` (the same on every run)."""
+    return {"tile_n": 128, "stages": len(key) % 5 + 2, "key": key}
+
+
+class KnobProtocol:
+    """Stand-in for a MegaMoE protocol (see the module docstring): ``hits`` counts keys the
+    tuner already held, ``published`` those this rank published."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.hits = 0
+        self.published = 0
+
+    def run(self, context: Any) -> Any:
+        from flashinfer.autotuner.protocol import TuningResult
+
+        values = {}
+        for key in KEYS:
+            value = context.lookup(key)
+            if value is not None:
+                self.hits += 1
+            elif context.tuning_enabled and self.rank == 0:
+                value = knob_value(key)
+                context.publish(key, value)
+                self.published += 1
+            values[key] = value
+        return TuningResult(values, cache_hit=self.hits == len(KEYS))
+
+
+def _block(path: str, rank: int, node_root: Path) -> dict[str, Any]:
+    from flashinfer import autotune
+    from flashinfer.autotuner import AutoTuner
+
+    from ficache.standin_timing import real_loop_tune
+
+    tuner = AutoTuner.get()
+    protocol = KnobProtocol(rank)
+    seen = tuner.get_protocol_records(NS)
+    if path == "v1":
+        real_loop_tune(shapes=SHAPES_A)
+        with autotune(True):
+            tuner.choose_with_protocol(NS, protocol)
+    else:
+        from flashinfer import autotune_v2, autotune_v2_reload
+
+        with autotune_v2(mode="tune", cache_root=node_root):
+            real_loop_tune(shapes=SHAPES_A)
+            tuner.choose_with_protocol(NS, protocol)
+        dist.barrier()
+        autotune_v2_reload()
+        dist.barrier()
+    return {"seen": seen, "hits": protocol.hits, "published": protocol.published}
+
+
+def _start(path: str, rank: int, tmp: Path) -> dict[str, Any]:
+    from flashinfer.autotuner import AutoTuner
+
+    out: dict[str, Any] = {"exception": None}
+    db = tmp / f"{path}.db"
+    try:
+        with warm_start(None, db=str(db), timeout=gloo_scenarios.GROUP_TIMEOUT) as ws:
+            out.update(_block(path, rank, tmp / f"node-local-{path}-rank{rank}"))
+    except Exception as exc:  # noqa: BLE001 - recorded for the test
+        out["exception"] = f"{type(exc).__name__}: {exc}"
+    out["report"] = ws.report.as_json()
+    out["held_after"] = AutoTuner.get().get_protocol_records(NS)
+    return out
+
+
+def stored(db: Path) -> list[tuple[Any, ...]]:
+    """``(scope, namespace, key, value)`` of every stored protocol record, in key order."""
+    return _sql(db, "SELECT scope, namespace, key, value FROM protocol_records ORDER BY key")
+
+
+def _run(rank: int, root: str, steps: Any) -> dict[str, Any]:
+    gloo_scenarios._quiet_logs()
+    os.environ["XDG_CACHE_HOME"] = str(Path(root) / "user-cache")
+    tmp = Path(root)
+    started = time.monotonic()
+    try:
+        out = steps(rank, tmp)
+    except Exception:  # noqa: BLE001
+        out = {"error": traceback.format_exc()}
+    out["seconds"] = time.monotonic() - started
+    return out
+
+
+def cold(rank: int, world: int, root: str) -> dict[str, Any]:
+    """The first start of each path on an empty registry."""
+
+    def steps(rank: int, tmp: Path) -> dict[str, Any]:
+        from ficache.verify import verify
+
+        out: dict[str, Any] = {}
+        for path in ("v1", "v2"):
+            out[path] = _start(path, rank, tmp)
+            out[f"{path}_verified"] = verify(str(tmp / f"{path}.db")).ok if rank == 0 else None
+        return out
+
+    return _run(rank, root, steps)
+
+
+def warm_then_one_deleted(rank: int, world: int, root: str) -> dict[str, Any]:
+    """In fresh processes: a warm start of each path, then (rank 0 deletes one protocol
+    record of each registry) another."""
+
+    def steps(rank: int, tmp: Path) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for path in ("v1", "v2"):
+            out[path] = _start(path, rank, tmp)
+        if rank == 0:
+            for path in ("v1", "v2"):
+                _sql(tmp / f"{path}.db", f"DELETE FROM protocol_records WHERE key = '{KEYS[1]}'")
+        dist.barrier()
+        for path in ("v1", "v2"):
+            out[f"{path}_deleted"] = _start(path, rank, tmp)
+            out[f"{path}_stored"] = stored(tmp / f"{path}.db")
+        out["heavy_modules"] = sorted(m for m in ("sqlalchemy", "alembic") if m in sys.modules)
+        return out
+
+    return _run(rank, root, steps)
