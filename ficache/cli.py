@@ -986,11 +986,19 @@ def _import_v2_stores(obj: _Context, read: Any, dry_run: bool, fmt: str) -> None
             f" (FlashInfer treats them as misses); first: {read.first_skipped_entry}",
             err=True,
         )
-    skipped_envs = read.skipped_environments
-    if skipped_envs:
+    changed = [s for s in read.skipped_environments if s.changed]
+    malformed = [s for s in read.skipped_environments if not s.changed]
+    if malformed:
         click.echo(
-            f"warning: skipped {len(skipped_envs)} environment(s) with a malformed manifest; "
-            f"first: {skipped_envs[0]}",
+            f"warning: skipped {len(malformed)} environment(s) with a malformed manifest; "
+            f"first: {malformed[0]}",
+            err=True,
+        )
+    if changed:
+        click.echo(
+            f"warning: skipped {len(changed)} environment(s) whose entries changed while they "
+            f"were read (another process writes that store); import again once it is done; "
+            f"first: {changed[0]}",
             err=True,
         )
 

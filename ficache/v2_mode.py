@@ -148,21 +148,6 @@ def process_root(rank: int) -> Path:
         return root
 
 
-def _signature(entries_dir: Path) -> tuple[tuple[str, int, int], ...]:
-    try:
-        return tuple(
-            sorted(
-                (p.name, st.st_size, st.st_mtime_ns)
-                for p in entries_dir.iterdir()
-                for st in (p.stat(),)
-            )
-        )
-    except FileNotFoundError:
-        return ()
-    except OSError as exc:
-        raise TunerError(f"v2 store {entries_dir}: cannot list ({exc.strerror})") from None
-
-
 @dataclass
 class V2Report:
     """What v2 mode did on one rank (``WarmStartReport.v2``)."""
@@ -288,18 +273,10 @@ class V2Mode:
         return (str(self.root), self.env_hash)
 
     def _read_environment(self) -> v2_store.StoreEnvironment:
-        entries_dir = self.env_dir / v2_store.ENTRIES
-        before = _signature(entries_dir)
         try:
-            env = v2_store._read_environment(self.env_dir)
+            return v2_store._read_environment(self.env_dir)
         except ValueError as exc:
             raise TunerError(f"v2 store {self.env_dir}: {exc}") from None
-        if _signature(entries_dir) != before:
-            raise TunerError(
-                f"v2 store {self.env_dir} changed while it was read; nothing taken from it "
-                "(stop other writers to that store root)"
-            )
-        return env
 
     # -- the block ----------------------------------------------------------
 

@@ -65,8 +65,11 @@ Invariants:
   that differs from the key's, a hostile key) is skipped and counted, as
   FlashInfer treats it as a miss; a malformed manifest (missing, invalid,
   not hashing to its directory's name, fields ficache cannot reproduce)
-  skips its whole environment, counted. A path that is neither a store
-  root nor an environment directory raises ``V2StoreError``.
+  skips its whole environment, counted. So does an environment whose entry
+  files change while they are read (listed, sized and dated before and
+  after: another process writes the store), ``Skipped.changed``: a store is
+  never half-read. A path that is neither a store root nor an environment
+  directory raises ``V2StoreError``.
 - All environments of one import are one commit.
 - Exports are deterministic: every file is a pure function of the stored
   entries and the manifest, written with FlashInfer's own JSON layout, so
@@ -353,9 +356,15 @@ class Skipped:
 
     path: str
     reason: str
+    #: An environment whose entry files changed while they were read (another writer).
+    changed: bool = False
 
     def __str__(self) -> str:
         return f"{self.path}: {self.reason}"
+
+
+class StoreChangedError(ValueError):
+    """An environment's entry files changed while they were read: nothing is taken from it."""
 
 
 @dataclass(frozen=True)
@@ -492,6 +501,8 @@ def read_store(
     for env_dir in env_dirs:
         try:
             environments.append(_read_environment(env_dir))
+        except StoreChangedError as exc:
+            skipped.append(Skipped(str(env_dir), str(exc), changed=True))
         except ValueError as exc:
             skipped.append(Skipped(str(env_dir), str(exc)))
     return StoreContents(source, tuple(environments), tuple(skipped))
@@ -578,8 +589,46 @@ def _read_entry(path: Path) -> FileEntry | ProtocolEntry:
     return _check_entry(key, value)
 
 
+def entries_signature(entries_dir: Path) -> tuple[tuple[str, int, int, int], ...]:
+    """``(name, inode, size, mtime_ns)`` of every file of ``entries_dir`` (empty when it is
+    absent): what changes when a writer adds, removes or rewrites an entry file (FlashInfer
+    replaces a file with a new one, a new inode, even within one mtime tick)."""
+    try:
+        return tuple(
+            sorted(
+                (p.name, st.st_ino, st.st_size, st.st_mtime_ns)
+                for p in entries_dir.iterdir()
+                for st in (p.stat(),)
+            )
+        )
+    except FileNotFoundError:
+        return ()
+    except OSError as exc:
+        raise ValueError(f"{ENTRIES}: cannot list ({exc.strerror})") from None
+
+
 def _read_environment(env_dir: Path) -> StoreEnvironment:
+    """One environment directory; ``ValueError`` for a bad manifest, or for entry files that
+    changed while they were read (listed, sized and dated before and after): a store being
+    written is never half-read."""
     fingerprint, measurement, digest = _read_manifest(env_dir)
+    entries_dir = env_dir / ENTRIES
+    before = entries_signature(entries_dir)
+    environment = _read_entries(env_dir, fingerprint, measurement, digest)
+    if entries_signature(entries_dir) != before:
+        raise StoreChangedError(
+            f"{ENTRIES} changed while it was read; nothing taken from it "
+            "(stop other writers to that store root)"
+        )
+    return environment
+
+
+def _read_entries(
+    env_dir: Path,
+    fingerprint: Fingerprint,
+    measurement: tuple[tuple[str, str], ...],
+    digest: str,
+) -> StoreEnvironment:
     entries_dir = env_dir / ENTRIES
     entries: list[FileEntry] = []
     tuned: list[float] = []

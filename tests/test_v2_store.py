@@ -774,6 +774,56 @@ def test_a_malformed_manifest_skips_its_environment(
     )
 
 
+def test_an_environment_written_while_it_is_read_is_skipped_whole(
+    cli, tmp_path: Path, registry_path: Path, dump_db, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ficache import v2_store
+
+    root = tmp_path / "autotune"
+    publish_like_tuning(root, tuned=TUNED[:1])
+    busy_store = publish_like_tuning(root, metadata=H200_METADATA)
+    assert cli("import", root).exit_code == 0
+    before = dump_db(registry_path)
+    op, runner, _shapes, extras, tactic, _profiling = TUNED[0]
+    read_entry = v2_store._read_entry
+    landed: list[Path] = []
+
+    def read_entry_while_another_process_tunes(path: Path) -> Any:
+        """Fault injection: FlashInfer's own store publishes a new entry into the H200
+        environment (another process tuning) while its second entry file is read."""
+        if path.parent == busy_store.entries_dir and len(landed) < 2:
+            landed.append(path)
+            if len(landed) == 2:
+                key = ProfilingCacheKey(op, runner, 1000, ((5000, 4096), (4096, 2048)), extras)
+                store_of(root, metadata=H200_METADATA).publish(
+                    key.file_key, runner, _tactic_to_json(tactic), key_fields=key.key_fields
+                )
+        return read_entry(path)
+
+    monkeypatch.setattr(v2_store, "_read_entry", read_entry_while_another_process_tunes)
+    result = cli("import", root)
+
+    # The environment being written is left out whole (never half its files); the other
+    # one is read as usual, and holds nothing new.
+    assert len(landed) == 2
+    assert result.exit_code == 0, result.output
+    assert result.stdout.endswith(
+        "imported 1 entries from 1 environment(s): 0 added, 0 replaced, 1 unchanged "
+        "(nothing new, no commit)\n"
+    ), result.stdout
+    assert result.stderr == (
+        "warning: skipped 1 environment(s) whose entries changed while they were read "
+        "(another process writes that store); import again once it is done; "
+        f"first: {busy_store.env_dir}: entries changed while it was read; nothing taken "
+        "from it (stop other writers to that store root)\n"
+    )
+    assert dump_db(registry_path) == before
+    # Once the writer is done, the same import takes the environment, new entry included.
+    monkeypatch.setattr(v2_store, "_read_entry", read_entry)
+    again = cli("import", root)
+    assert again.exit_code == 0 and "1 added" in again.stdout, again.output
+
+
 @pytest.fixture
 def populated(cli, tmp_path: Path, registry_path: Path) -> Path:
     publish_like_tuning(tmp_path / "tuned", metadata=H200_METADATA)
