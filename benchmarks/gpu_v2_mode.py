@@ -9,10 +9,15 @@ restarted server), on one SQLite registry:
    vLLM's warmup finalizes: FlashInfer profiles every entry into the store
    ficache attached (the root the block named is redirected), and ficache
    commits what it published there. Then the tactic ``choose_one`` returns for
-   every ``(K, N, M bucket)`` is recorded.
+   every ``(K, N, M bucket)`` is recorded. Where FlashInfer has protocol
+   records (0.7.4), the block also runs ``ficache.standin_protocol`` (a
+   stand-in for a MegaMoE protocol, measuring nothing) through FlashInfer's
+   ``choose_with_protocol``: it publishes 3 protocol records into the store,
+   which ficache commits too.
 2. ``warm``: the same block in a new process: the registry's slice is served as
    the store, so FlashInfer profiles 0 (tuning is on: a miss would be
-   profiled), ficache commits nothing, and every tactic equals step 1's.
+   profiled), the protocol finds every record, ficache commits nothing, and
+   every tactic equals step 1's.
 
 Also checks that nothing was published under the node-local root the block
 named. Prints JSON. Needs a CUDA GPU; on a machine without a package index
@@ -44,15 +49,19 @@ def child(step: str, root: Path) -> dict[str, Any]:
     from gpu_v2_proof import _choices
 
     import ficache
+    from ficache.standin_protocol import StandInProtocol, run_standin_protocol
     from ficache.tunable_matmul import OP, warmup
 
     logging.getLogger("flashinfer").setLevel(logging.WARNING)
     tuner = AutoTuner.get()
     tuner.reset_statistics()
     started = time.perf_counter()
+    protocol: StandInProtocol | None = None
     with ficache.warm_start(None, db=root / "registry.db") as ws:
         with autotune_v2(mode="tune", cache_root=root / "node-local"):
             warmup()  # nests autotune(True): profiles what the store does not hold
+            if hasattr(tuner, "choose_with_protocol"):
+                protocol = run_standin_protocol(0)
         autotune_v2_reload()
     seconds = time.perf_counter() - started
     choices = _choices()
@@ -64,9 +73,23 @@ def child(step: str, root: Path) -> dict[str, Any]:
         "choices": choices,
         "report": {
             k: getattr(report, k)
-            for k in ("status", "reason", "loaded", "tuned", "committed", "commit_id", "v2")
+            for k in (
+                "status",
+                "reason",
+                "loaded",
+                "tuned",
+                "committed",
+                "commit_id",
+                "protocol_loaded",
+                "protocol_tuned",
+                "protocol_committed",
+                "v2",
+            )
         }
         | {"seconds": report.seconds},
+        "protocol": None
+        if protocol is None
+        else {"hits": protocol.hits, "published": protocol.published},
     }
 
 
@@ -89,8 +112,8 @@ def run() -> dict[str, Any]:
         node_local = sorted(str(p) for p in (root / "node-local").rglob("*.json"))
     return {
         "entries": len(cold["choices"]),
-        "cold": {k: cold[k] for k in ("seconds", "profiled", "report")},
-        "warm": {k: warm[k] for k in ("seconds", "profiled", "report")},
+        "cold": {k: cold[k] for k in ("seconds", "profiled", "report", "protocol")},
+        "warm": {k: warm[k] for k in ("seconds", "profiled", "report", "protocol")},
         "warm_profiled_0": warm["profiled"] == 0,
         "cold_committed_every_profiled_entry": cold["report"]["committed"] == cold["profiled"],
         "warm_tactics_equal_cold": warm["choices"] == cold["choices"],

@@ -14,11 +14,10 @@ timeout), on 2 and 4 ranks. Each runs two paths, each with its own registry:
 
 In both the block tunes the stand-in op through FlashInfer's real
 ``choose_one`` (only CUDA timing stood in, ``ficache.standin_timing``) and
-runs ``KnobProtocol`` through FlashInfer's real ``choose_with_protocol``.
-``KnobProtocol`` is a stand-in for a MoE-EP MegaMoE protocol: it measures
-nothing; rank 0 publishes a value for every key it misses (keys do not
-depend on the rank), as those protocols do, and the other ranks publish
-nothing.
+runs ``ficache.standin_protocol`` (a stand-in for a MoE-EP MegaMoE
+protocol, named as one: it measures nothing; rank 0 publishes a value for
+every key it misses, the other ranks publish nothing) through FlashInfer's
+real ``choose_with_protocol``.
 """
 
 from __future__ import annotations
@@ -34,41 +33,9 @@ import gloo_scenarios
 import torch.distributed as dist
 from gloo_scenarios import SHAPES_A, _sql
 
+from ficache.standin_protocol import KEYS, run_standin_protocol
+from ficache.standin_protocol import NAMESPACE as NS
 from ficache.sync import warm_start
-
-#: The namespace of the MoE-EP protocol records on SM100 (FlashInfer 0.7.4).
-NS = "moe_ep.sm100.next_cutedsl.native.v1"
-KEYS = ('{"experts":256,"m":8}', '{"experts":256,"m":64}', '{"experts":256,"m":512}')
-
-
-def knob_value(key: str) -> dict[str, Any]:
-    """What the stand-in protocol "tunes" for ``key`` (the same on every run)."""
-    return {"tile_n": 128, "stages": len(key) % 5 + 2, "key": key}
-
-
-class KnobProtocol:
-    """Stand-in for a MegaMoE protocol (see the module docstring): ``hits`` counts keys the
-    tuner already held, ``published`` those this rank published."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        self.hits = 0
-        self.published = 0
-
-    def run(self, context: Any) -> Any:
-        from flashinfer.autotuner.protocol import TuningResult
-
-        values = {}
-        for key in KEYS:
-            value = context.lookup(key)
-            if value is not None:
-                self.hits += 1
-            elif context.tuning_enabled and self.rank == 0:
-                value = knob_value(key)
-                context.publish(key, value)
-                self.published += 1
-            values[key] = value
-        return TuningResult(values, cache_hit=self.hits == len(KEYS))
 
 
 def _block(path: str, rank: int, node_root: Path) -> dict[str, Any]:
@@ -77,19 +44,17 @@ def _block(path: str, rank: int, node_root: Path) -> dict[str, Any]:
 
     from ficache.standin_timing import real_loop_tune
 
-    tuner = AutoTuner.get()
-    protocol = KnobProtocol(rank)
-    seen = tuner.get_protocol_records(NS)
+    seen = AutoTuner.get().get_protocol_records(NS)
     if path == "v1":
         real_loop_tune(shapes=SHAPES_A)
         with autotune(True):
-            tuner.choose_with_protocol(NS, protocol)
+            protocol = run_standin_protocol(rank)
     else:
         from flashinfer import autotune_v2, autotune_v2_reload
 
         with autotune_v2(mode="tune", cache_root=node_root):
             real_loop_tune(shapes=SHAPES_A)
-            tuner.choose_with_protocol(NS, protocol)
+            protocol = run_standin_protocol(rank)
         dist.barrier()
         autotune_v2_reload()
         dist.barrier()

@@ -18,11 +18,13 @@ from typing import Any
 import protocol_scenarios
 import pytest
 from gloo_scenarios import GROUP_TIMEOUT
-from protocol_scenarios import KEYS, NS, knob_value
 
 import ficache
 from ficache._ranks import run_ranks
 from ficache.flashinfer_format import canonical_json
+from ficache.standin_protocol import KEYS, run_standin_protocol
+from ficache.standin_protocol import NAMESPACE as NS
+from ficache.standin_protocol import standin_value as knob_value
 from ficache.tuner import FlashInferTuner
 from ficache.verify import verify
 
@@ -178,12 +180,9 @@ def test_a_flashinfer_without_protocol_records_serves_none_and_says_so() -> None
 
 def _one_start(db: str, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
     from flashinfer import autotune
-    from flashinfer.autotuner import AutoTuner
 
-    tuner = AutoTuner.get()
-    protocol = protocol_scenarios.KnobProtocol(0)
     with ficache.warm_start(db=db, **kwargs) as ws, autotune(True):
-        tuner.choose_with_protocol(NS, protocol)
+        protocol = run_standin_protocol(0)
     return ws.report, {"hits": protocol.hits, "published": protocol.published}
 
 
