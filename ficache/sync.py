@@ -1686,6 +1686,39 @@ class WarmStart:
         a failure to ``verdict.no_commit``. The commit carries a fresh token
         (``Registry.write(once_token=...)``): a retry after a connection lost mid-COMMIT
         finds, under the write lock, the commit that landed after all, so it never lands twice."""
+        write = self._startup_write(fp, per_rank, contents, synchronized, result)
+        verdict = self._verdict
+        verdict.commit_failed = True  # until the write returns
+        try:
+            with self._deadline():
+                startup_commit.count_written(
+                    retry_transient(write, within=self.registry_timeout), result
+                )
+                verdict.commit_failed = False
+                self._export_final(fp, result)
+        except RegistryTimeoutError as exc:
+            verdict.no_commit = (
+                f"commit failed: {exc}; if the server had received the commit before it "
+                "stopped answering, it lands when the server resumes, whole"
+            )
+        except RegistryBusyError as exc:  # it says how long the commit waited
+            verdict.no_commit = f"commit failed: {exc}; nothing was written"
+        except FicacheError as exc:
+            verdict.no_commit = f"commit failed: {exc}"
+        except Exception as exc:  # noqa: BLE001 - a failed commit leaves the registry as it was
+            verdict.no_commit = f"commit failed: {_one_line(exc)}"
+
+    def _startup_write(
+        self,
+        fp: Fingerprint,
+        per_rank: list[dict[str, Row]],
+        contents: startup_commit.StartupContents,
+        synchronized: bool,
+        result: dict[str, Any],
+    ) -> Callable[[], WriteResult]:
+        """Rank 0: the startup commit as one call that may be retried: it opens the registry,
+        refuses a read-only one or a schema it may not write, and writes under a token of
+        this start (a retry looks it up first)."""
         world, layout = self.report.world_size, self.report.layout
         entries, provenance, message = startup_commit.commit_contents(
             fp,
@@ -1729,26 +1762,7 @@ class WarmStart:
                     ],
                 )
 
-        verdict = self._verdict
-        verdict.commit_failed = True  # until the write returns
-        try:
-            with self._deadline():
-                startup_commit.count_written(
-                    retry_transient(write, within=self.registry_timeout), result
-                )
-                verdict.commit_failed = False
-                self._export_final(fp, result)
-        except RegistryTimeoutError as exc:
-            verdict.no_commit = (
-                f"commit failed: {exc}; if the server had received the commit before it "
-                "stopped answering, it lands when the server resumes, whole"
-            )
-        except RegistryBusyError as exc:  # it says how long the commit waited
-            verdict.no_commit = f"commit failed: {exc}; nothing was written"
-        except FicacheError as exc:
-            verdict.no_commit = f"commit failed: {exc}"
-        except Exception as exc:  # noqa: BLE001 - a failed commit leaves the registry as it was
-            verdict.no_commit = f"commit failed: {_one_line(exc)}"
+        return write
 
     def _export_final(self, fp: Fingerprint, result: dict[str, Any]) -> None:
         """Rank 0, after its commit: the final slices (the registry's state after it) into
@@ -1794,19 +1808,32 @@ class WarmStart:
         return _canonical_held(read() if read is not None else {}, check_protocol_identity)
 
     def _finish(self, outcome: CommitOutcome | None, exc: BaseException | None) -> None:
-        report, verdict = self.report, self._verdict
+        """After the exit steps, every rank alone: take rank 0's outcome, judge the start
+        (status and reason, from data every rank holds alike), log it."""
         if outcome is not None:
-            report.committed = outcome.committed
-            report.commit_id = outcome.commit_id
-            report.shared = outcome.shared
-            report.scoped = outcome.scoped
-            report.disagreements = outcome.disagreements
-            report.kept = outcome.kept
-            report.records_committed = outcome.records_committed
-            report.protocol_committed = outcome.protocol_committed
-            for warning in outcome.warnings:
-                self._warn(warning)
-            verdict.no_commit = outcome.reason or verdict.no_commit
+            self._take_outcome(outcome)
+        self._judge()
+        self._phase("total", self._clock.started)
+        self._log_finished()
+
+    def _take_outcome(self, outcome: CommitOutcome) -> None:
+        report = self.report
+        report.committed = outcome.committed
+        report.commit_id = outcome.commit_id
+        report.shared = outcome.shared
+        report.scoped = outcome.scoped
+        report.disagreements = outcome.disagreements
+        report.kept = outcome.kept
+        report.records_committed = outcome.records_committed
+        report.protocol_committed = outcome.protocol_committed
+        for warning in outcome.warnings:
+            self._warn(warning)
+        self._verdict.no_commit = outcome.reason or self._verdict.no_commit
+
+    def _judge(self) -> None:
+        """``report.status`` and ``report.reason``: "uncached", else "cold" (nothing loaded),
+        "partial" (a rank held something new) or "warm"; the reason nothing was committed."""
+        report, verdict = self.report, self._verdict
         tuned_any = (
             verdict.anyone_tuned
             or any(report.tuned_by_rank)
@@ -1817,22 +1844,24 @@ class WarmStart:
         if verdict.uncached is not None:
             report.status = f"uncached: {verdict.uncached}"
             report.reason = verdict.uncached
+            return
+        if not (any(report.loaded_by_rank) or report.records_loaded or report.protocol_loaded):
+            report.status = "cold"
+        elif tuned_any:
+            report.status = "partial"
         else:
-            if not (any(report.loaded_by_rank) or report.records_loaded or report.protocol_loaded):
-                report.status = "cold"
-            elif tuned_any:
-                report.status = "partial"
-            else:
-                report.status = "warm"
-            if verdict.no_commit is not None and (tuned_any or verdict.rank_failed):
-                report.reason = f"nothing committed: {verdict.no_commit}"
-            elif verdict.outcome_unknown is not None:
-                report.reason = (
-                    f"commit outcome unknown: {verdict.outcome_unknown}; rank 0 may have "
-                    "committed (see `ficache log`)"
-                )
-        self._phase("total", self._clock.started)
-        if report.reason and verdict.uncached is None:
+            report.status = "warm"
+        if verdict.no_commit is not None and (tuned_any or verdict.rank_failed):
+            report.reason = f"nothing committed: {verdict.no_commit}"
+        elif verdict.outcome_unknown is not None:
+            report.reason = (
+                f"commit outcome unknown: {verdict.outcome_unknown}; rank 0 may have "
+                "committed (see `ficache log`)"
+            )
+
+    def _log_finished(self) -> None:
+        report = self.report
+        if report.reason and self._verdict.uncached is None:
             logger.warning(
                 "ficache warm start rank %d/%d: %s", report.rank, report.world_size, report.reason
             )
