@@ -275,13 +275,15 @@ def file_inputs(
     for number, (source, cache) in enumerate(files):
         fp = _file_fingerprint(source, cache, fingerprint)
         at = tuned_time.tuned_at(None, paths[number] if paths is not None else None)
-        # A FileEntry is (key, runner, tactic, policy, fields, selection).
-        entries = tuple(
-            [
-                make(NewEntry, (fp, key, runner, tactic, policy, scope, kf, at, selection))
-                for key, runner, tactic, policy, kf, selection in cache.entries
-            ]
-        )
+        # A FileEntry is (key, runner, tactic, policy, fields, selection). One tuple per
+        # entry and no cycles: the collector would only walk the heap (torch's too).
+        with paused_gc():
+            entries = tuple(
+                [
+                    make(NewEntry, (fp, key, runner, tactic, policy, scope, kf, at, selection))
+                    for key, runner, tactic, policy, kf, selection in cache.entries
+                ]
+            )
         records = (
             tuple(records_of_file(fp, cache.record_rows, scope, at)) if cache.record_rows else ()
         )
