@@ -688,84 +688,10 @@ def adopt_rank_group(
     reads = [(rank, _read(path, found, refuse_unknown=refuse_unknown)) for rank, path in ranked]
     complete = all(read is not None for _rank, read in reads)
     present = [(rank, read) for rank, read in reads if read is not None]
-
-    def scope_of(rank: int) -> str:
-        return rank_scope(layout, rank)
-
-    keys = sorted({key for _rank, read in present for key in read.values})
-    shared = scoped = 0
-    scoped_here: dict[tuple[Fingerprint, str, str], _Value] = {}
-    for key in keys:
-        holders = [(rank, read) for rank, read in present if key in read.values]
-        values = {(read.fingerprint, read.values[key][:3]) for _rank, read in holders}
-        if complete and len(holders) == len(reads) and len(values) == 1:
-            # Equal on every rank; each rank timed it itself: the lowest rank's selection.
-            runner, tactic, policy, fields, selection = holders[0][1].values[key]
-            tuned_at = min(read.mtime for _rank, read in holders)
-            entries.add(
-                NewEntry(
-                    holders[0][1].fingerprint,
-                    key,
-                    runner,
-                    tactic,
-                    policy,
-                    SHARED_SCOPE,
-                    fields,
-                    tuned_at,
-                    selection,
-                )
-            )
-            shared += 1
-            continue
-        for rank, read in holders:
-            scope = scope_of(rank)
-            runner, tactic, policy, fields, selection = read.values[key]
-            ident = (read.fingerprint, scope, key)
-            if ident in scoped_here:  # two files of one scope (the lower rank's file wins)
-                found.conflicts += scoped_here[ident] != (runner, tactic, policy)
-                continue
-            scoped_here[ident] = (runner, tactic, policy)
-            entries.add(
-                NewEntry(
-                    read.fingerprint,
-                    key,
-                    runner,
-                    tactic,
-                    policy,
-                    scope,
-                    fields,
-                    read.mtime,
-                    selection,
-                )
-            )
-            scoped += 1
-    # Records by the same rule: equal in every rank's file, shared; else one per rank.
-    record_ids = sorted({ident for _rank, read in present for ident in read.records})
-    records_shared = records_scoped = 0
-    record_scoped_here: dict[tuple[Fingerprint, str, str, str], str] = {}
-    for ns, key in record_ids:
-        holders = [(rank, read) for rank, read in present if (ns, key) in read.records]
-        record_values = {(read.fingerprint, read.records[ns, key]) for _rank, read in holders}
-        if complete and len(holders) == len(reads) and len(record_values) == 1:
-            first = holders[0][1]
-            tuned_at = min(read.mtime for _rank, read in holders)
-            records.add(
-                NewRecord(
-                    first.fingerprint, ns, key, first.records[ns, key], SHARED_SCOPE, tuned_at
-                )
-            )
-            records_shared += 1
-            continue
-        for rank, read in holders:
-            record = NewRecord(
-                read.fingerprint, ns, key, read.records[ns, key], scope_of(rank), read.mtime
-            )
-            if record.identity in record_scoped_here:  # the lower rank's file wins
-                found.record_conflicts += record_scoped_here[record.identity] != record.value_json
-                continue
-            record_scoped_here[record.identity] = record.value_json
-            records.add(record)
-            records_scoped += 1
+    shared, scoped = _adopt_group_entries(present, complete, len(reads), layout, entries, found)
+    records_shared, records_scoped = _adopt_group_records(
+        present, complete, len(reads), layout, records, found
+    )
     return AdoptedLayout(
         directory,
         kind,
@@ -777,6 +703,141 @@ def adopt_rank_group(
         records_shared,
         records_scoped,
     )
+
+
+def _adopt_group_entries(
+    present: Sequence[tuple[int, _ReadFile]],
+    complete: bool,
+    group_size: int,
+    layout: str,
+    entries: _Entries,
+    found: _Collector,
+) -> tuple[int, int]:
+    """The entries of one layout group's read files, by ``adopt_rank_group``'s rule.
+
+    ``present`` are the files read of the group's ``group_size``; ``complete``:
+    every one was read (nothing is shared otherwise). Returns the (shared,
+    scoped) counts.
+    """
+    keys = sorted({key for _rank, read in present for key in read.values})
+    shared = scoped = 0
+    scoped_here: dict[tuple[Fingerprint, str, str], _Value] = {}
+    for key in keys:
+        holders = [(rank, read) for rank, read in present if key in read.values]
+        values = {(read.fingerprint, read.values[key][:3]) for _rank, read in holders}
+        if complete and len(holders) == group_size and len(values) == 1:
+            _add_shared_entry(key, holders, entries)
+            shared += 1
+            continue
+        scoped += _add_scoped_entries(key, holders, layout, scoped_here, entries, found)
+    return shared, scoped
+
+
+def _add_shared_entry(
+    key: str, holders: Sequence[tuple[int, _ReadFile]], entries: _Entries
+) -> None:
+    """An entry equal on every rank; each rank timed it itself: the lowest rank's selection."""
+    runner, tactic, policy, fields, selection = holders[0][1].values[key]
+    tuned_at = min(read.mtime for _rank, read in holders)
+    entries.add(
+        NewEntry(
+            holders[0][1].fingerprint,
+            key,
+            runner,
+            tactic,
+            policy,
+            SHARED_SCOPE,
+            fields,
+            tuned_at,
+            selection,
+        )
+    )
+
+
+def _add_scoped_entries(
+    key: str,
+    holders: Sequence[tuple[int, _ReadFile]],
+    layout: str,
+    scoped_here: dict[tuple[Fingerprint, str, str], _Value],
+    entries: _Entries,
+    found: _Collector,
+) -> int:
+    """``key`` once per holding file, scoped to its rank; how many entries were added.
+
+    Two files of one scope: the lower rank's file wins (``scoped_here`` holds
+    the winners), a different value counted as a conflict.
+    """
+    added = 0
+    for rank, read in holders:
+        scope = rank_scope(layout, rank)
+        runner, tactic, policy, fields, selection = read.values[key]
+        ident = (read.fingerprint, scope, key)
+        if ident in scoped_here:
+            found.conflicts += scoped_here[ident] != (runner, tactic, policy)
+            continue
+        scoped_here[ident] = (runner, tactic, policy)
+        entries.add(
+            NewEntry(
+                read.fingerprint,
+                key,
+                runner,
+                tactic,
+                policy,
+                scope,
+                fields,
+                read.mtime,
+                selection,
+            )
+        )
+        added += 1
+    return added
+
+
+def _adopt_group_records(
+    present: Sequence[tuple[int, _ReadFile]],
+    complete: bool,
+    group_size: int,
+    layout: str,
+    records: _Records,
+    found: _Collector,
+) -> tuple[int, int]:
+    """The records of one layout group's read files, by the entries' rule.
+
+    Equal in every rank's file, shared; else one per rank, the lower rank's
+    file winning. Returns the (shared, scoped) counts.
+    """
+    record_ids = sorted({ident for _rank, read in present for ident in read.records})
+    records_shared = records_scoped = 0
+    record_scoped_here: dict[tuple[Fingerprint, str, str, str], str] = {}
+    for ns, key in record_ids:
+        holders = [(rank, read) for rank, read in present if (ns, key) in read.records]
+        record_values = {(read.fingerprint, read.records[ns, key]) for _rank, read in holders}
+        if complete and len(holders) == group_size and len(record_values) == 1:
+            first = holders[0][1]
+            tuned_at = min(read.mtime for _rank, read in holders)
+            records.add(
+                NewRecord(
+                    first.fingerprint, ns, key, first.records[ns, key], SHARED_SCOPE, tuned_at
+                )
+            )
+            records_shared += 1
+            continue
+        for rank, read in holders:
+            record = NewRecord(
+                read.fingerprint,
+                ns,
+                key,
+                read.records[ns, key],
+                rank_scope(layout, rank),
+                read.mtime,
+            )
+            if record.identity in record_scoped_here:  # the lower rank's file wins
+                found.record_conflicts += record_scoped_here[record.identity] != record.value_json
+                continue
+            record_scoped_here[record.identity] = record.value_json
+            records.add(record)
+            records_scoped += 1
+    return records_shared, records_scoped
 
 
 def _adopt_store(root: Path, entries: _Entries, found: _Collector) -> list[AdoptedStore]:

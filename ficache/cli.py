@@ -734,70 +734,74 @@ def _report_import(
     duplicates or conflicts (records likewise).
     """
     if fmt == "json":
-        _dump_json(
-            {
-                "files": len(plan.sources),
-                "entries": plan.entries,
-                "commit": result.commit_id,
-                "dry_run": dry_run,
-                "on_conflict": plan.policy,
-                "added": result.added,
-                "replaced": result.replaced,
-                "unchanged": result.unchanged,
-                "duplicates": plan.duplicates,
-                "conflicts": plan.conflicts,
-                "records": plan.records,
-                "records_added": result.records_added,
-                "records_replaced": result.records_replaced,
-                "records_unchanged": result.records_unchanged,
-                "records_duplicates": plan.records_duplicates,
-                "records_conflicts": plan.records_conflicts,
-                "conflicting": _conflicts_json(plan),
-                "conflicting_records": _conflicts_json(plan, records=True),
-                **(
-                    {
-                        "protocol_records": plan.protocol_records,
-                        "protocol_added": result.protocol_added,
-                        "protocol_replaced": result.protocol_replaced,
-                        "protocol_unchanged": result.protocol_unchanged,
-                        "protocol_duplicates": plan.protocol_duplicates,
-                        "protocol_conflicts": plan.protocol_conflicts,
-                    }
-                    if plan.protocol_records
-                    else {}
-                ),
-            }
-        )
+        _dump_json(_import_json(plan, result, dry_run))
     else:
-        where = _import_outcome(result, dry_run)
-        records = plan.records
-        held = (
-            f"{plan.entries} entries and {records} records"
-            if records
-            else f"{plan.entries} entries"
-        )
-        if plan.protocol_records:
-            held += f" and {plan.protocol_records} protocol records"
-        record_counts = (
-            f"; records {result.records_added} added, {result.records_replaced} replaced, "
-            f"{result.records_unchanged} unchanged"
-            + _among_inputs(plan.records_duplicates, plan.records_conflicts)
-            if records
-            else ""
-        )
-        if plan.protocol_records:
-            record_counts += (
-                f"; protocol records {result.protocol_added} added, {result.protocol_replaced} "
-                f"replaced, {result.protocol_unchanged} unchanged"
-                + _among_inputs(plan.protocol_duplicates, plan.protocol_conflicts)
-            )
-        verb = "would import" if dry_run else "imported"
-        click.echo(
-            f"{verb} {held} from {len(plan.sources)} {source_noun}(s): {result.added} added, "
-            f"{result.replaced} replaced, {result.unchanged} unchanged"
-            f"{_among_inputs(plan.duplicates, plan.conflicts)}{record_counts} ({where})"
-        )
+        _echo_import_summary(plan, result, source_noun, dry_run)
     _warn_of_conflicts(plan, source_noun)
+
+
+def _import_json(plan: Any, result: Any, dry_run: bool) -> dict[str, Any]:
+    """An import's JSON report; the protocol record counts only where it held any."""
+    return {
+        "files": len(plan.sources),
+        "entries": plan.entries,
+        "commit": result.commit_id,
+        "dry_run": dry_run,
+        "on_conflict": plan.policy,
+        "added": result.added,
+        "replaced": result.replaced,
+        "unchanged": result.unchanged,
+        "duplicates": plan.duplicates,
+        "conflicts": plan.conflicts,
+        "records": plan.records,
+        "records_added": result.records_added,
+        "records_replaced": result.records_replaced,
+        "records_unchanged": result.records_unchanged,
+        "records_duplicates": plan.records_duplicates,
+        "records_conflicts": plan.records_conflicts,
+        "conflicting": _conflicts_json(plan),
+        "conflicting_records": _conflicts_json(plan, records=True),
+        **(
+            {
+                "protocol_records": plan.protocol_records,
+                "protocol_added": result.protocol_added,
+                "protocol_replaced": result.protocol_replaced,
+                "protocol_unchanged": result.protocol_unchanged,
+                "protocol_duplicates": plan.protocol_duplicates,
+                "protocol_conflicts": plan.protocol_conflicts,
+            }
+            if plan.protocol_records
+            else {}
+        ),
+    }
+
+
+def _echo_import_summary(plan: Any, result: Any, source_noun: str, dry_run: bool) -> None:
+    """An import's one-line text report: what it held, each count, and its outcome."""
+    where = _import_outcome(result, dry_run)
+    records = plan.records
+    held = f"{plan.entries} entries and {records} records" if records else f"{plan.entries} entries"
+    if plan.protocol_records:
+        held += f" and {plan.protocol_records} protocol records"
+    record_counts = (
+        f"; records {result.records_added} added, {result.records_replaced} replaced, "
+        f"{result.records_unchanged} unchanged"
+        + _among_inputs(plan.records_duplicates, plan.records_conflicts)
+        if records
+        else ""
+    )
+    if plan.protocol_records:
+        record_counts += (
+            f"; protocol records {result.protocol_added} added, {result.protocol_replaced} "
+            f"replaced, {result.protocol_unchanged} unchanged"
+            + _among_inputs(plan.protocol_duplicates, plan.protocol_conflicts)
+        )
+    verb = "would import" if dry_run else "imported"
+    click.echo(
+        f"{verb} {held} from {len(plan.sources)} {source_noun}(s): {result.added} added, "
+        f"{result.replaced} replaced, {result.unchanged} unchanged"
+        f"{_among_inputs(plan.duplicates, plan.conflicts)}{record_counts} ({where})"
+    )
 
 
 def _import_outcome(result: Any, dry_run: bool) -> str:
@@ -1679,6 +1683,12 @@ def show_cmd(obj: _Context, commit_id: int, fmt: str) -> None:
     if fmt == "json":
         _dump_json(details.as_json())
         return
+    _echo_commit_summary(details)
+    _echo_commit_changes(details)
+
+
+def _echo_commit_summary(details: Any) -> None:
+    """``show``'s text lines above its tables: the commit, its counts, its provenance."""
     c = details.commit
     who = f"{c.user}@{c.host}" if c.user else c.host
     click.echo(f"commit {c.id}: {c.kind}, {_when(c.created_at)}, {who}")
@@ -1705,6 +1715,10 @@ def show_cmd(obj: _Context, commit_id: int, fmt: str) -> None:
         click.echo("provenance:")
         for line in json.dumps(c.provenance, indent=2, sort_keys=True).splitlines():
             click.echo(f"  {line}")
+
+
+def _echo_commit_changes(details: Any) -> None:
+    """``show``'s tables: the entries changed, then the records and protocol records, if any."""
     rows = []
     for ch in details.changes:
         kf = ch.key_fields
@@ -1728,41 +1742,28 @@ def show_cmd(obj: _Context, commit_id: int, fmt: str) -> None:
         )
     )
     if details.record_changes:
-        click.echo(
-            _table(
-                ["action", "fingerprint", "scope", "namespace", "key", "old", "new"],
-                (
-                    (
-                        r.action,
-                        r.fingerprint_id,
-                        r.scope,
-                        r.namespace,
-                        r.key,
-                        _change_value(r.old),
-                        _change_value(r.new),
-                    )
-                    for r in details.record_changes
-                ),
-            )
-        )
+        click.echo(_record_changes_table(details.record_changes))
     if details.protocol_changes:
-        click.echo(
-            _table(
-                ["action", "fingerprint", "scope", "namespace", "key", "old", "new"],
-                (
-                    (
-                        p.action,
-                        p.fingerprint_id,
-                        p.scope,
-                        p.namespace,
-                        p.key,
-                        _change_value(p.old),
-                        _change_value(p.new),
-                    )
-                    for p in details.protocol_changes
-                ),
+        click.echo(_record_changes_table(details.protocol_changes))
+
+
+def _record_changes_table(changes: Any) -> str:
+    """``show``'s table of one commit's changed records (or protocol records)."""
+    return _table(
+        ["action", "fingerprint", "scope", "namespace", "key", "old", "new"],
+        (
+            (
+                r.action,
+                r.fingerprint_id,
+                r.scope,
+                r.namespace,
+                r.key,
+                _change_value(r.old),
+                _change_value(r.new),
             )
-        )
+            for r in changes
+        ),
+    )
 
 
 # -- merge ---------------------------------------------------------------------------

@@ -121,7 +121,7 @@ from ficache.tuner import FlashInferTuner, Row
 
 if TYPE_CHECKING:
     from ficache.adopt import KnownLayout
-    from ficache.sync import WarmStartReport
+    from ficache.sync import WarmStart, WarmStartReport
 
 logger = logging.getLogger("ficache.sglang")
 
@@ -365,20 +365,7 @@ def _served(
         _adopt_sglang_files(plan, model_runner)  # before rank 0 exports: every rank loads it
     stack = contextlib.ExitStack()
     try:
-        from ficache.sync import warm_start
-
-        ws = stack.enter_context(
-            warm_start(
-                plan.group,
-                db=os.environ.get("FICACHE_DB"),
-                layout=plan.layout,
-                tuner=None if first else _CarryOver(),
-                provenance=plan.provenance,
-                registry_timeout=registry_timeout(),
-                mode=mode,
-                reuse=None if first else _latest.get(id(plan.group)),
-            )
-        )
+        ws = stack.enter_context(_warm_start(plan, first, mode))
     except Exception as exc:  # noqa: BLE001 - fails before any collective, alike on every rank
         _warn_once(
             "enter",
@@ -397,22 +384,46 @@ def _served(
         ):
             yield value
     except BaseException as exc:
-        # Abandoned, not closed: see "When SGLang's context raises" in the module docstring.
-        with contextlib.suppress(Exception):
-            from flashinfer.autotuner import set_autotune_process_group
-
-            set_autotune_process_group(None)
-        logger.error(
-            "ficache: SGLang's FlashInfer autotuning raised on rank %d (%s); this warm start is "
-            "abandoned, nothing is committed, and the exception propagates as without ficache",
-            plan.rank,
-            type(exc).__name__,
-        )
+        _abandon(plan, exc)
         raise
     try:
         stack.close()  # the exit protocol: gather, commit, final slices
     finally:
         _log_report(ws.report, plan.layout)
+
+
+def _warm_start(plan: _Plan, first: bool, mode: str) -> WarmStart:
+    """This pass's warm start, not yet entered: a later pass carries the first one's over."""
+    from ficache.sync import warm_start
+
+    return warm_start(
+        plan.group,
+        db=os.environ.get("FICACHE_DB"),
+        layout=plan.layout,
+        tuner=None if first else _CarryOver(),
+        provenance=plan.provenance,
+        registry_timeout=registry_timeout(),
+        mode=mode,
+        reuse=None if first else _latest.get(id(plan.group)),
+    )
+
+
+def _abandon(plan: _Plan, exc: BaseException) -> None:
+    """SGLang's context raised ``exc``: FlashInfer's process group unset, and one error logged.
+
+    Abandoned, not closed: see "When SGLang's context raises" in the module
+    docstring. The caller re-raises ``exc``.
+    """
+    with contextlib.suppress(Exception):
+        from flashinfer.autotuner import set_autotune_process_group
+
+        set_autotune_process_group(None)
+    logger.error(
+        "ficache: SGLang's FlashInfer autotuning raised on rank %d (%s); this warm start is "
+        "abandoned, nothing is committed, and the exception propagates as without ficache",
+        plan.rank,
+        type(exc).__name__,
+    )
 
 
 def last_report() -> WarmStartReport | None:
