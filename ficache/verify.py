@@ -696,7 +696,14 @@ class _Verifier:
                 )
 
     def _postgres_storage(self) -> None:
+        """What the catalogue says of the registry's indexes, constraints and
+        triggers, then, where ``amcheck`` is installed, each B-tree index's structure."""
         tables = {"tables": list(_TABLES)}
+        self._postgres_catalogue(tables)
+        self._postgres_index_structure(tables)
+
+    def _postgres_catalogue(self, tables: dict[str, list[str]]) -> None:
+        """Invalid indexes, unvalidated constraints and disabled foreign key triggers."""
         for table, index in self.conn.execute(
             text(
                 "SELECT t.relname, i.relname FROM pg_index x "
@@ -734,6 +741,9 @@ class _Verifier:
                 "are not enforced (ALTER TABLE ... ENABLE TRIGGER ALL)",
                 table,
             )
+
+    def _postgres_index_structure(self, tables: dict[str, list[str]]) -> None:
+        """``bt_index_check`` of every valid B-tree index, or a note without ``amcheck``."""
         has_amcheck = self.conn.execute(
             text("SELECT count(*) FROM pg_extension WHERE extname = 'amcheck'")
         ).scalar_one()
@@ -1051,22 +1061,7 @@ class _Verifier:
             where = ("entries", eid)
             columns = self._check_row(where, scope, key, (("", tactic),))
             if columns is not None and (op, runner) != columns:
-                differ = [
-                    name
-                    for name, stored, parsed in zip(
-                        ("op", "runner"),
-                        (op, runner),
-                        columns,
-                        strict=True,
-                    )
-                    if stored != parsed
-                ]
-                self.problem(
-                    "key_columns",
-                    f"entry {eid}: {' and '.join(differ)} "
-                    f"{'differs' if len(differ) == 1 else 'differ'} from its key {_short(key)}",
-                    *where,
-                )
+                self._key_columns_differ(where, key, (op, runner), columns)
             ident = (fid, scope, key)
             logged = state.get(ident)
             state[ident] = eid
@@ -1093,6 +1088,29 @@ class _Verifier:
                     f"entry {eid}: value differs from the one commit {cid} wrote",
                     *where,
                 )
+        self._lost_entries(state)
+        return count
+
+    def _key_columns_differ(
+        self, where: tuple[str, int], key: str, stored: _KeyColumns, parsed: _KeyColumns
+    ) -> None:
+        """``key_columns``: an entry's stored (op, runner) are not what its key parses to."""
+        differ = [
+            name
+            for name, stored_value, parsed_value in zip(
+                ("op", "runner"), stored, parsed, strict=True
+            )
+            if stored_value != parsed_value
+        ]
+        self.problem(
+            "key_columns",
+            f"entry {where[1]}: {' and '.join(differ)} "
+            f"{'differs' if len(differ) == 1 else 'differ'} from its key {_short(key)}",
+            *where,
+        )
+
+    def _lost_entries(self, state: dict[_Ident, Any]) -> None:
+        """``entry_lost``: what the log ends with that no entry marked (``_entries``)."""
         for (fid, scope, key), logged in state.items():
             if not isinstance(logged, int):
                 self.problem(
@@ -1100,7 +1118,6 @@ class _Verifier:
                     f"commit {logged[0]} wrote an entry that is missing (fingerprint {fid}, "
                     f"scope {scope}, key {_short(key)})",
                 )
-        return count
 
     def _entry_change(self, where: tuple[str, int], row: tuple[Any, ...]) -> None:
         """Scope, key and tactics of one entry change (``_ENTRY_LOG.change_columns``)."""
@@ -1203,35 +1220,31 @@ class _Verifier:
         """Check every change of ``log``'s kind, in commit order, replaying its log.
 
         ``rows`` are ``log.change_columns``, in change id order; ``check_row``
-        checks one row's own columns. Then each commit's counts
-        (``_check_counts``; ``other_changes``: the commits with changes of other
-        kinds) and each revert, on the rows of reverts and their targets kept on
-        the way. Returns the rows the log ends with, ``identity -> (commit,
-        *value)`` (the value's first column None when the log does not hold it:
-        an entry change recorded before migration 0002), and the number of
-        changes.
-
-        Over the guide's length: it is one pass over the largest table with
-        each check inline (155k changes in ``benchmarks/verify_100k.py``).
+        checks one row's own columns, ``_replay_change`` its action and values
+        against the log. Then each commit's counts (``_check_counts``;
+        ``other_changes``: the commits with changes of other kinds) and each
+        revert, on the rows of reverts and their targets kept on the way.
+        Returns the rows the log ends with, ``identity -> (commit, *value)``
+        (the value's first column None when the log does not hold it: an entry
+        change recorded before migration 0002), and the number of changes.
         """
         kept_for_reverts = set(reverts) | set(reverts.values())
         by_commit: dict[int, list[tuple[Any, ...]]] = {}
         counts: Counter[tuple[int, str]] = Counter()  # (commit, action) -> changes
         state: dict[tuple[Any, ...], Any] = {}
-        in_commit: set[tuple[Any, ...]] = set()
+        in_commit: set[tuple[Any, ...]] = set()  # identities the current commit changed
         last_commit = None
-        problem, noun, item = self.problem, log.change_noun, log.kind.name
-        at_action, at_old, at_old_commit, at_new, required = log.positions
-        first_required = required[0]
+        table, at_action = log.kind.changes.name, log.positions[0]
         for row in rows:
-            hid, cid, action = row[0], row[1], row[at_action]
-            counts[cid, action] += 1
-            where = (log.kind.changes.name, hid)
+            hid, cid = row[0], row[1]
+            counts[cid, row[at_action]] += 1
+            where = (table, hid)
             if cid != last_commit:
                 if last_commit is not None and cid < last_commit:
-                    problem(
+                    self.problem(
                         log.order,
-                        f"{noun} {hid} of commit {cid} follows changes of commit {last_commit}",
+                        f"{log.change_noun} {hid} of commit {cid} follows changes of commit "
+                        f"{last_commit}",
                         *where,
                     )
                 in_commit.clear()
@@ -1239,70 +1252,93 @@ class _Verifier:
             if cid in kept_for_reverts:
                 by_commit.setdefault(cid, []).append(row)
             check_row(where, row)
-            if action not in _INVERSE:
-                problem(
-                    log.bad_change, f"{noun} {hid}: unknown action {_short(str(action))}", *where
-                )
-                continue
-            ident = row[2:at_action]  # (fingerprint id, scope, *identity)
-            if ident in in_commit:
-                problem(
-                    log.bad_change,
-                    f"{noun} {hid}: a second change to its {item} in commit {cid}",
-                    *where,
-                )
-            in_commit.add(ident)
-            old = row[at_old:at_old_commit]
-            new = row[at_new:]
-            if action == "added" and old[first_required] is not None:
-                problem(log.bad_change, f"{noun} {hid}: an added {item} with an old value", *where)
-            if action != "added" and any(old[i] is None for i in required):
-                problem(
-                    log.bad_change, f"{noun} {hid}: a {action} {item} without its old value", *where
-                )
-            if action == "removed" and any(v is not None for v in new):
-                problem(log.bad_change, f"{noun} {hid}: a removed {item} with a new value", *where)
-            elif action != "removed" and not log.new_may_be_unknown and new[first_required] is None:
-                problem(
-                    log.bad_change, f"{noun} {hid}: a {action} {item} without its new value", *where
-                )
-            before = state.get(ident)
-            if action == "added":
-                if before is not None:
-                    problem(
-                        log.log,
-                        f"{noun} {hid} (commit {cid}) adds an {item} commit {before[0]} holds",
-                        *where,
-                    )
-            elif before is None:
-                problem(
-                    log.log,
-                    f"{noun} {hid} (commit {cid}): {action} an {item} no earlier change holds",
-                    *where,
-                )
-            else:
-                old_cid = row[at_old_commit]
-                if old_cid != before[0]:
-                    problem(
-                        log.log,
-                        f"{noun} {hid} (commit {cid}): old commit {old_cid}, the log's {before[0]}",
-                        *where,
-                    )
-                if before[1] is not None and old != before[1:]:
-                    problem(
-                        log.log,
-                        f"{noun} {hid} (commit {cid}): old value is not the one commit "
-                        f"{before[0]} wrote",
-                        *where,
-                    )
-            if action == "removed":
-                state.pop(ident, None)
-            else:
-                state[ident] = (cid, *new)
+            self._replay_change(log, where, row, state, in_commit)
         self._check_counts(log, counts, other_changes)
         for cid, target in sorted(reverts.items()):
             self._check_revert(log, cid, target, by_commit.get(cid, []), by_commit.get(target, []))
         return state, counts.total()
+
+    def _replay_change(
+        self,
+        log: _Log,
+        where: tuple[str, int],
+        row: tuple[Any, ...],
+        state: dict[tuple[Any, ...], Any],
+        in_commit: set[tuple[Any, ...]],
+    ) -> None:
+        """One change of ``_replay``: its action, its identity once in its commit, the
+        old and new values its action needs, then the log's ``state`` moved past it."""
+        problem, noun, item = self.problem, log.change_noun, log.kind.name
+        at_action, at_old, at_old_commit, at_new, required = log.positions
+        hid, cid, action = row[0], row[1], row[at_action]
+        if action not in _INVERSE:
+            problem(log.bad_change, f"{noun} {hid}: unknown action {_short(str(action))}", *where)
+            return
+        ident = row[2:at_action]  # (fingerprint id, scope, *identity)
+        if ident in in_commit:
+            problem(
+                log.bad_change,
+                f"{noun} {hid}: a second change to its {item} in commit {cid}",
+                *where,
+            )
+        in_commit.add(ident)
+        old = row[at_old:at_old_commit]
+        new = row[at_new:]
+        first_required = required[0]
+        if action == "added" and old[first_required] is not None:
+            problem(log.bad_change, f"{noun} {hid}: an added {item} with an old value", *where)
+        if action != "added" and any(old[i] is None for i in required):
+            problem(
+                log.bad_change, f"{noun} {hid}: a {action} {item} without its old value", *where
+            )
+        if action == "removed" and any(v is not None for v in new):
+            problem(log.bad_change, f"{noun} {hid}: a removed {item} with a new value", *where)
+        elif action != "removed" and not log.new_may_be_unknown and new[first_required] is None:
+            problem(
+                log.bad_change, f"{noun} {hid}: a {action} {item} without its new value", *where
+            )
+        self._check_against_log(log, where, row, state.get(ident))
+        if action == "removed":
+            state.pop(ident, None)
+        else:
+            state[ident] = (cid, *new)
+
+    def _check_against_log(
+        self, log: _Log, where: tuple[str, int], row: tuple[Any, ...], before: Any
+    ) -> None:
+        """A change agrees with ``before``, what the log held for its identity (None:
+        nothing): an add finds nothing, another action finds the old commit and value."""
+        noun, item = log.change_noun, log.kind.name
+        at_action, at_old, at_old_commit, _at_new, _required = log.positions
+        hid, cid, action = row[0], row[1], row[at_action]
+        if action == "added":
+            if before is not None:
+                self.problem(
+                    log.log,
+                    f"{noun} {hid} (commit {cid}) adds an {item} commit {before[0]} holds",
+                    *where,
+                )
+        elif before is None:
+            self.problem(
+                log.log,
+                f"{noun} {hid} (commit {cid}): {action} an {item} no earlier change holds",
+                *where,
+            )
+        else:
+            old_cid = row[at_old_commit]
+            if old_cid != before[0]:
+                self.problem(
+                    log.log,
+                    f"{noun} {hid} (commit {cid}): old commit {old_cid}, the log's {before[0]}",
+                    *where,
+                )
+            if before[1] is not None and row[at_old:at_old_commit] != before[1:]:
+                self.problem(
+                    log.log,
+                    f"{noun} {hid} (commit {cid}): old value is not the one commit "
+                    f"{before[0]} wrote",
+                    *where,
+                )
 
     def _check_counts(
         self, log: _Log, counts: Counter[tuple[int, str]], other_changes: set[int]
