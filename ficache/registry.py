@@ -185,6 +185,49 @@ class _NothingToWrite(Exception):
         self.result = result
 
 
+def _prune_conditions(
+    fingerprint_ids: Sequence[int],
+    flashinfer_versions: Sequence[str],
+    older_than_seconds: float | None,
+    scope: str | None,
+    unused_for_seconds: float | None,
+    now: float,
+) -> tuple[list[Callable[[Any], Any]], list[tuple[str, str]]]:
+    """``Registry.plan_prune``'s criteria as conditions on a kind's table (joined with its
+    fingerprint), and as the ``(name, value)`` pairs the plan shows."""
+    criteria: list[tuple[str, str]] = []
+    # Each criterion as a condition on a table of rows with fingerprint_id,
+    # scope and updated_at (entries, records), joined with its fingerprint.
+    conditions: list[Callable[[Any], Any]] = []
+    if fingerprint_ids:
+        ids = list(fingerprint_ids)
+        conditions.append(lambda t: t.c.fingerprint_id.in_(ids))
+        criteria.append(("fingerprint", ",".join(map(str, sorted(fingerprint_ids)))))
+    if flashinfer_versions:
+        versions_in = F.c.flashinfer_version.in_(list(flashinfer_versions))
+        conditions.append(lambda t: versions_in)
+        criteria.append(("flashinfer_version", ",".join(sorted(flashinfer_versions))))
+    if older_than_seconds is not None:
+        written_before = now - older_than_seconds
+        conditions.append(lambda t: t.c.updated_at < written_before)
+        criteria.append(("older_than_seconds", f"{older_than_seconds:g}"))
+    if scope is not None:
+        wanted_scope = validate_scope(scope)
+        conditions.append(lambda t: t.c.scope == wanted_scope)
+        criteria.append(("scope", scope))
+    if unused_for_seconds is not None:
+        used_before = now - unused_for_seconds
+        unused = func.coalesce(F.c.last_served_at, F.c.created_at) < used_before
+        conditions.append(lambda t: unused)
+        shown = (
+            f"{unused_for_seconds:.0f}"
+            if float(unused_for_seconds).is_integer()
+            else f"{unused_for_seconds:g}"
+        )
+        criteria.append(("unused_for_seconds", shown))
+    return conditions, criteria
+
+
 class Registry:
     """A registry opened on one database. Use ``Registry.open`` (a context manager)."""
 
@@ -655,38 +698,16 @@ class Registry:
                 "prune needs a criterion: --fingerprint, --flashinfer-version, --older-than, "
                 "--unused-for or --scope"
             )
-        criteria: list[tuple[str, str]] = []
-        # Each criterion as a condition on a table of rows with fingerprint_id,
-        # scope and updated_at (entries, records), joined with its fingerprint.
-        conditions: list[Callable[[Any], Any]] = []
-        if fingerprint_ids:
-            for fid in fingerprint_ids:
-                self.fingerprint(fid)  # raises NotFoundError for an unknown id
-            ids = list(fingerprint_ids)
-            conditions.append(lambda t: t.c.fingerprint_id.in_(ids))
-            criteria.append(("fingerprint", ",".join(map(str, sorted(fingerprint_ids)))))
-        if flashinfer_versions:
-            versions_in = F.c.flashinfer_version.in_(list(flashinfer_versions))
-            conditions.append(lambda t: versions_in)
-            criteria.append(("flashinfer_version", ",".join(sorted(flashinfer_versions))))
-        if older_than_seconds is not None:
-            written_before = (now if now is not None else time.time()) - older_than_seconds
-            conditions.append(lambda t: t.c.updated_at < written_before)
-            criteria.append(("older_than_seconds", f"{older_than_seconds:g}"))
-        if scope is not None:
-            wanted_scope = validate_scope(scope)
-            conditions.append(lambda t: t.c.scope == wanted_scope)
-            criteria.append(("scope", scope))
-        if unused_for_seconds is not None:
-            used_before = (now if now is not None else time.time()) - unused_for_seconds
-            unused = func.coalesce(F.c.last_served_at, F.c.created_at) < used_before
-            conditions.append(lambda t: unused)
-            shown = (
-                f"{unused_for_seconds:.0f}"
-                if float(unused_for_seconds).is_integer()
-                else f"{unused_for_seconds:g}"
-            )
-            criteria.append(("unused_for_seconds", shown))
+        for fid in fingerprint_ids:
+            self.fingerprint(fid)  # raises NotFoundError for an unknown id
+        conditions, criteria = _prune_conditions(
+            fingerprint_ids,
+            flashinfer_versions,
+            older_than_seconds,
+            scope,
+            unused_for_seconds,
+            time.time() if now is None else now,
+        )
 
         def run() -> PrunePlan:
             groups: dict[tuple[int, str], list[Any]] = {}

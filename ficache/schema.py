@@ -233,39 +233,48 @@ def make_engine(location: Location, *, create: bool = True) -> tuple[Engine, boo
 
     ``create=False`` refuses a SQLite path that does not exist yet.
     """
-    readonly = False
     if location.path is not None:
-        path = location.path
-        if path.exists():
-            readonly = _check_sqlite_file(path)
-        elif not create:
+        return _sqlite_file_engine(location.path, create=create)
+    return _url_engine(location), False
+
+
+def _sqlite_file_engine(path: Path, *, create: bool) -> tuple[Engine, bool]:
+    """The engine of a SQLite file (read-only where the file is), checked or made first."""
+    readonly = False
+    if path.exists():
+        readonly = _check_sqlite_file(path)
+    elif not create:
+        raise RegistryError(
+            f"no registry at {path}; import a cache file first (ficache import FILE)"
+        )
+    else:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
             raise RegistryError(
-                f"no registry at {path}; import a cache file first (ficache import FILE)"
+                f"cannot create directory for registry {path}: {exc.strerror}"
+            ) from None
+        if not os.access(path.parent, os.W_OK):
+            raise RegistryReadOnlyError(
+                f"cannot create registry {path}: directory is not writable; pass --db or set {ENV_VAR}"
             )
-        else:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise RegistryError(
-                    f"cannot create directory for registry {path}: {exc.strerror}"
-                ) from None
-            if not os.access(path.parent, os.W_OK):
-                raise RegistryReadOnlyError(
-                    f"cannot create registry {path}: directory is not writable; pass --db or set {ENV_VAR}"
-                )
-        if readonly:
-            # A URI filename: percent-encode it, or a '#' or '?' in the path
-            # would cut it short (and SQLite would create the shorter path).
-            url = URL.create(
-                "sqlite",
-                database=f"file:{quote(str(path))}",
-                query=_read_only_query(path),
-            )
-        else:
-            url = URL.create("sqlite", database=str(path))  # no URL parsing: '%', '?' are path text
-        engine = create_engine(url, poolclass=NullPool)
-        _install_sqlite_events(engine, readonly=readonly)
-        return engine, readonly
+    if readonly:
+        # A URI filename: percent-encode it, or a '#' or '?' in the path
+        # would cut it short (and SQLite would create the shorter path).
+        url = URL.create(
+            "sqlite",
+            database=f"file:{quote(str(path))}",
+            query=_read_only_query(path),
+        )
+    else:
+        url = URL.create("sqlite", database=str(path))  # no URL parsing: '%', '?' are path text
+    engine = create_engine(url, poolclass=NullPool)
+    _install_sqlite_events(engine, readonly=readonly)
+    return engine, readonly
+
+
+def _url_engine(location: Location) -> Engine:
+    """The engine of a database URL; a driver or database SQLAlchemy lacks is one line."""
     url = make_url(location.url)
     connect_args: dict[str, Any] = {}
     if url.get_backend_name() == "postgresql" and "connect_timeout" not in url.query:
@@ -296,7 +305,7 @@ def make_engine(location: Location, *, create: bool = True) -> tuple[Engine, boo
         _install_sqlite_events(engine, readonly=False)
     elif engine.dialect.name == "postgresql":
         watch_engine(engine)  # a frozen server ends in an error under registry_deadline
-    return engine, False
+    return engine
 
 
 # --------------------------------------------------------------------------
