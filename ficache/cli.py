@@ -740,11 +740,9 @@ def _report_import(
     _warn_of_conflicts(plan, source_noun)
 
 
-def _import_json(plan: Any, result: Any, dry_run: bool) -> dict[str, Any]:
-    """An import's JSON report; the protocol record counts only where it held any."""
+def _commit_counts_json(plan: Any, result: Any, dry_run: bool) -> dict[str, Any]:
+    """The fields every import's JSON report has, in their order: its commit and counts."""
     return {
-        "files": len(plan.sources),
-        "entries": plan.entries,
         "commit": result.commit_id,
         "dry_run": dry_run,
         "on_conflict": plan.policy,
@@ -753,6 +751,15 @@ def _import_json(plan: Any, result: Any, dry_run: bool) -> dict[str, Any]:
         "unchanged": result.unchanged,
         "duplicates": plan.duplicates,
         "conflicts": plan.conflicts,
+    }
+
+
+def _import_json(plan: Any, result: Any, dry_run: bool) -> dict[str, Any]:
+    """An import's JSON report; the protocol record counts only where it held any."""
+    return {
+        "files": len(plan.sources),
+        "entries": plan.entries,
+        **_commit_counts_json(plan, result, dry_run),
         "records": plan.records,
         "records_added": result.records_added,
         "records_replaced": result.records_replaced,
@@ -1039,14 +1046,7 @@ def _store_import_json(read: Any, result: Any, dry_run: bool) -> dict[str, Any]:
             if read.protocol_records
             else {}
         ),
-        "commit": result.commit_id,
-        "dry_run": dry_run,
-        "on_conflict": plan.policy,
-        "added": result.added,
-        "replaced": result.replaced,
-        "unchanged": result.unchanged,
-        "duplicates": plan.duplicates,
-        "conflicts": plan.conflicts,
+        **_commit_counts_json(plan, result, dry_run),
         "conflicting": _conflicts_json(plan),
     }
 
