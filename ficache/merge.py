@@ -291,68 +291,35 @@ def registry_digest(
     scope, namespace, key, value, policy, tuned_at]`` lines, likewise only when
     there are some.
     """
-    lines = sorted(
-        json.dumps(
-            [
-                e.fingerprint.digest,
-                e.scope,
-                e.key,
-                e.runner,
-                e.tactic_json,
-                e.policy_json,
-                e.tuned_at,
-                *(() if e.selection_json is None else (e.selection_json,)),
-            ],
-            separators=(",", ":"),
-        )
+    lines: list[list[Any]] = [
+        [
+            e.fingerprint.digest,
+            e.scope,
+            e.key,
+            e.runner,
+            e.tactic_json,
+            e.policy_json,
+            e.tuned_at,
+            *(() if e.selection_json is None else (e.selection_json,)),
+        ]
         for e in entries
-    )
-    if records:
-        lines = sorted(
-            [
-                *lines,
-                *(
-                    json.dumps(
-                        [
-                            "record",
-                            r.fingerprint.digest,
-                            r.scope,
-                            r.namespace,
-                            r.key,
-                            r.value_json,
-                            r.tuned_at,
-                        ],
-                        separators=(",", ":"),
-                    )
-                    for r in records
-                ),
-            ]
-        )
-    if protocol_records:
-        lines = sorted(
-            [
-                *lines,
-                *(
-                    json.dumps(
-                        [
-                            "protocol",
-                            r.fingerprint.digest,
-                            r.scope,
-                            r.namespace,
-                            r.key,
-                            r.value_json,
-                            r.policy_json,
-                            r.tuned_at,
-                        ],
-                        separators=(",", ":"),
-                    )
-                    for r in protocol_records
-                ),
-            ]
-        )
+    ]
+    lines += [
+        ["record", r.fingerprint.digest, r.scope, r.namespace, r.key, r.value_json, r.tuned_at]
+        for r in records
+    ]
+    lines += [
+        [
+            "protocol",
+            *(r.fingerprint.digest, r.scope, r.namespace, r.key, r.value_json, r.policy_json),
+            r.tuned_at,
+        ]
+        for r in protocol_records
+    ]
+    texts = sorted(json.dumps(line, separators=(",", ":")) for line in lines)
     digest = hashlib.sha256()
-    for line in lines:
-        digest.update(line.encode())
+    for text in texts:
+        digest.update(text.encode())
         digest.update(b"\n")
     return digest.hexdigest()
 
