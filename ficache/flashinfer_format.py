@@ -702,12 +702,20 @@ def _read_entries(top: dict[str, Any]) -> tuple[list[FileEntry], list[str], int]
     return entries, problems, ignored
 
 
-def read_cache_file(path: str | os.PathLike[str]) -> CacheFile:
+def read_cache_bytes(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of the file at ``path``, refused (one ``CacheFileError`` line) where it
+    is missing, unreadable, a directory or larger than ``MAX_FILE_BYTES``.
+
+    Every reader of FlashInfer files reads them here: ``read_cache_file``, and
+    ``merge``, which also digests the bytes. The size is the open file's, so
+    a file replaced between the check and the read is never read unchecked.
+    """
     p = Path(path)
     try:
-        if p.stat().st_size > MAX_FILE_BYTES:
-            raise CacheFileError(f"{p}: larger than {MAX_FILE_BYTES} bytes; not a cache file")
-        data = p.read_bytes()
+        with p.open("rb") as handle:
+            if os.fstat(handle.fileno()).st_size > MAX_FILE_BYTES:
+                raise CacheFileError(f"{p}: larger than {MAX_FILE_BYTES} bytes; not a cache file")
+            return handle.read()
     except IsADirectoryError:
         raise CacheFileError(f"{p}: is a directory, expected a FlashInfer cache file") from None
     except FileNotFoundError:
@@ -716,7 +724,11 @@ def read_cache_file(path: str | os.PathLike[str]) -> CacheFile:
         raise CacheFileError(f"{p}: permission denied") from None
     except OSError as exc:
         raise CacheFileError(f"{p}: cannot read ({exc.strerror})") from None
-    return parse_cache_bytes(data, source=str(p))
+
+
+def read_cache_file(path: str | os.PathLike[str]) -> CacheFile:
+    """The parsed FlashInfer file at ``path`` (``read_cache_bytes``, then ``parse_cache_bytes``)."""
+    return parse_cache_bytes(read_cache_bytes(path), source=str(Path(path)))
 
 
 #: One entry as ``render_cache`` writes it: ``(key, runner, tactic_json,

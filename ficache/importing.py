@@ -46,10 +46,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ficache import tuned_time
+from ficache import ingest, tuned_time
 from ficache._gcpause import paused_gc
 from ficache.bundle import Bundle, bundle_records
-from ficache.errors import FingerprintError, MergeConflictError
+from ficache.errors import MergeConflictError
 from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import CacheFile
 from ficache.kind_merge import reconcile
@@ -65,7 +65,7 @@ from ficache.merge import (
 )
 from ficache.models import SHARED_SCOPE
 from ficache.protocol_records import NewProtocolRecord
-from ficache.records import NewRecord, records_of_file
+from ficache.records import NewRecord
 from ficache.registry_access import RegistryAccess
 from ficache.v2_store import (
     StoreContents,
@@ -266,42 +266,21 @@ def file_inputs(
 
     A file's own ``_metadata`` names its fingerprint; ``fingerprint`` is used
     only for files that have none (``FingerprintError`` for such a file
-    without it). ``paths``: the file each was read from, whose mtime dates
-    its entries and records (``tuned_time.tuned_at``; without one, now).
+    without it: ``ingest.file_fingerprint``). ``paths``: the file each was
+    read from, whose mtime dates its entries and records (``ingest.file_results``,
+    which a merge's files go through too; without one, now).
     """
     validate_scope(scope)
     inputs = []
-    make = tuple.__new__
     for number, (source, cache) in enumerate(files):
-        fp = _file_fingerprint(source, cache, fingerprint)
-        at = tuned_time.tuned_at(None, paths[number] if paths is not None else None)
-        # A FileEntry is (key, runner, tactic, policy, fields, selection). One tuple per
-        # entry and no cycles: the collector would only walk the heap (torch's too).
-        with paused_gc():
-            entries = tuple(
-                [
-                    make(NewEntry, (fp, key, runner, tactic, policy, scope, kf, at, selection))
-                    for key, runner, tactic, policy, kf, selection in cache.entries
-                ]
-            )
-        records = (
-            tuple(records_of_file(fp, cache.record_rows, scope, at)) if cache.record_rows else ()
+        read = ingest.file_results(
+            cache,
+            ingest.file_fingerprint(source, cache, fingerprint),
+            scope=scope,
+            path=paths[number] if paths is not None else None,
         )
-        inputs.append(ImportInput(source, entries, records))
+        inputs.append(ImportInput(source, read.entries, read.records))
     return inputs
-
-
-def _file_fingerprint(
-    source: str, cache: CacheFile, fingerprint: Fingerprint | None
-) -> Fingerprint:
-    if cache.metadata is not None:
-        return Fingerprint.from_flashinfer_metadata(cache.metadata)
-    if fingerprint is not None:
-        return fingerprint
-    raise FingerprintError(
-        f"{source} has no _metadata, so its environment is unknown; "
-        "import it with --fingerprint ID|current"
-    )
 
 
 # --------------------------------------------------------------------------

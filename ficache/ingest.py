@@ -11,7 +11,9 @@ tell a user who gave ``import`` a directory that is no v2 store
 (``import_hint``).
 ``read_files``, ``read_bundles`` and ``read_stores`` return an import's
 parsed inputs; ``merge.open_source`` reads a merge's sources by the same
-``recognise``. It does not own the formats (``flashinfer_format``,
+``recognise``. What a parsed FlashInfer file holds becomes entries and
+records in one place, for an import (``importing.file_inputs``) and a merge
+alike: ``file_fingerprint`` (its environment) and ``file_results``. It does not own the formats (``flashinfer_format``,
 ``bundle``, ``v2_store``), planning (``importing``, ``merge``) or writing.
 
 Invariants:
@@ -30,6 +32,9 @@ Invariants:
   is a ``MixedSourcesError`` (the CLI's usage error) before anything is read.
 - What is read is dated by ``tuned_time.tuned_at``, the one rule of every
   ingest path.
+- A FlashInfer file's entries and records all take the fingerprint its
+  ``_metadata`` names (or the one the user gave, for a file without), one
+  scope, and the file's modification time (``file_results``).
 """
 
 from __future__ import annotations
@@ -40,10 +45,16 @@ import shlex
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
-from ficache import schema
+from ficache import schema, tuned_time
+from ficache._gcpause import paused_gc
 from ficache.bundle import Bundle, looks_like_bundle, read_bundle
+from ficache.errors import FingerprintError
+from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import CacheFile, read_cache_file
+from ficache.records import records_of_file
+from ficache.scopes import SHARED_SCOPE
 from ficache.v2_store import (
     SCHEMA,
     StoreContents,
@@ -51,6 +62,7 @@ from ficache.v2_store import (
     is_store_root,
     read_store,
 )
+from ficache.values import NewEntry, NewRecord
 
 REGISTRY = "registry"  # a SQLAlchemy URL, or a SQLite file
 BUNDLE = "bundle"
@@ -115,6 +127,68 @@ def import_kind(paths: Sequence[str | os.PathLike[str]]) -> str:
 def read_files(paths: Iterable[Path]) -> list[tuple[str, CacheFile, Path]]:
     """``(name, parsed file, path)`` of each FlashInfer file, in order (the path dates it)."""
     return [(str(p), read_cache_file(p), p) for p in paths]
+
+
+#: What a FlashInfer file without ``_metadata`` is told to do (``file_fingerprint``):
+#: ``import`` takes ``--fingerprint``; ``merge`` does not, so it points to ``import``.
+IMPORT_FINGERPRINT_ADVICE = "import it with --fingerprint ID|current"
+MERGE_FINGERPRINT_ADVICE = "import it with `ficache import --fingerprint ID|current` instead"
+
+
+def file_fingerprint(
+    name: str,
+    cache: CacheFile,
+    given: Fingerprint | None = None,
+    *,
+    advice: str = IMPORT_FINGERPRINT_ADVICE,
+) -> Fingerprint:
+    """The environment of the parsed FlashInfer file ``name``: its ``_metadata``'s, else ``given``.
+
+    A file without ``_metadata`` and no ``given`` is a ``FingerprintError``
+    ending in ``advice``; a ``_metadata`` that names no fingerprint raises
+    ``Fingerprint.from_flashinfer_metadata``'s ``FingerprintError``.
+    """
+    if cache.metadata is not None:
+        return Fingerprint.from_flashinfer_metadata(cache.metadata)
+    if given is not None:
+        return given
+    raise FingerprintError(f"{name} has no _metadata, so its environment is unknown; {advice}")
+
+
+class FileResults(NamedTuple):
+    """What one FlashInfer file holds, as a registry stores it."""
+
+    entries: tuple[NewEntry, ...]
+    records: tuple[NewRecord, ...]
+
+
+def file_results(
+    cache: CacheFile,
+    fingerprint: Fingerprint,
+    *,
+    scope: str = SHARED_SCOPE,
+    path: str | os.PathLike[str] | None = None,
+) -> FileResults:
+    """The entries and namespaced records of a parsed FlashInfer file, every one under
+    ``fingerprint`` and ``scope``, dated by ``path``'s mtime (``tuned_time.tuned_at``:
+    a FlashInfer file does not say when each entry was tuned; no path: now)."""
+    at = tuned_time.tuned_at(None, path)
+    make = tuple.__new__
+    # A FileEntry is (key, runner, tactic, policy, fields, selection). One tuple per
+    # entry and no cycles: the collector would only walk the heap (torch's too).
+    with paused_gc():
+        entries = tuple(
+            [
+                make(NewEntry, (fingerprint, key, runner, tactic, policy, scope, kf, at, selection))
+                for key, runner, tactic, policy, kf, selection in cache.entries
+            ]
+        )
+    records = (
+        tuple(records_of_file(fingerprint, cache.record_rows, scope, at))
+        if cache.record_rows
+        else ()
+    )
+    return FileResults(entries, records)
 
 
 def read_bundles(paths: Sequence[Path]) -> list[tuple[str, Bundle]]:
@@ -268,6 +342,8 @@ __all__ = [
     "BUNDLE",
     "DIRECTORY",
     "DIRECTORY_KINDS",
+    "IMPORT_FINGERPRINT_ADVICE",
+    "MERGE_FINGERPRINT_ADVICE",
     "RANK_FILE_NAME",
     "RANK_FILE_PATTERN",
     "SINGLE_FILE_NAME",
@@ -275,8 +351,11 @@ __all__ = [
     "FLASHINFER",
     "REGISTRY",
     "V2_STORE",
+    "FileResults",
     "MixedSourcesError",
     "VllmDeployment",
+    "file_fingerprint",
+    "file_results",
     "find_vllm_caches",
     "holds_vllm_caches",
     "import_hint",

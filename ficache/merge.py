@@ -87,7 +87,7 @@ from ficache.errors import (
     StalePlanError,
 )
 from ficache.fingerprint import Fingerprint
-from ficache.flashinfer_format import MAX_FILE_BYTES, parse_cache_bytes, parse_key
+from ficache.flashinfer_format import parse_cache_bytes, parse_key, read_cache_bytes
 from ficache.history import EntryValue
 from ficache.kind_merge import (
     ADDED,
@@ -221,45 +221,23 @@ def _open_source(text: str) -> MergeSource:
 
 
 def _flashinfer_source(path: Path) -> MergeSource:
-    try:
-        with path.open("rb") as handle:
-            stat = os.fstat(handle.fileno())
-            if stat.st_size > MAX_FILE_BYTES:
-                raise CacheFileError(
-                    f"{path}: larger than {MAX_FILE_BYTES} bytes; not a cache file"
-                )
-            data = handle.read()
-    except FileNotFoundError:
-        raise CacheFileError(f"{path}: no such file") from None
-    except PermissionError:
-        raise CacheFileError(f"{path}: permission denied") from None
-    except OSError as exc:
-        raise CacheFileError(f"{path}: cannot read ({exc.strerror})") from None
+    """A FlashInfer file as a merge source: what ``import`` would read of it
+    (``ingest.file_results``), shared, its digest the sha256 of its bytes.
+
+    A file without ``_metadata`` is refused, pointing to ``import
+    --fingerprint``; a ``_metadata`` naming no fingerprint, with the file's name.
+    """
+    data = read_cache_bytes(path)
     cache = parse_cache_bytes(data, source=str(path))
-    if cache.metadata is None:
-        raise FingerprintError(
-            f"{path} has no _metadata, so its environment is unknown; "
-            "import it with `ficache import --fingerprint ID|current` instead"
-        )
     try:
-        fp = Fingerprint.from_flashinfer_metadata(cache.metadata)
+        fp = ingest.file_fingerprint(str(path), cache, advice=ingest.MERGE_FINGERPRINT_ADVICE)
     except FingerprintError as exc:
+        if cache.metadata is None:
+            raise
         raise FingerprintError(f"{path}: {exc}") from None
-    fp = _interned(fp)
-    at = tuned_time.tuned_at(None, path)  # a FlashInfer file does not say when each entry was tuned
-    make, scope = bulk_new_entry, SHARED_SCOPE
-    # A FileEntry is (key, runner, tactic, policy, fields, selection).
-    entries = tuple(
-        [
-            make(fp, key, runner, tactic, policy, scope, kf, at, selection)
-            for key, runner, tactic, policy, kf, selection in cache.entries
-        ]
-    )
-    records = tuple(
-        NewRecord(fp, ns, key, value, SHARED_SCOPE, at) for ns, key, value in cache.record_rows
-    )
+    read = ingest.file_results(cache, _interned(fp), scope=SHARED_SCOPE, path=path)
     return MergeSource(
-        str(path), "flashinfer", hashlib.sha256(data).hexdigest(), entries, records=records
+        str(path), "flashinfer", hashlib.sha256(data).hexdigest(), read.entries, read.records
     )
 
 
