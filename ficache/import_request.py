@@ -7,10 +7,11 @@ gets (``ImportRequest.kind``: an adoption of vLLM's or SGLang's caches, or,
 by ``ingest.import_kind``, the one place that recognises a path, an import
 of v2 stores, bundles or FlashInfer files), reading its inputs, and the
 frozen ``PreparedImport`` whose ``preview(registry)`` is what ``--dry-run``
-shows and ``execute(registry)`` the one commit (message and provenance
-included). An adoption is found and planned by ``ficache.adopt``
-(``prepare_adoption`` builds its sources), whose ``AdoptionPlan`` has the
-same two methods.
+shows and ``execute(registry)`` the one commit (its message and provenance
+built by ``ficache.ingest_commit`` from ``PreparedImport.sources``). An
+adoption is found and planned by ``ficache.adopt`` (``prepare_adoption``
+builds its sources), whose ``AdoptionPlan`` has the same two methods, both
+through one import plan.
 
 It does not own recognising a path (``ingest``), reconciling inputs
 (``importing``), adopting (``adopt``), opening the registry or rendering
@@ -50,15 +51,17 @@ from ficache.errors import NotFoundError
 from ficache.flashinfer_format import CacheFile
 from ficache.importing import (
     ImportPlan,
-    bundles_provenance,
+    bundle_sources,
     file_inputs,
     plan_bundle_import,
     plan_import,
     plan_store_import,
+    store_sources,
 )
+from ficache.ingest_commit import IngestSources
 from ficache.models import SHARED_SCOPE
 from ficache.registry_access import RegistryAccess
-from ficache.v2_store import Skipped, StoreContents, StoreEnvironment, stores_provenance
+from ficache.v2_store import Skipped, StoreContents, StoreEnvironment
 from ficache.values import WriteResult
 
 #: ``ImportRequest.kind`` of an adoption (``--from-vllm``/``--from-sglang``).
@@ -155,8 +158,14 @@ class PreparedImport:
     """One planned import and the commit it makes: ``preview`` (``--dry-run``) or ``execute``."""
 
     plan: ImportPlan
-    message: str
-    provenance: dict[str, Any] | None = field(default=None, repr=False)
+    #: What the commit names (``ficache.ingest_commit``): the inputs, and what
+    #: its provenance records of them.
+    sources: IngestSources
+
+    @property
+    def message(self) -> str:
+        """The commit's message: every input's name."""
+        return self.sources.message
 
     def preview(self, registry: RegistryAccess | None) -> WriteResult:
         """The counts ``execute`` would return (``registry`` None: none exists yet); writes nothing."""
@@ -164,7 +173,7 @@ class PreparedImport:
 
     def execute(self, registry: RegistryAccess) -> WriteResult:
         """The import, as one ``import`` commit (none when nothing changes)."""
-        return self.plan.execute(registry, message=self.message, provenance=self.provenance)
+        return self.plan.execute(registry, self.sources)
 
 
 def prepare_adoption(request: ImportRequest) -> AdoptionPlan:
@@ -194,8 +203,7 @@ def prepare_bundle_import(request: ImportRequest) -> PreparedImport:
     bundles = ingest.read_bundles(request.files)
     plan = plan_bundle_import(bundles, request.policy)
     plan.check()
-    message = ", ".join(source for source, _ in bundles)
-    return PreparedImport(plan, message, bundles_provenance(bundles))
+    return PreparedImport(plan, bundle_sources(bundles))
 
 
 @dataclass(frozen=True)
@@ -230,10 +238,9 @@ def prepare_store_import(request: ImportRequest) -> StoreImport:
     stores = tuple(ingest.read_stores(request.files))
     plan = plan_store_import(stores, scope=request.scope, policy=request.policy)
     plan.check()
-    message = ", ".join(str(s.source) for s in stores)
     return StoreImport(
         stores,
-        PreparedImport(plan, message, stores_provenance(stores)),
+        PreparedImport(plan, store_sources(stores)),
         sum(s.entries for s in stores),
         sum(s.skipped_entries for s in stores),
         sum(s.records for s in stores),
@@ -253,9 +260,9 @@ class FileImport:
     note: str | None = None
 
     @property
-    def message(self) -> str:
-        """The import commit's message: every file's name."""
-        return ", ".join(name for name, _, _ in self.parsed)
+    def sources(self) -> IngestSources:
+        """What the import commit names: every file's name."""
+        return IngestSources(tuple(name for name, _, _ in self.parsed))
 
     @property
     def ignored_selections(self) -> int:
@@ -270,7 +277,7 @@ class FileImport:
             scope=self.request.scope,
             paths=[path for _, _, path in self.parsed],
         )
-        return PreparedImport(plan_import(inputs, self.request.policy), self.message)
+        return PreparedImport(plan_import(inputs, self.request.policy), self.sources)
 
     def early_plan(self) -> PreparedImport | None:
         """The import planned (and refused under ``fail``) before the registry opens,

@@ -3,9 +3,13 @@
 ``plan_import(inputs, policy)`` takes the inputs of one ``import`` (FlashInfer
 files, bundles, v2 stores: each an ``ImportInput`` of entries and namespaced
 records) and decides, for every identity that more than one input holds,
-which value is imported. ``ImportPlan.execute(registry)`` writes the chosen
-values as one ``import`` commit; ``ImportPlan.preview(registry)`` says what
-that commit would do, reading the registry only (``import --dry-run``).
+which value is imported. ``ImportPlan.execute(registry, sources)`` writes the
+chosen values as one ``import`` commit (``ficache.ingest_commit`` builds its
+message and provenance from ``sources``, a description of what was read, and
+the plan's conflict counts); ``ImportPlan.preview(registry)`` says what that
+commit would do, reading the registry only (``import --dry-run``). An
+adoption of vLLM's or SGLang's caches is written as an import plan too
+(``adopt.AdoptionPlan.import_plan``).
 
 An import stores what its inputs hold, replacing the registry's values: the
 registry is no party to a conflict among the inputs, and a conflict is one
@@ -33,7 +37,7 @@ Invariants:
   all succeed and end as some sequential order of them would.
 - Bundles enter here too: ``plan_bundle_import`` makes one input per verified
   bundle (``ficache.bundle`` reads and verifies; it plans no import), and
-  ``import_bundles`` executes it with ``bundles_provenance``.
+  ``import_bundles`` executes it with ``bundle_sources``.
 - ``preview`` is the counts ``execute`` returns on the same registry state,
   computed as a one-source ``theirs`` merge plan (``ficache.merge``), which
   never writes.
@@ -52,6 +56,7 @@ from ficache.bundle import Bundle, bundle_records
 from ficache.errors import MergeConflictError
 from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import CacheFile
+from ficache.ingest_commit import ConflictCounts, IngestCommit, IngestSources
 from ficache.kind_merge import reconcile
 from ficache.merge import (
     ENTRY_MERGE,
@@ -152,46 +157,42 @@ class ImportPlan:
             "--on-conflict keep|theirs|newest|vote|drop"
         )
 
+    @property
+    def counts(self) -> ConflictCounts:
+        """What the inputs held more than once (the commit's provenance records them)."""
+        return ConflictCounts(
+            self.policy,
+            self.duplicates,
+            self.conflicts,
+            self.records_duplicates,
+            self.records_conflicts,
+            self.protocol_duplicates,
+            self.protocol_conflicts,
+        )
+
     def execute(
         self,
         registry: RegistryAccess,
+        sources: IngestSources | None = None,
         *,
-        message: str,
+        message: str = "",
         provenance: dict[str, Any] | None = None,
     ) -> WriteResult:
         """Write the chosen values as one ``import`` commit (none when nothing changes).
 
+        ``sources`` names what was read (``ficache.ingest_commit``); ``message``
+        and ``provenance`` are its short form, the sources as one name.
         Raises ``MergeConflictError`` for a refused plan, writing nothing.
         """
         self.check()
-        if self.duplicates or self.conflicts or self.records_duplicates or self.records_conflicts:
-            provenance = {
-                **(provenance or {}),
-                "on_conflict": self.policy,
-                "duplicates": self.duplicates,
-                "conflicts": self.conflicts,
-                "records_duplicates": self.records_duplicates,
-                "records_conflicts": self.records_conflicts,
-            }
-            if self.protocol_duplicates or self.protocol_conflicts:
-                provenance["protocol_duplicates"] = self.protocol_duplicates
-                provenance["protocol_conflicts"] = self.protocol_conflicts
-        elif self.protocol_duplicates or self.protocol_conflicts:
-            provenance = {
-                **(provenance or {}),
-                "on_conflict": self.policy,
-                "protocol_duplicates": self.protocol_duplicates,
-                "protocol_conflicts": self.protocol_conflicts,
-            }
-        with paused_gc():
-            return registry.write(
-                self.writes,
-                kind="import",
-                message=message[:2000],
-                provenance=provenance,
-                records=self.record_writes,
-                protocol_records=self.protocol_writes,
-            )
+        if sources is None:
+            sources = IngestSources((message,), provenance=provenance)
+        return IngestCommit.of("import", sources, self.counts).write(
+            registry,
+            self.writes,
+            records=self.record_writes,
+            protocol_records=self.protocol_writes,
+        )
 
     def preview(self, registry: RegistryAccess | None) -> WriteResult:
         """The counts ``execute`` would return on ``registry``'s current state; writes nothing.
@@ -326,6 +327,13 @@ def bundles_provenance(bundles: Sequence[tuple[str, Bundle]]) -> dict[str, Any]:
     }
 
 
+def bundle_sources(bundles: Sequence[tuple[str, Bundle]]) -> IngestSources:
+    """What an import of ``bundles`` names: each bundle's path, and each by digest."""
+    return IngestSources(
+        tuple(source for source, _ in bundles), provenance=bundles_provenance(bundles)
+    )
+
+
 def import_bundles(
     registry: RegistryAccess, bundles: Sequence[tuple[str, Bundle]], *, on_conflict: str = "keep"
 ) -> WriteResult:
@@ -334,11 +342,7 @@ def import_bundles(
     The commit's provenance names every bundle by digest. Importing the same
     bundles again changes nothing and makes no commit.
     """
-    return plan_bundle_import(bundles, on_conflict).execute(
-        registry,
-        message=", ".join(source for source, _ in bundles),
-        provenance=bundles_provenance(bundles),
-    )
+    return plan_bundle_import(bundles, on_conflict).execute(registry, bundle_sources(bundles))
 
 
 def plan_store_import(
@@ -364,6 +368,12 @@ def plan_store_import(
     )
 
 
+def store_sources(stores: Sequence[StoreContents]) -> IngestSources:
+    """What an import of v2 ``stores`` names: each store's path, and every environment
+    read (``v2_store.stores_provenance``)."""
+    return IngestSources(tuple(str(s.source) for s in stores), provenance=stores_provenance(stores))
+
+
 def import_stores(
     registry: RegistryAccess,
     stores: Sequence[StoreContents],
@@ -373,16 +383,13 @@ def import_stores(
 ) -> WriteResult:
     """Import every environment of ``stores`` as one commit (``v2_store.stores_provenance``)."""
     plan = plan_store_import(stores, scope=scope, policy=on_conflict)
-    return plan.execute(
-        registry,
-        message=", ".join(str(s.source) for s in stores),
-        provenance=stores_provenance(stores),
-    )
+    return plan.execute(registry, store_sources(stores))
 
 
 __all__ = [
     "ImportInput",
     "ImportPlan",
+    "bundle_sources",
     "bundles_provenance",
     "file_inputs",
     "import_bundles",
@@ -390,4 +397,5 @@ __all__ = [
     "plan_bundle_import",
     "plan_import",
     "plan_store_import",
+    "store_sources",
 ]

@@ -45,7 +45,9 @@ Invariants:
   from the removed one still conflicts with it and is dropped again.
 - The commit's provenance names the policy and every source with its kind,
   entry count and digest: the sha256 of a file's bytes; for a registry,
-  the sha256 of its content (``registry_digest``).
+  the sha256 of its content (``registry_digest``). Its message and
+  provenance are built from ``MergePlan.commit_sources`` by
+  ``ficache.ingest_commit``, as every ingest's commit is.
 - Namespaced records (``ficache.records``) merge under the same policies in
   the same plan and commit, planned by the same code (``ficache.kind_merge``
   over ``ENTRY_MERGE`` and ``RECORD_MERGE``, this module's descriptions): a
@@ -89,6 +91,7 @@ from ficache.errors import (
 from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import parse_cache_bytes, parse_key, read_cache_bytes
 from ficache.history import EntryValue
+from ficache.ingest_commit import IngestCommit, IngestSources
 from ficache.kind_merge import (
     ADDED,
     IDENTICAL,
@@ -530,6 +533,14 @@ class MergePlan:
     def provenance(self) -> dict[str, Any]:
         return {"policy": self.policy, "sources": [s.as_json() for s in self.sources]}
 
+    @property
+    def commit_sources(self) -> IngestSources:
+        """What the merge commit names (``ficache.ingest_commit``): the policy and every
+        source, each with its kind, counts and digest (``provenance``)."""
+        return IngestSources(
+            tuple(s.name for s in self.sources), f"merge ({self.policy}): ", self.provenance
+        )
+
     def as_json(self) -> dict[str, Any]:
         """The plan as JSON; ``protocol_records`` only when a source holds some."""
         out = {
@@ -582,18 +593,14 @@ class MergePlan:
                 records_unchanged=self.records.identical,
                 protocol_unchanged=self.protocol.identical,
             )
-        names = ", ".join(s.name for s in self.sources)
-        with paused_gc():
-            return registry.write(
-                self.writes,
-                kind="merge",
-                message=f"merge ({self.policy}): {names}"[:2000],
-                provenance=self.provenance,
-                removals=self.removals,
-                expected=self.expected,  # pairs: no dict to build (and hash) per entry
-                records=cast(RecordWrite, self.records.write),
-                protocol_records=cast(ProtocolWrite, self.protocol.write),
-            )
+        return IngestCommit.of("merge", self.commit_sources).write(
+            registry,
+            self.writes,
+            removals=self.removals,
+            expected=self.expected,  # pairs: no dict to build (and hash) per entry
+            records=cast(RecordWrite, self.records.write),
+            protocol_records=cast(ProtocolWrite, self.protocol.write),
+        )
 
 
 # --------------------------------------------------------------------------
