@@ -110,10 +110,13 @@ Invariants:
 - One adoption is one commit (kind ``import``), entries and records
   together, whose provenance names every file, layout and v2 environment it
   read and what it skipped; adopting the same tree again adds nothing and
-  makes no commit. The v2 environments are recorded by
-  ``v2_store.environments_provenance``, the shape an import of the store
-  records, so ``export --v2-store`` writes them back under their own
-  measurement policy (the same ``env_hash``).
+  makes no commit. It is written as an import of one input
+  (``AdoptionPlan.import_plan``), the plan its preview (``--dry-run``)
+  counts, so a dry run shows exactly what the run does; the commit's
+  message and provenance are built by ``ficache.ingest_commit``. The v2
+  environments are recorded by ``v2_store.environments_provenance``, the
+  shape an import of the store records, so ``export --v2-store`` writes
+  them back under their own measurement policy (the same ``env_hash``).
 - Several caches may hold one (fingerprint, scope, key), or one
   (fingerprint, scope, namespace, record key): the later one wins, in this
   order: single files, then per-rank files, then v2 stores (vLLM's own order
@@ -132,7 +135,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ficache import schema, sqlite_fast, tuned_time
 from ficache.deadline import DEFAULT_REGISTRY_TIMEOUT_S, registry_deadline
@@ -147,6 +150,7 @@ from ficache.ingest import (
     find_vllm_caches,
 )
 from ficache.ingest import import_hint as import_hint  # re-exported: its old home
+from ficache.ingest_commit import IngestSources
 from ficache.models import SHARED_SCOPE
 from ficache.protocol_records import NewProtocolRecord
 from ficache.records import NewRecord
@@ -161,6 +165,9 @@ from ficache.v2_store import (
     measurement_label,
     read_store,
 )
+
+if TYPE_CHECKING:
+    from ficache.importing import ImportPlan
 
 #: ``source`` of the provenance an adoption commit records.
 PROVENANCE_SOURCE = "vllm-cache"
@@ -420,26 +427,22 @@ class AdoptionPlan:
             provenance["skipped"] = [{"path": s.path, "reason": s.reason} for s in self.skipped]
         return provenance
 
-    def execute(
-        self, registry: Registry, *, provenance: Mapping[str, Any] | None = None
-    ) -> WriteResult:
-        """Store the entries and records as one ``import`` commit (``provenance`` is added)."""
-        if self.is_empty:
-            return WriteResult(None)
-        return registry.write(
-            self.entries,
-            kind="import",
-            message=f"adopted from {self.sources.engine_name}: {self.sources.display}"[:2000],
-            provenance={**dict(provenance or {}), **self.provenance()},
-            records=self.records,
-            protocol_records=self.protocol_records,
+    def commit_sources(self, provenance: Mapping[str, Any] | None = None) -> IngestSources:
+        """What the adoption's commit names: every root, and ``provenance`` (a server
+        start's) then what was found (``provenance()``)."""
+        roots = (*self.sources.roots, *self.sources.v2_roots)
+        return IngestSources(
+            tuple(str(p) for p in roots),
+            f"adopted from {self.sources.engine_name}: ",
+            {**dict(provenance or {}), **self.provenance()},
         )
 
-    def preview(self, registry: Registry | None) -> WriteResult:
-        """The counts ``execute`` would return on ``registry``'s current state; writes nothing.
+    def import_plan(self) -> ImportPlan:
+        """The adoption as an import of one input (``ficache.importing``): what ``preview``
+        shows and ``execute`` writes, so a dry run shows exactly what the run does.
 
-        Previewed as an import of one input (``ficache.importing``); ``registry``
-        None: a registry that does not exist yet (everything is added).
+        The input holds every identity once (the adoption resolved its own
+        conflicts, later caches winning), so the import adds no counts of its own.
         """
         from ficache.importing import ImportInput, plan_import
 
@@ -449,7 +452,22 @@ class AdoptionPlan:
             tuple(self.records),
             tuple(self.protocol_records),
         )
-        return plan_import([adopted]).preview(registry)
+        return plan_import([adopted])
+
+    def execute(
+        self, registry: Registry, *, provenance: Mapping[str, Any] | None = None
+    ) -> WriteResult:
+        """Store the entries and records as one ``import`` commit (``provenance`` is added),
+        through ``import_plan``, the plan ``preview`` shows."""
+        return self.import_plan().execute(registry, self.commit_sources(provenance))
+
+    def preview(self, registry: Registry | None) -> WriteResult:
+        """The counts ``execute`` would return on ``registry``'s current state; writes nothing.
+
+        ``import_plan``'s preview; ``registry`` None: a registry that does not
+        exist yet (everything is added).
+        """
+        return self.import_plan().preview(registry)
 
 
 # --------------------------------------------------------------------------

@@ -587,6 +587,106 @@ def test_cli_reports_adopted_and_ignored_records(
     assert stored_records(registry_db) == expected_records(tree)
 
 
+def held_values(db: str) -> tuple[set[tuple[Any, ...]], set[tuple[Any, ...]], set[tuple[Any, ...]]]:
+    """The values of every entry, record and protocol record ``db`` holds (read whole, as
+    ``merge`` reads a registry source)."""
+    from ficache.merge import open_source
+
+    held = open_source(db)
+    return values_of(held.entries, held.records, held.protocol_records)
+
+
+def values_of(
+    entries: Any, records: Any, protocol_records: Any
+) -> tuple[set[tuple[Any, ...]], set[tuple[Any, ...]], set[tuple[Any, ...]]]:
+    """``(fingerprint digest, scope, identity..., value...)`` of entries, records and
+    protocol records (when they were tuned left out)."""
+    return (
+        {
+            (e.fingerprint.digest, e.scope, e.key, e.runner, e.tactic_json, e.policy_json)
+            for e in entries
+        },
+        {(r.fingerprint.digest, r.scope, r.namespace, r.key, r.value_json) for r in records},
+        {
+            (p.fingerprint.digest, p.scope, p.namespace, p.key, p.value_json, p.policy_json)
+            for p in protocol_records
+        },
+    )
+
+
+#: The counts of an adoption's JSON report that say what its commit did.
+WRITE_COUNTS = (
+    "added",
+    "replaced",
+    "unchanged",
+    "records_added",
+    "records_replaced",
+    "records_unchanged",
+    "protocol_added",
+    "protocol_replaced",
+    "protocol_unchanged",
+)
+
+
+@pytest.mark.usefixtures("backend")
+def test_a_dry_run_counts_exactly_what_the_adoption_then_writes(
+    cli: Any, tmp_path: Path, registry_db: str, dump_db: Any
+) -> None:
+    """Per-rank files (with records) and a v2 store (with a protocol record) adopted into a
+    registry that holds some of their values already, others with other values: the dry
+    run's counts are the run's, and the registry then holds every value the plan listed."""
+    from dataclasses import replace
+
+    tree = records_tree(tmp_path)
+    plan = plan_adoption(Sources((tree["root"],)))
+    (entry_kept, entry_replaced), (protocol,) = plan.entries, plan.protocol_records
+    record_kept, record_replaced = plan.records[:2]
+    other = NewEntry(FP, gemm(999), "CutlassFp4GemmRunner", "1")
+    with Registry.open(registry_db) as reg:
+        reg.write(
+            [entry_kept, entry_replaced._replace(tactic_json="99"), other],
+            kind="import",
+            records=[record_kept, replace(record_replaced, value_json='"before"')],
+            protocol_records=[replace(protocol, value_json='"before"')],
+        )
+        previewed = plan.preview(reg)
+    before = dump_db(registry_db)
+
+    dry = cli("import", "--from-vllm", str(tree["root"]), "--dry-run", "--format", "json")
+    assert dump_db(registry_db) == before
+    run = cli("import", "--from-vllm", str(tree["root"]), "--format", "json")
+
+    assert (dry.exit_code, run.exit_code) == (0, 0), dry.output + run.output
+    dry_report, run_report = json.loads(dry.stdout), json.loads(run.stdout)
+    counts = {k: dry_report[k] for k in WRITE_COUNTS}
+    assert counts == {
+        "added": 0,
+        "replaced": 1,
+        "unchanged": 1,
+        "records_added": len(plan.records) - 2,
+        "records_replaced": 1,
+        "records_unchanged": 1,
+        "protocol_added": 0,
+        "protocol_replaced": 1,
+        "protocol_unchanged": 0,
+    }
+    assert {k: run_report[k] for k in WRITE_COUNTS} == counts
+    assert {k: getattr(previewed, k) for k in WRITE_COUNTS} == counts
+    # Apart from what it did, the two reports are one report.
+    assert {k: v for k, v in dry_report.items() if k not in ("commit", "dry_run")} == {
+        k: v for k, v in run_report.items() if k not in ("commit", "dry_run")
+    }
+    assert (dry_report["commit"], run_report["commit"]) == (None, 2)
+    entries, records, protocol_records = values_of(
+        plan.entries, plan.records, plan.protocol_records
+    )
+    assert held_values(registry_db) == (
+        entries | values_of([other], (), ())[0],
+        records,
+        protocol_records,
+    )
+
+
 def test_two_measurement_policies_of_one_fingerprint_keep_the_first(tmp_path: Path) -> None:
     write_v2_store(tmp_path / "a", {gemm(8): 1}, H200_METADATA)
     manifest = manifest_for(H200_METADATA, {"measure_execution_mode": "cuda_graph"})
