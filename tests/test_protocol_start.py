@@ -4,19 +4,22 @@ its block, on the v1 path (in memory) and the v2 path (in the managed store).
 2 and 4 real gloo ranks run ``tests/protocol_scenarios.py`` (a hard timeout
 kills them): a cold start on each path, then, in fresh processes, a warm
 start and a start after one protocol record was deleted behind the
-registry's back. One process covers the tuner adapter against FlashInfer's
+registry's back; on 2 ranks, a start whose rank 1 raises mid-block while
+rank 0 publishes. One process covers the tuner adapter against FlashInfer's
 public reads, a FlashInfer without protocol records, and replay mode.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 from pathlib import Path
 from typing import Any
 
 import protocol_scenarios
 import pytest
+from flashinfer_074 import require_protocol_records
 from gloo_scenarios import GROUP_TIMEOUT
 
 import ficache
@@ -28,20 +31,14 @@ from ficache.standin_protocol import standin_value as knob_value
 from ficache.tuner import FlashInferTuner
 from ficache.verify import verify
 
-
-def _has_protocol_records() -> bool:
-    from flashinfer.autotuner import AutoTuner
-
-    return hasattr(AutoTuner, "publish_protocol_record")
+pytestmark = pytest.mark.slow
 
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not _has_protocol_records(),
-        reason="FlashInfer 0.7.4 or newer has protocol records (tox -e test runs these)",
-    ),
-]
+@pytest.fixture(scope="module", autouse=True)
+def _flashinfer_with_protocol_records() -> None:
+    """Before any rank starts: skipped without FlashInfer's protocol records, failed under CI."""
+    require_protocol_records()
+
 
 #: Hang guard: every rank is killed after this long; never compared with a duration.
 HARD_TIMEOUT = 900.0
@@ -146,6 +143,45 @@ def test_ranks_other_than_0_serve_and_read_them_without_sqlalchemy(runs: Any) ->
     # Rank 0 committed the re-published records, so it did open the registry: the check sees
     # an import where one happened.
     assert "sqlalchemy" in later[0]["heavy_modules"]
+
+
+@pytest.fixture(scope="module")
+def raising(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("protocol-raise")
+    return _checked(
+        run_ranks(
+            protocol_scenarios.one_rank_raises_mid_block,
+            2,
+            str(root),
+            timeout=HARD_TIMEOUT,
+            group_timeout=GROUP_TIMEOUT,
+        )
+    )
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_rank_raising_mid_block_frees_its_peer_and_commits_nothing(
+    raising: list[dict[str, Any]], path: str
+) -> None:
+    # Every rank came back (run_ranks' hard timeout did not fire): all left the protocol.
+    for rank, out in enumerate(raising):
+        assert out[path]["report"]["protocol_committed"] == len(KEYS), out[path]  # the cold start
+        start = out[f"{path}_raise"]
+        report = start["report"]
+        if rank == 1:
+            assert start["exception"] == f"RuntimeError: {protocol_scenarios.BOOM}", start
+        else:
+            # Rank 0 published the deleted record in its block, then was freed from the
+            # tuning all-reduce its peer never joined.
+            assert start["published"] == 1, start
+            assert re.search("Connection (closed|reset) by peer", start["exception"]), start
+        assert report["reason"].startswith("nothing committed: rank 1 raised"), report
+        assert (report["committed"], report["protocol_committed"]) == (0, 0), report
+        assert report["commit_id"] is None, report
+    # Nothing committed: every commit, entry and protocol record row is as it was.
+    before, after = raising[0][f"{path}_before"], raising[0][f"{path}_after"]
+    assert after == before
+    assert (len(before["entries"]), len(before["protocol_records"])) == (0, len(KEYS) - 1)
 
 
 # -- one process ------------------------------------------------------------------------

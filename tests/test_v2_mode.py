@@ -3,8 +3,8 @@
 2 and 4 real gloo ranks run ``tests/v2_mode_scenarios.py`` (a hard timeout
 kills them); only CUDA timing is stood in (``ficache.standin_timing``). CI
 runs this file with FlashInfer 0.7.4 (``tox -e test``) and 0.7.2.post1
-(``tox -e vllm``). One process covers the bad input: a store that changes
-while the start reads it back.
+(``tox -e vllm``). One process covers the bad input: a store whose entry or
+protocol entry files change while the start reads it back.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import v2_mode_scenarios
-from gloo_scenarios import ALL, GROUP_TIMEOUT, registry_summary
+from gloo_scenarios import ALL, GROUP_TIMEOUT, _sql, registry_summary
 
 from ficache._ranks import run_ranks
 
@@ -136,7 +136,29 @@ def test_an_attached_store_is_replaced_and_reported(ranks: list[dict[str, Any]])
 # Bad input: a store root that changes while it is read.
 
 
-def test_a_store_that_changes_while_read_back_is_refused(tmp_path: Path) -> None:
+def _entry_file(n: int) -> tuple[str, str]:
+    """A key FlashInfer could have written (the stand-in's, with a new M) and its file's text."""
+    key = (
+        "('ficache::cpu_standin_matmul', 'CpuStandInMatmulRunner', "
+        f"(({1000 + n}, 128), (128, 128)), (torch.float32,))"
+    )
+    return key, json.dumps({"key": key, "runner": "CpuStandInMatmulRunner", "tactic": 1})
+
+
+def _protocol_entry_file(n: int) -> tuple[str, str]:
+    """A protocol record's entry key and file, as FlashInfer 0.7.4's
+    ``publish_protocol_record(..., persist=True)`` writes one (runner: the namespace)."""
+    from ficache.standin_protocol import NAMESPACE
+    from ficache.v2_store import protocol_file_key
+
+    key = protocol_file_key(NAMESPACE, json.dumps({"experts": 256, "m": n}))
+    return key, json.dumps({"key": key, "runner": NAMESPACE, "tactic": {"tile_n": 128}})
+
+
+@pytest.mark.parametrize(
+    "entry_file", [_entry_file, _protocol_entry_file], ids=["entries", "protocol-records"]
+)
+def test_a_store_that_changes_while_read_back_is_refused(tmp_path: Path, entry_file: Any) -> None:
     from flashinfer import autotune_v2
 
     from ficache.standin_timing import real_loop_tune
@@ -159,12 +181,7 @@ def test_a_store_that_changes_while_read_back_is_refused(tmp_path: Path) -> None
         while not stop.is_set():
             if n == 300:
                 busy.set()
-            # A key FlashInfer could have written (the stand-in's, with a new M).
-            key = (
-                "('ficache::cpu_standin_matmul', 'CpuStandInMatmulRunner', "
-                f"(({1000 + n}, 128), (128, 128)), (torch.float32,))"
-            )
-            text = json.dumps({"key": key, "runner": "CpuStandInMatmulRunner", "tactic": 1})
+            key, text = entry_file(n)
             (entries / entry_file_name(key)).write_text(text)
             n += 1
 
@@ -182,3 +199,4 @@ def test_a_store_that_changes_while_read_back_is_refused(tmp_path: Path) -> None
     assert report.reason is not None and "changed while it was read" in report.reason, report
     assert "\n" not in report.reason
     assert registry_summary(db) == before
+    assert _sql(db, "SELECT count(*) FROM protocol_records") == [(0,)]

@@ -30,6 +30,7 @@ from flashinfer.autotune_cache import (
     autotune_v2,
 )
 from flashinfer.autotuner import ProfilingCacheKey, _collect_metadata, _tactic_to_json
+from flashinfer_074 import require_protocol_records
 from samples import H200_METADATA
 
 from ficache.fingerprint import Fingerprint
@@ -822,6 +823,71 @@ def test_an_environment_written_while_it_is_read_is_skipped_whole(
     monkeypatch.setattr(v2_store, "_read_entry", read_entry)
     again = cli("import", root)
     assert again.exit_code == 0 and "1 added" in again.stdout, again.output
+
+
+def _publish_protocol_record(
+    store: ManagedAutotuneCache, namespace: str, key: str, value: Any
+) -> None:
+    """What FlashInfer's ``publish_protocol_record(..., persist=True)`` does to the active
+    store, done to ``store`` (an environment other than this process's)."""
+    from flashinfer.autotuner.autotuner import _protocol_cache_key
+
+    fields = _protocol_cache_key(namespace, key)
+    store.publish(str(fields), namespace, value, key_fields=fields)
+
+
+def test_an_environment_whose_protocol_records_change_while_read_is_skipped_whole(
+    cli, tmp_path: Path, registry_path: Path, dump_db, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As for entries: FlashInfer's store republishes one of an environment's protocol
+    records with another value (the file replaced in place) while that environment's entry
+    files are read: it is left out whole, with the same one line; the registry is unchanged."""
+    from ficache import v2_store
+
+    require_protocol_records()
+    root = tmp_path / "autotune"
+    publish_like_tuning(root, tuned=TUNED[:1])
+    busy_store = store_of(root, metadata=H200_METADATA)
+    for key, value in PROTOCOL_VALUES.items():
+        _publish_protocol_record(busy_store, "moe_ep_megamoe", key, value)
+    first = cli("import", root)
+    assert first.exit_code == 0 and "3 protocol records (shared): 3 added" in first.stdout
+    before = dump_db(registry_path)
+    read_entry = v2_store._read_entry
+    landed: list[Path] = []
+
+    def read_entry_while_another_process_publishes(path: Path) -> Any:
+        """Fault injection: another process republishes a protocol record of the H200
+        environment while its second entry file is read."""
+        if path.parent == busy_store.entries_dir and len(landed) < 2:
+            landed.append(path)
+            if len(landed) == 2:
+                store = store_of(root, metadata=H200_METADATA)
+                _publish_protocol_record(store, "moe_ep_megamoe", "tokens=128", {"knobs": [8]})
+        return read_entry(path)
+
+    monkeypatch.setattr(v2_store, "_read_entry", read_entry_while_another_process_publishes)
+    result = cli("import", root)
+
+    assert len(landed) == 2
+    assert result.exit_code == 0, result.output
+    assert result.stdout.endswith(
+        "imported 1 entries from 1 environment(s): 0 added, 0 replaced, 1 unchanged "
+        "(nothing new, no commit)\n"
+    ), result.stdout
+    assert "protocol record" not in result.stdout
+    assert result.stderr == (
+        "warning: skipped 1 environment(s) whose entries changed while they were read "
+        "(another process writes that store); import again once it is done; "
+        f"first: {busy_store.env_dir}: entries changed while it was read; nothing taken "
+        "from it (stop other writers to that store root)\n"
+    )
+    assert dump_db(registry_path) == before
+    # Once the writer is done, the same import takes the new value.
+    monkeypatch.setattr(v2_store, "_read_entry", read_entry)
+    again = cli("import", root)
+    assert again.exit_code == 0, again.output
+    assert "3 protocol records (shared): 0 added, 1 replaced, 2 unchanged" in again.stdout
 
 
 @pytest.fixture
