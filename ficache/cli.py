@@ -1,8 +1,9 @@
 """The ``ficache`` command line: a thin layer over the library.
 
 Invariants:
-- Each command opens the registry, calls the library, prints. Decisions
-  (what to prune, what an export holds) are made in the library.
+- Each command opens the registry (a ``db`` command its schema:
+  ``ficache.registry_schema``), calls the library, prints. Decisions (what to
+  prune, what an export holds) are made in the library.
 - Exit codes: 0 success, 1 error (one line on stderr, ``error: ...``; the
   traceback only with ``--debug``), 2 usage (click's own).
 - Destructive commands (``prune``, ``revert``, ``db downgrade``) build a plan,
