@@ -1,6 +1,6 @@
 """Hold SIGINT across the end of a commit, so a commit made is a commit known.
 
-``Registry._write`` calls ``held.start()`` as the last step inside its
+``Registry.transaction`` calls ``held.start()`` as the last step inside its
 transaction; from there until the ``with`` block ends (the database's
 COMMIT, then the registry telling its listeners the commit id) a Ctrl-C
 stays pending instead of raising ``KeyboardInterrupt`` halfway. It is

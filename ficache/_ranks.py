@@ -114,42 +114,62 @@ def run_ranks(
         for proc in procs:
             proc.start()
             started.append(proc)
-        deadline = time.monotonic() + timeout
-        for proc in procs:
-            proc.join(max(deadline - time.monotonic(), 0.0))
-        stuck = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
-        if stuck:
-            raise RanksTimeoutError(
-                f"rank(s) {', '.join(map(str, stuck))} of {world} still running after {timeout:g} s; killed"
-            )
-        failed = []
-        for rank in range(world):
-            err = os.path.join(outdir, f"rank{rank}.err")
-            if os.path.exists(err):
-                with open(err) as handle:
-                    failed.append((rank, handle.read()))
-            elif procs[rank].exitcode != 0:
-                failed.append((rank, f"exit code {procs[rank].exitcode}"))
-        if failed:
-            rank, text = failed[0]
-            others = (
-                f" (and rank(s) {', '.join(str(r) for r, _ in failed[1:])})"
-                if len(failed) > 1
-                else ""
-            )
-            raise RanksFailedError(f"rank {rank} of {world} failed{others}:\n{text}")
-        results = []
-        for rank in range(world):
-            with open(os.path.join(outdir, f"rank{rank}.pkl"), "rb") as handle:
-                results.append(pickle.load(handle))
-        return results
+        _join_within(procs, world, timeout)
+        _raise_first_failure(procs, world, outdir)
+        return _results(world, outdir)
     finally:
-        for proc in started:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in started:
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+        _stop(started)
         shutil.rmtree(outdir, ignore_errors=True)
+
+
+def _join_within(procs: list[Any], world: int, timeout: float) -> None:
+    """Wait for every process, at most ``timeout`` seconds in all; ``RanksTimeoutError``
+    naming the ranks still running after that (the caller kills them)."""
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        proc.join(max(deadline - time.monotonic(), 0.0))
+    stuck = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+    if stuck:
+        raise RanksTimeoutError(
+            f"rank(s) {', '.join(map(str, stuck))} of {world} still running after {timeout:g} s; killed"
+        )
+
+
+def _raise_first_failure(procs: list[Any], world: int, outdir: str) -> None:
+    """``RanksFailedError`` with the first failed rank's traceback (or exit code), naming
+    the other failed ranks; nothing when every rank succeeded."""
+    failed = []
+    for rank in range(world):
+        err = os.path.join(outdir, f"rank{rank}.err")
+        if os.path.exists(err):
+            with open(err) as handle:
+                failed.append((rank, handle.read()))
+        elif procs[rank].exitcode != 0:
+            failed.append((rank, f"exit code {procs[rank].exitcode}"))
+    if failed:
+        rank, text = failed[0]
+        others = (
+            f" (and rank(s) {', '.join(str(r) for r, _ in failed[1:])})" if len(failed) > 1 else ""
+        )
+        raise RanksFailedError(f"rank {rank} of {world} failed{others}:\n{text}")
+
+
+def _results(world: int, outdir: str) -> list[Any]:
+    """Each rank's pickled return value, in rank order."""
+    results = []
+    for rank in range(world):
+        with open(os.path.join(outdir, f"rank{rank}.pkl"), "rb") as handle:
+            results.append(pickle.load(handle))
+    return results
+
+
+def _stop(started: list[Any]) -> None:
+    """Terminate every started process still running, then kill what outlives 5 s."""
+    for proc in started:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in started:
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)

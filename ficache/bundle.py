@@ -300,6 +300,36 @@ def render_bundle(
     wins, as in ``Registry.write``.
     """
     by_digest: dict[str, Fingerprint] = {fp.digest: fp for fp in fingerprints}
+    unique = _canonical_entries(entries, by_digest)
+    ordered = [unique[k] for k in sorted(unique)]
+    ops = [(e.fields or parse_key(e.key)).op for e in ordered]
+    recs: Records = {
+        digest: {
+            scope: {ns: dict(values) for ns, values in by_ns.items()}
+            for scope, by_ns in scopes.items()
+        }
+        for digest, scopes in (records or {}).items()
+    }
+    protocol = _canonical_protocol_records(protocol_records, by_digest)
+    unknown = sorted(set(recs) - set(by_digest))
+    if unknown:
+        raise ValueError(f"records of fingerprint {unknown[0]} with no Fingerprint given")
+    used = {k[0] for k in unique} | set(recs) | {k[0] for k in protocol}
+    return _render(
+        {d: by_digest[d] for d in sorted(used)},
+        ordered,
+        ops,
+        recs,
+        [protocol[k] for k in sorted(protocol)],
+    )
+
+
+def _canonical_entries(
+    entries: Iterable[NewEntry], by_digest: dict[str, Fingerprint]
+) -> dict[tuple[str, str, str], NewEntry]:
+    """``(digest, scope, key) -> entry`` with its tactic, policy and selection as canonical
+    JSON, a later duplicate winning; each entry's fingerprint added to ``by_digest``.
+    An entry without ``tuned_at`` is ``ValueError``."""
     unique: dict[tuple[str, str, str], NewEntry] = {}
     for e in entries:
         if e.tuned_at is None:
@@ -317,15 +347,15 @@ def render_bundle(
             float(e.tuned_at),
             selection_json(json.loads(e.selection_json)) if e.selection_json is not None else None,
         )
-    ordered = [unique[k] for k in sorted(unique)]
-    ops = [(e.fields or parse_key(e.key)).op for e in ordered]
-    recs: Records = {
-        digest: {
-            scope: {ns: dict(values) for ns, values in by_ns.items()}
-            for scope, by_ns in scopes.items()
-        }
-        for digest, scopes in (records or {}).items()
-    }
+    return unique
+
+
+def _canonical_protocol_records(
+    protocol_records: Iterable[NewProtocolRecord], by_digest: dict[str, Fingerprint]
+) -> dict[tuple[str, str, str, str], NewProtocolRecord]:
+    """``(digest, scope, namespace, key) -> protocol record`` with its value and policy as
+    canonical JSON, a later duplicate winning; each record's fingerprint added to
+    ``by_digest``. A protocol record without ``tuned_at`` is ``ValueError``."""
     protocol: dict[tuple[str, str, str, str], NewProtocolRecord] = {}
     for r in protocol_records:
         if r.tuned_at is None:
@@ -341,17 +371,7 @@ def render_bundle(
             r.scope,
             float(r.tuned_at),
         )
-    unknown = sorted(set(recs) - set(by_digest))
-    if unknown:
-        raise ValueError(f"records of fingerprint {unknown[0]} with no Fingerprint given")
-    used = {k[0] for k in unique} | set(recs) | {k[0] for k in protocol}
-    return _render(
-        {d: by_digest[d] for d in sorted(used)},
-        ordered,
-        ops,
-        recs,
-        [protocol[k] for k in sorted(protocol)],
-    )
+    return protocol
 
 
 # --------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The ``ficache`` command line: a thin layer over the library.
 
 Invariants:
-- Each command opens the registry, calls the library, prints. Decisions
-  (what to prune, what an export holds) are made in the library.
+- Each command opens the registry (a ``db`` command its schema:
+  ``ficache.registry_schema``), calls the library, prints. Decisions (what to
+  prune, what an export holds) are made in the library.
 - Exit codes: 0 success, 1 error (one line on stderr, ``error: ...``; the
   traceback only with ``--debug``), 2 usage (click's own).
 - Destructive commands (``prune``, ``revert``, ``db downgrade``) build a plan,
@@ -97,6 +98,18 @@ class _Context:
             self.note_created(reg.location, new_dirs)
         reg.commit_listeners.append(self._made)
         return reg
+
+    def registry_schema(self, *, create: bool) -> Any:
+        """The registry's schema, opened for a ``db`` command (``ficache.registry_schema``)."""
+        from ficache import schema
+        from ficache.registry_schema import RegistrySchema
+
+        path = schema.resolve(self.db).path if create else None
+        new_dirs = _missing_parents(path) if path is not None else []
+        target = RegistrySchema.open(self.db, create=create)
+        if target.created:
+            self.note_created(target.location, new_dirs)
+        return target
 
     def note_created(self, location: Any, new_dirs: list[Path]) -> None:
         """Say (once, on stderr) that this command created the SQLite registry at ``location``."""
@@ -550,7 +563,38 @@ def _fingerprints_table(summaries: Sequence[Any], *, wide: bool) -> str:
 # -- import / export -----------------------------------------------------------
 
 
-@cli.command("import")
+#: ``ficache import``'s help text (``import_cmd``).
+IMPORT_HELP = """Import FlashInfer autotune cache files, or ficache bundles, all of them as one commit.
+
+Every file is read and validated first: one invalid file imports nothing.
+A bundle (from `export --bundle`) is recognised by its content and keeps
+its own fingerprints, scopes and tuning times.
+
+A key two inputs hold is imported once: a duplicate when they agree, a
+conflict settled by --on-conflict (merge's rule) when they do not. The
+summary counts every input entry once: added, replaced, unchanged,
+duplicates, conflicts. --dry-run prints it and changes nothing.
+
+A directory is a FlashInfer v2 store (`autotune_v2`): its root, or one
+environment directory under root/v2/. Every environment is imported with
+its fingerprint and measurement policy; malformed entries are skipped and
+counted, as FlashInfer treats them as misses; protocol records (FlashInfer
+0.7.4+) are stored as protocol records, shared, apart from _records.
+
+--from-vllm adopts what vLLM already tuned: its autotune files (one per
+deployment in vLLM 0.27-0.31, one per rank since 0.32) and its v2 store.
+Entries and namespaced records (_records) equal on every rank of a
+deployment are stored shared, the rest scoped to their rank; unreadable
+files are skipped and counted.
+
+--from-sglang adopts SGLang's own per-rank files (runs/ included), each TP
+group of a deployment (one pipeline stage, one data-parallel replica) as
+one layout, by the same rule; files whose _metadata says "unknown", temp
+files and symlinks that leave ROOT are skipped and counted.
+"""
+
+
+@cli.command("import", help=IMPORT_HELP)
 @click.argument("files", nargs=-1, type=click.Path(path_type=Path))
 @click.option(
     "--fingerprint",
@@ -617,33 +661,9 @@ def import_cmd(
     dry_run: bool,
     fmt: str,
 ) -> None:
-    """Import FlashInfer autotune cache files, or ficache bundles, all of them as one commit.
+    """``ficache import``: parse, prepare the request's kind of import, run it, render it.
 
-    Every file is read and validated first: one invalid file imports nothing.
-    A bundle (from `export --bundle`) is recognised by its content and keeps
-    its own fingerprints, scopes and tuning times.
-
-    A key two inputs hold is imported once: a duplicate when they agree, a
-    conflict settled by --on-conflict (merge's rule) when they do not. The
-    summary counts every input entry once: added, replaced, unchanged,
-    duplicates, conflicts. --dry-run prints it and changes nothing.
-
-    A directory is a FlashInfer v2 store (`autotune_v2`): its root, or one
-    environment directory under root/v2/. Every environment is imported with
-    its fingerprint and measurement policy; malformed entries are skipped and
-    counted, as FlashInfer treats them as misses; protocol records (FlashInfer
-    0.7.4+) are stored as protocol records, shared, apart from _records.
-
-    --from-vllm adopts what vLLM already tuned: its autotune files (one per
-    deployment in vLLM 0.27-0.31, one per rank since 0.32) and its v2 store.
-    Entries and namespaced records (_records) equal on every rank of a
-    deployment are stored shared, the rest scoped to their rank; unreadable
-    files are skipped and counted.
-
-    --from-sglang adopts SGLang's own per-rank files (runs/ included), each TP
-    group of a deployment (one pipeline stage, one data-parallel replica) as
-    one layout, by the same rule; files whose _metadata says "unknown", temp
-    files and symlinks that leave ROOT are skipped and counted.
+    Its help text is ``IMPORT_HELP`` (too long for a docstring of a short function).
     """
     from ficache import import_request as ir
     from ficache import ingest
@@ -663,7 +683,15 @@ def import_cmd(
     if kind == ingest.BUNDLE:
         _run_import(obj, fmt, ir.prepare_bundle_import(request), "bundle", dry_run)
         return
-    with _import_usage(), _progress(files, "reading files") as items:
+    _import_files(obj, request, dry_run, fmt)
+
+
+def _import_files(obj: _Context, request: Any, dry_run: bool, fmt: str) -> None:
+    """``import`` of FlashInfer files: read them (with progress), plan, preview or execute,
+    report, then the notes and warnings of the reading."""
+    from ficache import import_request as ir
+
+    with _import_usage(), _progress(request.files, "reading files") as items:
         read = ir.read_file_import(request, items)
     prepared = read.early_plan()
     with _import_registry(obj, dry_run) as reg:
@@ -1169,24 +1197,17 @@ def export_cmd(
         raise click.UsageError("--all needs --bundle FILE")
     if len(fingerprint_refs) != 1:
         raise click.UsageError("give one --fingerprint ID|current (several need --bundle FILE)")
+    from ficache.exporting import export_file
+
     [fingerprint_ref] = fingerprint_refs
     with obj.registry(create=False, write=False) as reg:
-        if fingerprint_ref == "current":
-            from ficache.fingerprint import collect
-
-            current = collect()
-            text, count = reg.export_for(current, scope=scope)
-            ids = [i.id for i in reg.serving(current)]
-        else:
-            info = reg.fingerprint(fingerprint_ref)
-            text, count = reg.export_text(info.id, scope=scope)
-            ids = [info.id]
-        scope_note = _unstored_scope_note(reg, ids, scope)
+        export = export_file(reg, fingerprint_ref, scope=scope)
+        scope_note = _unstored_scope_note(reg, export.fingerprint_ids, scope)
     if output is None:
-        click.echo(text, nl=False)
+        click.echo(export.text, nl=False)
     else:
-        _write_output(output, text.encode("utf-8"))
-        click.echo(f"wrote {count} entries to {_output_name(output)}", err=True)
+        _write_output(output, export.text.encode("utf-8"))
+        click.echo(f"wrote {export.entries} entries to {_output_name(output)}", err=True)
     if scope_note:
         click.echo(scope_note, err=True)
 
@@ -1237,7 +1258,7 @@ def _export_v2_store(
     obj: _Context, root: Path, fingerprint_ref: str, scope: str, measurement_spec: str | None
 ) -> None:
     """``export --v2-store``: the library plans and writes, the CLI prints."""
-    from ficache.exporting import plan_v2_export
+    from ficache.exporting import plan_v2_export, source_fingerprint_ids
     from ficache.v2_store import measurement_label, parse_measurement_policy
 
     measurement = (
@@ -1245,12 +1266,7 @@ def _export_v2_store(
     )
     with obj.registry(create=False, write=False) as reg:
         export = plan_v2_export(reg, fingerprint_ref, scope=scope, measurement=measurement)
-        if fingerprint_ref == "current":
-            from ficache.fingerprint import collect
-
-            ids = [i.id for i in reg.serving(collect())]
-        else:
-            ids = [reg.fingerprint(fingerprint_ref).id]
+        ids = source_fingerprint_ids(reg, fingerprint_ref)
         scope_note = _unstored_scope_note(reg, ids, scope)
     result = export.write(root)
     lazy = (
@@ -2277,45 +2293,13 @@ def db_group() -> None:
     """Schema revisions of the registry (Alembic)."""
 
 
-def _schema_engine(obj: _Context, *, create: bool) -> tuple[Any, Any]:
-    from ficache import schema
-
-    location = schema.resolve(obj.db)
-    new = create and schema.is_new_sqlite_file(location)
-    new_dirs = _missing_parents(location.path) if new and location.path is not None else []
-    engine, _readonly = schema.make_engine(location, create=create)
-    if new and location.path is not None:
-        obj.note_created(location, new_dirs)
-    return location, engine
-
-
-def _checked_revision(engine: Any, location: Any) -> str | None:
-    """The registry's revision (``schema.check_revision``); a database error is one line."""
-    from sqlalchemy.exc import DatabaseError
-
-    from ficache import schema
-
-    try:
-        with engine.connect() as conn:
-            return schema.check_revision(conn, location)
-    except DatabaseError as exc:  # a server that cannot be reached, say
-        raise schema.translate_operational_error(exc, location) from None
-
-
 @db_group.command("current")
 @pass_ctx
 def db_current(obj: _Context) -> None:
     """Print the registry's schema revision and this ficache's head."""
-    from ficache import schema
-
-    location, engine = _schema_engine(obj, create=False)
-    try:
-        revision = _checked_revision(engine, location)
-    finally:
-        engine.dispose()
-    head = schema.head_revision()
-    state = "up to date" if revision == head else ("empty" if revision is None else "needs upgrade")
-    click.echo(f"{revision or '(none)'} (head {head}: {state})")
+    with obj.registry_schema(create=False) as target:
+        at = target.revision()
+    click.echo(f"{at.revision or '(none)'} (head {at.head}: {at.state})")
 
 
 @db_group.command("history")
@@ -2331,16 +2315,9 @@ def db_history() -> None:
 @pass_ctx
 def db_upgrade(obj: _Context, revision: str) -> None:
     """Upgrade (or create) the registry's schema to REVISION (default head)."""
-    from ficache import schema
-
-    location, engine = _schema_engine(obj, create=True)
-    try:
-        schema.upgrade(engine, location, revision)
-        with engine.connect() as conn:
-            now = schema.current_revision(conn)
-    finally:
-        engine.dispose()
-    click.echo(f"registry {location.display} is at {now}")
+    with obj.registry_schema(create=True) as target:
+        now = target.upgrade(revision)
+    click.echo(f"registry {target.location.display} is at {now}")
 
 
 @db_group.command("downgrade")
@@ -2354,13 +2331,10 @@ def db_downgrade(obj: _Context, revision: str, dry_run: bool, yes: bool) -> None
     The plan lists each revision undone and what it drops, counted from the
     registry; upgrading again does not bring dropped data back.
     """
-    from ficache import schema
-
-    location, engine = _schema_engine(obj, create=False)
-    try:
-        plan = schema.plan_downgrade(engine, location, revision)
+    with obj.registry_schema(create=False) as target:
+        plan = target.plan_downgrade(revision)
         click.echo(
-            f"downgrade plan: {location.display} from {plan.current} to {revision}"
+            f"downgrade plan: {target.location.display} from {plan.current} to {revision}"
             + (" (drops all stored entries)" if revision == "base" else "")
         )
         for step in plan.steps:
@@ -2368,10 +2342,8 @@ def db_downgrade(obj: _Context, revision: str, dry_run: bool, yes: bool) -> None
         if plan.loses_data:
             click.echo("upgrading again does not bring back what a step drops")
         _confirm_or_stop(f"Downgrade to {revision}?", dry_run=dry_run, yes=yes)
-        plan.execute(engine)
-    finally:
-        engine.dispose()
-    click.echo(f"registry {location.display} is at {revision}")
+        target.downgrade(plan)
+    click.echo(f"registry {target.location.display} is at {revision}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -4,7 +4,9 @@ This module owns the registry side of ``export``: which stored fingerprints,
 entries and records an export holds, read from the registry and handed to a
 format module (``ficache.bundle``, ``ficache.v2_store``) as plain data; the
 format module turns that data into bytes and files and never opens a
-registry. (A FlashInfer file is ``Registry.export_for`` / ``export_text``.)
+registry. A FlashInfer file is ``export_file``: which stored fingerprints it
+is taken from (one given, or those serving ``"current"``), rendered by
+``Registry.export_for`` / ``export_text`` (``ficache.file_export``).
 
 Invariants:
 - It only reads the registry: an export never writes to it.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from ficache.bundle import BundleSummary, Records, encode_bundle, publish_bundle
@@ -36,6 +39,49 @@ from ficache.protocol_records import NewProtocolRecord, protocol_values, stored_
 from ficache.records import record_values
 from ficache.registry import NewEntry, Registry, validate_scope
 from ficache.v2_store import StoreExport, export_measurement, measurements_in, store_export
+
+
+@dataclass(frozen=True)
+class FileExport:
+    """A FlashInfer cache file ``export`` writes: its text, its number of entries, and the
+    stored fingerprints it was taken from."""
+
+    text: str
+    entries: int
+    fingerprint_ids: tuple[int, ...]
+
+
+def export_file(
+    registry: Registry, fingerprint: int | str, *, scope: str = SHARED_SCOPE
+) -> FileExport:
+    """The FlashInfer cache file of a stored fingerprint (id or digest prefix) or ``"current"``.
+
+    For ``"current"`` (``ficache.fingerprint.collect``) the entries come from
+    every stored fingerprint that serves this environment, under its own
+    ``_metadata`` (``Registry.export_for``; none serving it is
+    ``NotFoundError``); else from that fingerprint alone, under its own.
+    """
+    if fingerprint == "current":
+        from ficache.fingerprint import collect
+
+        current = collect()
+        text, count = registry.export_for(current, scope=scope)
+        ids = [i.id for i in registry.serving(current)]
+    else:
+        info = registry.fingerprint(fingerprint)
+        text, count = registry.export_text(info.id, scope=scope)
+        ids = [info.id]
+    return FileExport(text, count, tuple(ids))
+
+
+def source_fingerprint_ids(registry: Registry, fingerprint: int | str) -> list[int]:
+    """The stored fingerprints an export of ``fingerprint`` (an id, a digest prefix or
+    ``"current"``: those serving this environment) takes its entries from."""
+    if fingerprint == "current":
+        from ficache.fingerprint import collect
+
+        return [i.id for i in registry.serving(collect())]
+    return [registry.fingerprint(fingerprint).id]
 
 
 def write_bundle(
@@ -169,4 +215,12 @@ def _slice_protocol(
     return [row for _order, row in sorted(best.values(), key=lambda b: b[1][:2])]
 
 
-__all__ = ["bundle_bytes", "plan_v2_export", "recorded_measurements", "write_bundle"]
+__all__ = [
+    "FileExport",
+    "bundle_bytes",
+    "export_file",
+    "plan_v2_export",
+    "recorded_measurements",
+    "source_fingerprint_ids",
+    "write_bundle",
+]

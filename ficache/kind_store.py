@@ -19,7 +19,7 @@ namespaced records alike:
 It owns SQL over a kind's two tables and the commit row; it does not own the
 transaction, its retries or the registry's location (``ficache.registry``),
 validation of a kind's values (``ficache.records`` for records), or plans
-(``revert``, ``merge``, ``Registry.plan_prune``).
+(``revert``, ``merge``, ``ficache.prune``).
 
 Invariants:
 - Nothing here commits or rolls back: a caller raising after ``stage`` leaves

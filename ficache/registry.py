@@ -1,4 +1,4 @@
-"""The registry: a facade over its reads, and transactional commits, prune (revert plans: ``ficache.revert``).
+"""The registry: a facade over its reads, and transactional commits (plans: ``ficache.prune``, ``ficache.revert``).
 
 Invariants:
 - Every write is one transaction that adds exactly one ``commits`` row with
@@ -40,8 +40,13 @@ Invariants:
 
 Structure: ``Registry`` is a facade. It owns opening and closing a registry,
 its connections, turning a database error into one line, and the write
-machinery (``write``, prune plans, revert). Each read concern lives in a
-module of its own that takes an open connection and never imports this one:
+machinery: ``transaction`` (the write lock, retries, a ``once_token``'s
+lookup, commit listeners) and ``write`` (each kind prepared, staged and
+applied in one commit through ``ficache.kind_store``). Prune plans and their
+execution are ``ficache.prune``'s (``PrunePlan``, ``PruneGroup`` re-exported
+here; ``plan_prune`` delegates); revert plans ``ficache.revert``'s. Each
+read concern lives in a module of its own that takes an open connection and
+never imports this one:
 ``ficache.stored_fingerprints`` (``fingerprints``, ``fingerprint``,
 ``serving``), ``ficache.stored_entries`` (``entries``, ``slice_rows``,
 ``slice_records``, ``entry_values``), ``ficache.file_export``
@@ -51,8 +56,9 @@ value types (``FingerprintInfo``, ``StoredEntry``, ``Stats``) are re-exported
 here. The value types a write takes and returns (``NewEntry``,
 ``WriteResult``, ``CommitInfo``, scopes) live in ``ficache.values`` and are
 re-exported here. The modules this one's facade methods call
-(``import_cache``: ``ficache.importing``; ``revert``: ``ficache.revert``) take
-the registry typed as ``ficache.registry_access.RegistryAccess`` and never
+(``import_cache``: ``ficache.importing``; ``revert``: ``ficache.revert``;
+``plan_prune``: ``ficache.prune``, as its ``PruneTarget``) take the registry
+typed as ``ficache.registry_access.RegistryAccess`` and never
 import this module, so there is no import cycle (``tests/test_structure.py``).
 """
 
@@ -60,20 +66,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import (
-    Connection,
-    Engine,
-    func,
-)
+from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DatabaseError, OperationalError
 
 from ficache import (
     commit_log,
     file_export,
     kind_store,
+    prune,
     registry_stats,
     schema,
     stored_entries,
@@ -84,8 +88,6 @@ from ficache import records as rec
 from ficache._gcpause import paused_gc
 from ficache._interrupts import HeldInterrupts
 from ficache.errors import (
-    ConflictError,
-    FicacheError,
     RegistryBusyError,
     RegistryReadOnlyError,
     SchemaTooNewError,
@@ -93,12 +95,12 @@ from ficache.errors import (
 from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import CacheFile
 from ficache.kind_store import COMMIT_KINDS as COMMIT_KINDS  # re-exported
-from ficache.kinds import ENTRY_KIND, PROTOCOL_KIND, RECORD_KIND, STORED_KINDS, Kind
+from ficache.kinds import ENTRY_KIND, PROTOCOL_KIND, RECORD_KIND, STORED_KINDS
 from ficache.models import (
     ENTRY_VALUE_COLUMNS,
     SHARED_SCOPE,
 )
-from ficache.models import FINGERPRINTS as F
+from ficache.prune import PruneGroup, PrunePlan
 from ficache.registry_stats import Stats
 from ficache.stored_entries import StoredEntry
 from ficache.stored_fingerprints import MAX_ROW_ID as MAX_ROW_ID  # re-exported
@@ -120,64 +122,6 @@ T = TypeVar("T")
 WRITE_ATTEMPTS = 4
 
 
-@dataclass(frozen=True)
-class PruneGroup:
-    fingerprint_id: int
-    gpu: str
-    flashinfer_version: str
-    scope: str
-    entries: int
-    records: int = 0  # namespaced records (``ficache.records``) of the group
-    protocol_records: int = 0  # FlashInfer 0.7.4's protocol records of the group
-
-
-@dataclass(frozen=True)
-class PrunePlan:
-    """What a prune would remove; compare plans with ``==``, run ``execute``.
-
-    ``total`` counts entries, ``records_total`` namespaced records: a prune
-    removes the records that match its criteria with the entries (see
-    ``Registry.plan_prune``). ``execute`` refuses a registry other than
-    ``target``, the one it was planned on.
-    """
-
-    target: str  # the registry planned on (``Location.display``)
-    criteria: tuple[tuple[str, str], ...]
-    groups: tuple[PruneGroup, ...]
-    entry_versions: tuple[tuple[int, int], ...] = field(repr=False)  # (entry id, commit id)
-    #: (record id, commit id) of the records it removes.
-    record_versions: tuple[tuple[int, int], ...] = field(default=(), repr=False)
-    #: (protocol record id, commit id) of the protocol records it removes.
-    protocol_versions: tuple[tuple[int, int], ...] = field(default=(), repr=False)
-
-    @property
-    def total(self) -> int:
-        return len(self.entry_versions)
-
-    @property
-    def records_total(self) -> int:
-        return len(self.record_versions)
-
-    @property
-    def protocol_total(self) -> int:
-        return len(self.protocol_versions)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.entry_versions and not self.record_versions and not self.protocol_versions
-
-    def versions(self, kind: Kind) -> tuple[tuple[int, int], ...]:
-        """``(row id, commit id)`` of the rows of ``kind`` the plan removes."""
-        return {
-            ENTRY_KIND.name: self.entry_versions,
-            RECORD_KIND.name: self.record_versions,
-            PROTOCOL_KIND.name: self.protocol_versions,
-        }[kind.name]
-
-    def execute(self, registry: Registry) -> WriteResult:
-        return registry._execute_prune(self)
-
-
 class _NothingToWrite(Exception):
     """Raised inside a write transaction to roll it back with a result."""
 
@@ -185,47 +129,103 @@ class _NothingToWrite(Exception):
         self.result = result
 
 
-def _prune_conditions(
-    fingerprint_ids: Sequence[int],
-    flashinfer_versions: Sequence[str],
-    older_than_seconds: float | None,
-    scope: str | None,
-    unused_for_seconds: float | None,
-    now: float,
-) -> tuple[list[Callable[[Any], Any]], list[tuple[str, str]]]:
-    """``Registry.plan_prune``'s criteria as conditions on a kind's table (joined with its
-    fingerprint), and as the ``(name, value)`` pairs the plan shows."""
-    criteria: list[tuple[str, str]] = []
-    # Each criterion as a condition on a table of rows with fingerprint_id,
-    # scope and updated_at (entries, records), joined with its fingerprint.
-    conditions: list[Callable[[Any], Any]] = []
-    if fingerprint_ids:
-        ids = list(fingerprint_ids)
-        conditions.append(lambda t: t.c.fingerprint_id.in_(ids))
-        criteria.append(("fingerprint", ",".join(map(str, sorted(fingerprint_ids)))))
-    if flashinfer_versions:
-        versions_in = F.c.flashinfer_version.in_(list(flashinfer_versions))
-        conditions.append(lambda t: versions_in)
-        criteria.append(("flashinfer_version", ",".join(sorted(flashinfer_versions))))
-    if older_than_seconds is not None:
-        written_before = now - older_than_seconds
-        conditions.append(lambda t: t.c.updated_at < written_before)
-        criteria.append(("older_than_seconds", f"{older_than_seconds:g}"))
-    if scope is not None:
-        wanted_scope = validate_scope(scope)
-        conditions.append(lambda t: t.c.scope == wanted_scope)
-        criteria.append(("scope", scope))
-    if unused_for_seconds is not None:
-        used_before = now - unused_for_seconds
-        unused = func.coalesce(F.c.last_served_at, F.c.created_at) < used_before
-        conditions.append(lambda t: unused)
-        shown = (
-            f"{unused_for_seconds:.0f}"
-            if float(unused_for_seconds).is_integer()
-            else f"{unused_for_seconds:g}"
-        )
-        criteria.append(("unused_for_seconds", shown))
-    return conditions, criteria
+@dataclass(frozen=True)
+class _CommitHeader:
+    """What a write's commit row says of it besides its counts (``kind_store.new_commit``)."""
+
+    kind: str
+    message: str | None
+    world_size: int | None
+    layout: str | None
+    provenance: dict[str, Any] | None
+    reverts_commit_id: int | None
+
+
+def _validated_record_writes(
+    records: rec.RecordWrite | Iterable[rec.NewRecord],
+    protocol_records: proto.ProtocolWrite | Iterable[proto.NewProtocolRecord],
+) -> tuple[rec.RecordWrite, proto.ProtocolWrite]:
+    """``write``'s records and protocol records as the writes they are, each validated
+    (``RecordError`` before anything is written)."""
+    record_write = (
+        records if isinstance(records, rec.RecordWrite) else rec.RecordWrite(tuple(records))
+    )
+    record_write.validate()
+    protocol_write = (
+        protocol_records
+        if isinstance(protocol_records, proto.ProtocolWrite)
+        else proto.ProtocolWrite(tuple(protocol_records))
+    )
+    protocol_write.validate()
+    return record_write, protocol_write
+
+
+def _prepared_kinds(
+    entries: Iterable[NewEntry],
+    removals: Iterable[tuple[Fingerprint, str, str]],
+    expected: Expected | None,
+    record_write: rec.RecordWrite,
+    protocol_write: proto.ProtocolWrite,
+) -> tuple[kind_store.Prepared, ...]:
+    """Each stored kind's part of a write, keyed and checked before its transaction
+    (``kind_store.prepare``), in ``kinds.STORED_KINDS`` order."""
+    return (
+        kind_store.prepare(ENTRY_KIND, entries, removals, expected),
+        kind_store.prepare(
+            RECORD_KIND, record_write.records, record_write.removals, record_write.expected
+        ),
+        kind_store.prepare(
+            PROTOCOL_KIND,
+            protocol_write.records,
+            protocol_write.removals,
+            protocol_write.expected,
+        ),
+    )
+
+
+def _stage_and_commit(
+    prepared: Sequence[kind_store.Prepared],
+    header: _CommitHeader,
+    keep_existing: bool,
+    conn: Connection,
+) -> WriteResult:
+    """Under the write lock: every kind's write staged against the current rows, then one
+    commit row and each kind's changes applied (``ficache.kind_store``). Raises
+    ``_NothingToWrite`` (rolling the transaction back) when nothing would change."""
+    now = time.time()
+    fids = kind_store.FingerprintIds(conn, now)
+    staged = [kind_store.stage(conn, p, fids, keep_existing=keep_existing) for p in prepared]
+    if not any(s.changed for s in staged):
+        raise _NothingToWrite(_unchanged_result(staged))
+    commit_id = kind_store.new_commit(
+        conn,
+        now,
+        header.kind,
+        staged,
+        message=header.message,
+        world_size=header.world_size,
+        layout=header.layout,
+        provenance=header.provenance,
+        reverts_commit_id=header.reverts_commit_id,
+    )
+    for s in staged:
+        kind_store.apply(conn, s, commit_id, now)
+    return WriteResult(
+        commit_id, shared_written=staged[0].shared_written, **kind_store.result_counts(staged)
+    )
+
+
+def _unchanged_result(staged: Sequence[kind_store.Staged]) -> WriteResult:
+    """The result of a write that changes nothing: no commit, what was unchanged and kept."""
+    counts = kind_store.result_counts(staged)
+    return WriteResult(
+        None,
+        **{
+            k.result_field(what): counts[k.result_field(what)]
+            for k in STORED_KINDS
+            for what in ("unchanged", "kept")
+        },
+    )
 
 
 class Registry:
@@ -249,7 +249,7 @@ class Registry:
         #: True when ``open`` created this registry's SQLite file (``schema.is_new_sqlite_file``).
         self.created = False
         #: ``(token, kind)`` of the ``write`` under way that lands at most once, else None
-        #: (``write(once_token=...)``); ``_write`` checks it under the write lock.
+        #: (``write(once_token=...)``); ``transaction`` checks it under the write lock.
         self._once: tuple[str, str] | None = None
 
     # -- opening ----------------------------------------------------------
@@ -421,8 +421,12 @@ class Registry:
         if self.location.display != target:
             raise ValueError(f"this plan was made for {target}, not {self.location.display}")
 
-    def _write(self, body: Callable[[Connection], T]) -> T:
+    def transaction(self, body: Callable[[Connection], T]) -> T:
         """Run ``body(conn)`` in one write transaction, retrying a busy lock.
+
+        Every commit goes through here: ``write``'s, and a prune plan's
+        (``ficache.prune``). ``body`` adds one ``commits`` row with its change
+        rows, or raises (nothing is written).
 
         Only what can succeed on a second attempt is retried: a busy lock
         (on PostgreSQL also a serialization failure or a deadlock, which
@@ -494,141 +498,57 @@ class Registry:
     ) -> WriteResult:
         """Store ``entries`` (insert or replace) and delete ``removals`` as one commit.
 
-        ``removals`` are ``(fingerprint, scope, key)`` of entries to delete; an
-        absent one is skipped. Each deletion is recorded as ``removed`` with
-        its old value and ``tuned_at``, so ``revert`` restores it.
-        ``expected`` maps some of those identities (of ``entries`` or
-        ``removals``) to the commit id that must have written their current
-        value (None: absent), as a mapping or as ``(identity, commit id)``
-        pairs, each identity once; when any differs inside the transaction,
-        ``ConflictError`` is raised and nothing is written (a plan made from
-        an older state is never applied to a newer one).
-        ``keep_existing=True``: an entry that already holds another value
-        keeps it, decided inside the transaction (under the write lock); the
-        new value is not written and is counted in ``WriteResult.kept``.
-        ``records`` (``NewRecord``s, or a ``RecordWrite`` with removals and
-        expected commits) are written in the same transaction and commit,
-        under the same rules (``ficache.records``); a write that changes
-        only records is a commit too. Invalid records raise ``RecordError``
-        before anything is written. ``protocol_records`` (``NewProtocolRecord``s, or a
-        ``ProtocolWrite``) likewise, for FlashInfer 0.7.4's protocol records
-        (``ficache.protocol_records``). ``reverts_commit_id``: the commit a
-        ``revert`` write undoes (``ficache.revert``).
-        ``once_token``: the write lands at most once for this token. The token
-        is stored in the commit's provenance (``commit_log.TOKEN_FIELD``), and
-        inside the transaction, under the write lock and before anything is
-        written, a commit of ``kind`` that already holds it is looked up: when
-        one exists (an earlier attempt landed although its caller never heard),
-        its result is returned and nothing is written. A retried write that
-        waits for the lock behind the attempt still landing so sees it.
-        The lookup scans the commits of ``kind``; ``token_is_new=True`` (a first
-        attempt with a token never given to a write before, which no commit can
-        hold) stores the token without it.
+        ``removals``: ``(fingerprint, scope, key)`` of entries to delete (an
+        absent one is skipped), each recorded as ``removed`` with its old value
+        and ``tuned_at``, so ``revert`` restores it. ``expected``: the commit id
+        that must have written the current value of some of those identities
+        (None: absent), a mapping or ``(identity, commit id)`` pairs, each
+        identity once; when any differs inside the transaction, ``ConflictError``
+        is raised and nothing is written (a plan made from an older state is
+        never applied to a newer one). ``keep_existing=True``: an entry that
+        already holds another value keeps it, decided under the write lock; the
+        new value is counted in ``WriteResult.kept``. ``records`` (``NewRecord``s,
+        or a ``RecordWrite`` with removals and expected commits) and
+        ``protocol_records`` (``NewProtocolRecord``s, or a ``ProtocolWrite``) are
+        written in the same transaction and commit, under the same rules
+        (``ficache.records``, ``ficache.protocol_records``); a write that changes
+        only records is a commit too, and invalid records raise ``RecordError``
+        before anything is written. ``reverts_commit_id``: the commit a
+        ``revert`` write undoes (``ficache.revert``). ``once_token``: the write
+        lands at most once for this token, stored in the commit's provenance
+        (``commit_log.TOKEN_FIELD``): under the write lock, before anything is
+        written, a commit of ``kind`` holding it is looked up (a scan of the
+        commits of ``kind``); when one exists (an earlier attempt landed although
+        its caller never heard, or lands while this retry waits for the lock),
+        its result is returned and nothing is written. ``token_is_new=True`` (a
+        token never given to a write before) stores it without the lookup.
         """
         if once_token is not None:
             provenance = {**(provenance or {}), commit_log.TOKEN_FIELD: once_token}
-        record_write = (
-            records if isinstance(records, rec.RecordWrite) else rec.RecordWrite(tuple(records))
-        )
-        record_write.validate()
-        protocol_write = (
-            protocol_records
-            if isinstance(protocol_records, proto.ProtocolWrite)
-            else proto.ProtocolWrite(tuple(protocol_records))
-        )
-        protocol_write.validate()
+        record_write, protocol_write = _validated_record_writes(records, protocol_records)
+        header = _CommitHeader(kind, message, world_size, layout, provenance, reverts_commit_id)
         self._once = None if once_token is None or token_is_new else (once_token, kind)
         try:
             with paused_gc():  # a large write allocates many small objects, no cycles
-                return self._write_entries(
-                    entries,
-                    kind=kind,
-                    message=message,
-                    world_size=world_size,
-                    layout=layout,
-                    provenance=provenance,
-                    removals=removals,
-                    expected=expected,
-                    keep_existing=keep_existing,
-                    record_write=record_write,
-                    protocol_write=protocol_write,
-                    reverts_commit_id=reverts_commit_id,
+                prepared = _prepared_kinds(
+                    entries, removals, expected, record_write, protocol_write
                 )
+                return self._commit_prepared(prepared, header, keep_existing)
         finally:
             self._once = None
 
-    def _write_entries(
+    def _commit_prepared(
         self,
-        entries: Iterable[NewEntry],
-        *,
-        kind: str,
-        message: str | None,
-        world_size: int | None,
-        layout: str | None,
-        provenance: dict[str, Any] | None,
-        removals: Iterable[tuple[Fingerprint, str, str]],
-        expected: Expected | None,
+        prepared: Sequence[kind_store.Prepared],
+        header: _CommitHeader,
         keep_existing: bool,
-        record_write: rec.RecordWrite = rec.RecordWrite(),  # noqa: B008 - frozen, never mutated
-        protocol_write: proto.ProtocolWrite = proto.ProtocolWrite(),  # noqa: B008 - frozen
-        reverts_commit_id: int | None = None,
     ) -> WriteResult:
-        """``write``'s body, run with the garbage collector paused: each kind's
-        write prepared, then staged and applied in one commit (``ficache.kind_store``)."""
-        prepared = (
-            kind_store.prepare(ENTRY_KIND, entries, removals, expected),
-            kind_store.prepare(
-                RECORD_KIND, record_write.records, record_write.removals, record_write.expected
-            ),
-            kind_store.prepare(
-                PROTOCOL_KIND,
-                protocol_write.records,
-                protocol_write.removals,
-                protocol_write.expected,
-            ),
-        )
+        """``write``'s transaction: every kind's prepared write staged and applied in one
+        commit (``_stage_and_commit``); no commit when none changes anything."""
         if all(p.is_empty for p in prepared):
             return WriteResult(None)
-
-        def body(conn: Connection) -> WriteResult:
-            now = time.time()
-            fids = kind_store.FingerprintIds(conn, now)
-            staged = [
-                kind_store.stage(conn, p, fids, keep_existing=keep_existing) for p in prepared
-            ]
-            if not any(s.changed for s in staged):
-                counts = kind_store.result_counts(staged)
-                raise _NothingToWrite(
-                    WriteResult(
-                        None,
-                        **{
-                            k.result_field(what): counts[k.result_field(what)]
-                            for k in STORED_KINDS
-                            for what in ("unchanged", "kept")
-                        },
-                    )
-                )
-            commit_id = kind_store.new_commit(
-                conn,
-                now,
-                kind,
-                staged,
-                message=message,
-                world_size=world_size,
-                layout=layout,
-                provenance=provenance,
-                reverts_commit_id=reverts_commit_id,
-            )
-            for s in staged:
-                kind_store.apply(conn, s, commit_id, now)
-            return WriteResult(
-                commit_id,
-                shared_written=staged[0].shared_written,
-                **kind_store.result_counts(staged),
-            )
-
         try:
-            return self._write(body)
+            return self.transaction(partial(_stage_and_commit, prepared, header, keep_existing))
         except _NothingToWrite as nothing:
             return nothing.result
 
@@ -669,7 +589,8 @@ class Registry:
         unused_for_seconds: float | None = None,
         now: float | None = None,
     ) -> PrunePlan:
-        """Plan removing entries and records matching all the given criteria (at least one).
+        """Plan removing entries and records matching all the given criteria (at least one):
+        ``ficache.prune.plan_prune`` on this registry; run it with ``PrunePlan.execute``.
 
         ``unused_for_seconds``: entries of fingerprints no warm start has
         served for that long: last served before ``now - unused_for_seconds``,
@@ -687,88 +608,15 @@ class Registry:
         records (``ficache.protocol_records``) are pruned by the same
         criteria and code, every stored kind in turn (``kinds.STORED_KINDS``).
         """
-        if (
-            not fingerprint_ids
-            and not flashinfer_versions
-            and older_than_seconds is None
-            and scope is None
-            and unused_for_seconds is None
-        ):
-            raise FicacheError(
-                "prune needs a criterion: --fingerprint, --flashinfer-version, --older-than, "
-                "--unused-for or --scope"
-            )
-        for fid in fingerprint_ids:
-            self.fingerprint(fid)  # raises NotFoundError for an unknown id
-        conditions, criteria = _prune_conditions(
-            fingerprint_ids,
-            flashinfer_versions,
-            older_than_seconds,
-            scope,
-            unused_for_seconds,
-            time.time() if now is None else now,
+        return prune.plan_prune(
+            self,
+            fingerprint_ids=fingerprint_ids,
+            flashinfer_versions=flashinfer_versions,
+            older_than_seconds=older_than_seconds,
+            scope=scope,
+            unused_for_seconds=unused_for_seconds,
+            now=now,
         )
-
-        def run() -> PrunePlan:
-            groups: dict[tuple[int, str], list[Any]] = {}
-            found: list[list[tuple[int, int]]] = [[] for _kind in STORED_KINDS]
-            with self._read() as conn:
-                for at, kind in enumerate(STORED_KINDS, start=2):
-                    for row_id, cid, fid, sc, gpu, fiver in kind_store.prune_candidates(
-                        conn, kind, conditions
-                    ):
-                        found[at - 2].append((row_id, cid))
-                        g = groups.setdefault((fid, sc), [gpu, fiver, *(0 for _ in STORED_KINDS)])
-                        g[at] += 1
-            return PrunePlan(
-                self.location.display,
-                tuple(criteria),
-                tuple(
-                    PruneGroup(fid, g[0], g[1], sc, *g[2:])
-                    for (fid, sc), g in sorted(groups.items())
-                ),
-                *(tuple(versions) for versions in found),
-            )
-
-        return self._guard(run)
-
-    def _execute_prune(self, plan: PrunePlan) -> WriteResult:
-        self.require_planned_on(plan.target)
-        if plan.is_empty:
-            return WriteResult(None)
-
-        def body(conn: Connection) -> WriteResult:
-            staged = []
-            for kind in STORED_KINDS:
-                versions = plan.versions(kind)
-                found = kind_store.stage_planned_removals(conn, kind, versions)
-                if len(found.removed) != len(versions):
-                    raise ConflictError(
-                        f"{len(versions) - len(found.removed)} of {len(versions)} planned "
-                        f"{kind.plural} changed since the plan was made; nothing removed, "
-                        "run prune again"
-                    )
-                staged.append(found)
-            now = time.time()
-            commit_id = kind_store.new_commit(
-                conn,
-                now,
-                "prune",
-                staged,
-                message="; ".join(f"{k}={v}" for k, v in plan.criteria),
-            )
-            for s in staged:
-                kind_store.apply(conn, s, commit_id, now)
-            counts = kind_store.result_counts(staged)
-            return WriteResult(
-                commit_id,
-                **{
-                    k.result_field("removed"): counts[k.result_field("removed")]
-                    for k in STORED_KINDS
-                },
-            )
-
-        return self._write(body)
 
     # -- revert -----------------------------------------------------------
 

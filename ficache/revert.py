@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 from sqlalchemy import Connection, Table, func, select
@@ -303,10 +304,14 @@ def _holders(
     changed each).
     """
     columns = [table.c[name] for name in kind.identity_columns]
-    holder = table.c.commit_id if after is None else func.max(table.c.commit_id)
+    holder = (table.c.commit_id if after is None else func.max(table.c.commit_id)).label("holder")
+    fingerprint_and_key = itemgetter(
+        kind.identity_columns.index("fingerprint_id"), kind.identity_columns.index("key")
+    )
     keys_by_fp: dict[int, set[Any]] = {}
     for ident in idents:
-        keys_by_fp.setdefault(ident[0], set()).add(ident[-1])
+        fid, key = fingerprint_and_key(ident)
+        keys_by_fp.setdefault(fid, set()).add(key)
     wanted = set(idents)
     found: dict[tuple[Any, ...], int] = {}
     for fid, keys in keys_by_fp.items():
@@ -318,9 +323,9 @@ def _holders(
             if after is not None:
                 query = query.where(table.c.commit_id > after).group_by(*columns)
             for row in conn.execute(query):
-                ident = tuple(row[:-1])
+                ident = kind.identity_of(row)
                 if ident in wanted:
-                    found[ident] = int(row[-1])
+                    found[ident] = int(row.holder)
     return found
 
 

@@ -579,7 +579,7 @@ def translate_operational_error(
     ):
         busy = busy_error(location, busy_timeout_ms(engine), waited_s=waited_s, attempts=attempts)
         # A serialization failure or deadlock rolled back one transaction; a plain lock
-        # wait is already retried by ``Registry._write`` and is not retried again.
+        # wait is already retried by ``Registry.transaction`` and is not retried again.
         busy.transient = sqlstate in ("40001", "40P01") or "deadlock detected" in lowered
         return busy
     if "not a database" in lowered or "malformed" in lowered:

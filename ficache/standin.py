@@ -124,8 +124,6 @@ def standin_tune(
     other key is timed, all-reduced over the autotune process group when one
     is set (and ``sync``), and its fastest tactic stored in ``profiling_cache``.
     """
-    import torch.distributed as dist
-
     started = time.perf_counter()
     tuner = AutoTuner.get()
     runner = CpuStandInMatmulRunner(rank_tag)
@@ -138,41 +136,64 @@ def standin_tune(
                 raise ValueError(
                     f"bucket {m} is not one of the stand-in's buckets {DEFAULT_BUCKETS}"
                 )
-            a = torch.randn(m, k, generator=generator)
-            inputs = [a, b]
-            shapes_in = ((m, k), (k, n))
+            inputs = [torch.randn(m, k, generator=generator), b]
             hit, _runner_id, _tactic, _profile = tuner.search_cache(
-                STANDIN_OP, [runner], shapes_in, CONFIG, inputs=inputs
+                STANDIN_OP, [runner], ((m, k), (k, n)), CONFIG, inputs=inputs
             )
             if hit:
                 hits += 1
                 continue
-            timings = []
-            for tactic in TACTICS:
-                ms = _time_ms(runner, inputs, tactic, repeat)
-                # Read the group each time and keep no reference to it, as FlashInfer
-                # does (a held reference would keep a released group's sockets open).
-                if sync and get_autotune_process_group() is not None:
-                    reduced = torch.tensor([ms], dtype=torch.float64)
-                    dist.all_reduce(
-                        reduced, op=dist.ReduceOp.SUM, group=get_autotune_process_group()
-                    )
-                    reduces += 1
-                    ms = reduced.item() / dist.get_world_size(get_autotune_process_group())
-                timings.append(ms)
+            timings, reduced = _tactic_timings(runner, inputs, repeat, sync=sync)
+            reduces += reduced
             best = (
                 force_tactic if force_tactic is not None else TACTICS[timings.index(min(timings))]
             )
-            key = ProfilingCacheKey(
-                custom_op=STANDIN_OP,
-                runner_class_name=type(runner).__name__,
-                runner_hash=hash(runner),
-                nearest_profile=((_bucket(m), k), (k, n)),
-                extras=runner.get_cache_key_extras(inputs),
-            )
-            tuner.profiling_cache[key] = (best, None)
+            _store_winner(tuner, runner, inputs, (m, k, n), best)
             profiled += 1
     return StandInResult(profiled, hits, reduces, time.perf_counter() - started)
+
+
+def _tactic_timings(
+    runner: CpuStandInMatmulRunner, inputs: list[torch.Tensor], repeat: int, *, sync: bool
+) -> tuple[list[float], int]:
+    """Every tactic's time in ms, each all-reduced over the autotune process group when one
+    is set (and ``sync``): the mean over ranks, one reduce per tactic, as FlashInfer's
+    ``_profile_single_kernel``. Returns the timings and the reduces issued."""
+    import torch.distributed as dist
+
+    timings = []
+    reduces = 0
+    for tactic in TACTICS:
+        ms = _time_ms(runner, inputs, tactic, repeat)
+        # Read the group each time and keep no reference to it, as FlashInfer
+        # does (a held reference would keep a released group's sockets open).
+        if sync and get_autotune_process_group() is not None:
+            reduced = torch.tensor([ms], dtype=torch.float64)
+            dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=get_autotune_process_group())
+            reduces += 1
+            ms = reduced.item() / dist.get_world_size(get_autotune_process_group())
+        timings.append(ms)
+    return timings, reduces
+
+
+def _store_winner(
+    tuner: AutoTuner,
+    runner: CpuStandInMatmulRunner,
+    inputs: list[torch.Tensor],
+    mkn: tuple[int, int, int],
+    best: int,
+) -> None:
+    """Write tactic ``best`` for the ``(M, K, N)`` key into ``profiling_cache``, keyed as
+    FlashInfer keys it (``M`` bucketed): the boundary its profiling loop would cross."""
+    m, k, n = mkn
+    key = ProfilingCacheKey(
+        custom_op=STANDIN_OP,
+        runner_class_name=type(runner).__name__,
+        runner_hash=hash(runner),
+        nearest_profile=((_bucket(m), k), (k, n)),
+        extras=runner.get_cache_key_extras(inputs),
+    )
+    tuner.profiling_cache[key] = (best, None)
 
 
 def standin_keys(

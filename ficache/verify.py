@@ -256,7 +256,9 @@ class _Log:
     @functools.cached_property
     def positions(self) -> tuple[int, int, int, int, tuple[int, ...]]:
         """Where ``change_columns`` put the action, the old value, the old commit and
-        the new value; and which value columns a value always holds (not NULL)."""
+        the new value; and which value columns a value always holds (not NULL).
+        Computed once per kind by name, so that the replay (the bulk hot path, see
+        ``_Verifier._replay``) reads each plain row tuple at positions."""
         at_action = 4 + len(self.kind.identity)
         at_old_commit = at_action + 1 + len(self.kind.values)
         required = tuple(
@@ -1227,6 +1229,16 @@ class _Verifier:
         Returns the rows the log ends with, ``identity -> (commit, *value)``
         (the value's first column None when the log does not hold it: an entry
         change recorded before migration 0002), and the number of changes.
+
+        This is verify's bulk hot path: it (with ``_replay_change``,
+        ``_check_against_log`` and ``_check_revert``) sees every change row of
+        the registry, 155,400 in ``benchmarks/verify_100k.py``, where all of
+        verify takes 5.5 s. So rows stay the driver's plain tuples
+        (``_stream``), read at positions computed once per kind from its
+        description (``_Log.positions``), not named per row: making each row a
+        namedtuple and reading it by name measured 0.30 s against 0.09 s for
+        the positional reads of 155,400 such rows (a loop of the reads alone,
+        best of 7).
         """
         kept_for_reverts = set(reverts) | set(reverts.values())
         by_commit: dict[int, list[tuple[Any, ...]]] = {}

@@ -157,7 +157,7 @@ class _CommitTimer:
     """Seconds spent in the registry's write transactions since ``seconds`` was reset.
 
     Wraps ``ficache.schema.write_transaction``, the one path of every write
-    (``Registry._write`` looks it up on the module at each call), and only
+    (``Registry.transaction`` looks it up on the module at each call), and only
     observes it: from asking for the lock to the commit (or the rollback).
     """
 

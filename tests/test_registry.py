@@ -27,6 +27,7 @@ from ficache.errors import (
 )
 from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import parse_cache_bytes, parse_key
+from ficache.kinds import ENTRY_KIND
 from ficache.records import NewRecord, RecordWrite
 from ficache.registry import (
     NewEntry,
@@ -877,3 +878,69 @@ def test_an_import_request_decides_its_import_refusals_and_prepared_commit(
     failing = read_file_import(ImportRequest(files=(a, b), policy="fail"))
     with pytest.raises(MergeConflictError):
         failing.early_plan()
+
+
+def test_prune_plans_and_executes_through_its_own_module(reg: Registry, tmp_path) -> None:
+    from ficache import prune
+
+    reg.write(
+        [entry(H200, 16, 1), entry(H200, 16, 2, scope="tp2/rank0"), entry(B200, 16, 3)],
+        kind="import",
+    )
+    h200 = fid(reg, H200)
+
+    plan = prune.plan_prune(reg, fingerprint_ids=[h200], scope="tp2/rank0")
+
+    assert plan == reg.plan_prune(fingerprint_ids=[h200], scope="tp2/rank0")
+    assert isinstance(plan, prune.PrunePlan)
+    assert plan.groups == (prune.PruneGroup(h200, "NVIDIA H200", "0.7.2.post1", "tp2/rank0", 1),)
+    assert plan.versions(ENTRY_KIND) == plan.entry_versions and plan.total == 1
+    with (
+        Registry.open(str(tmp_path / "other.db")) as other,
+        pytest.raises(ValueError, match="this plan was made for"),
+    ):
+        plan.execute(other)
+    result = plan.execute(reg)
+    assert (result.removed, reg.log()[0].kind) == (1, "prune")
+    assert len(current(reg)) == 2
+
+
+def test_prune_conditions_show_every_criterion() -> None:
+    from ficache.prune import prune_conditions
+
+    conditions, criteria = prune_conditions([3, 1], ["0.7.2", "0.6"], 90.0, "shared", 86400.0, 1e9)
+
+    assert len(conditions) == 5
+    assert criteria == [
+        ("fingerprint", "1,3"),
+        ("flashinfer_version", "0.6,0.7.2"),
+        ("older_than_seconds", "90"),
+        ("scope", "shared"),
+        ("unused_for_seconds", "86400"),
+    ]
+    assert prune_conditions([], [], None, None, 1.5, 0.0)[1] == [("unused_for_seconds", "1.5")]
+
+
+def test_export_file_of_a_stored_fingerprint_and_of_current(reg: Registry, monkeypatch) -> None:
+    import ficache.fingerprint
+    from ficache.exporting import export_file, source_fingerprint_ids
+
+    reg.write(
+        [entry(H200, 16, 1), entry(H200, 32, 2, scope="tp2/rank0"), entry(B200, 16, 3)],
+        kind="import",
+    )
+    h200 = fid(reg, H200)
+
+    stored = export_file(reg, h200, scope="tp2/rank0")
+
+    assert (stored.text, stored.entries) == reg.export_text(h200, scope="tp2/rank0")
+    assert stored.fingerprint_ids == (h200,) and stored.entries == 2
+    assert source_fingerprint_ids(reg, h200) == [h200]
+    monkeypatch.setattr(ficache.fingerprint, "collect", lambda: H200)
+    now = export_file(reg, "current")
+    assert (now.text, now.entries) == reg.export_for(H200)
+    assert now.fingerprint_ids == tuple(i.id for i in reg.serving(H200))
+    assert source_fingerprint_ids(reg, "current") == list(now.fingerprint_ids)
+    monkeypatch.setattr(ficache.fingerprint, "collect", lambda: H200_OLD)
+    with pytest.raises(NotFoundError, match="no stored fingerprint serves"):
+        export_file(reg, "current")

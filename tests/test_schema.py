@@ -19,7 +19,12 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, text
 
 from ficache import schema
-from ficache.errors import NotARegistryError, RegistryReadOnlyError, SchemaTooNewError
+from ficache.errors import (
+    ConflictError,
+    NotARegistryError,
+    RegistryReadOnlyError,
+    SchemaTooNewError,
+)
 from ficache.fingerprint import Fingerprint
 from ficache.models import Base
 from ficache.registry import Registry
@@ -1055,3 +1060,40 @@ def test_a_missing_psycopg_says_which_extra_to_install(tmp_path: Path) -> None:
         "; install the PostgreSQL driver: pip install 'ficache[postgres]'\n"
     )
     assert result.stderr.count("\n") == 1
+
+
+@pytest.mark.usefixtures("backend")
+def test_registry_schema_reads_upgrades_and_downgrades_through_its_own_engine(
+    registry_db: str,
+) -> None:
+    from ficache.registry_schema import RegistrySchema, RevisionState
+
+    with RegistrySchema.open(registry_db, create=True) as target:
+        assert target.revision() == RevisionState(None, HEAD)
+        assert target.revision().state == "empty"
+        assert target.upgrade("0001_registry") == "0001_registry"
+        assert target.revision().state == "needs upgrade"
+        assert target.upgrade() == HEAD
+        assert target.revision() == RevisionState(HEAD, HEAD)
+        assert target.revision().state == "up to date"
+        plan = target.plan_downgrade("0001_registry")
+        assert (plan.current, plan.target) == (HEAD, "0001_registry")
+        target.downgrade(plan)
+        assert target.revision().revision == "0001_registry"
+        with pytest.raises(ConflictError, match="plan it again"):
+            target.downgrade(plan)  # planned at head; the registry moved since
+    # closed: its engine is disposed, and a new one reads what the last one wrote
+    with RegistrySchema.open(registry_db, create=False) as again:
+        assert again.revision().revision == "0001_registry"
+
+
+def test_registry_schema_created_says_whether_it_made_the_sqlite_file(
+    registry_path: Path,
+) -> None:
+    from ficache.registry_schema import RegistrySchema
+
+    with RegistrySchema.open(str(registry_path), create=True) as target:
+        assert target.created
+        target.upgrade()
+    with RegistrySchema.open(str(registry_path), create=True) as target:
+        assert not target.created
