@@ -104,14 +104,12 @@ from ficache.fingerprint import ALL_FIELDS, Fingerprint
 from ficache.flashinfer_format import (
     canonical_json,
     check_namespace,
-    parse_key,
-    record_value_json,
-    selection_json,
-)
-from ficache.protocol_records import (
     check_protocol_identity,
+    parse_key,
     protocol_policy_json,
     protocol_value_json,
+    record_value_json,
+    selection_json,
 )
 from ficache.publish import publish
 from ficache.values import NewEntry, NewProtocolRecord, NewRecord, validate_scope

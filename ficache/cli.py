@@ -1374,57 +1374,84 @@ def list_cmd(
 ) -> None:
     """List stored entries, or with --records the namespaced records, or with
     --protocol-records FlashInfer 0.7.4's protocol records."""
-    from ficache.catalog import stored_filter_misses
-
-    if show_records and show_protocol:
-        raise click.UsageError("give --records or --protocol-records, not both")
-    if show_protocol and (op is not None or gpu is not None or flashinfer_version is not None):
-        raise click.UsageError(
-            "--protocol-records takes --fingerprint, --scope, --namespace and --limit"
-        )
-    if show_records and (op is not None or gpu is not None or flashinfer_version is not None):
-        raise click.UsageError("--records takes --fingerprint, --scope, --namespace and --limit")
-    if namespace is not None and not (show_records or show_protocol):
+    records_flag = _listed_records(show_records, show_protocol, op, gpu, flashinfer_version)
+    if namespace is not None and records_flag is None:
         raise click.UsageError("--namespace goes with --records")
     with obj.registry(create=False, write=False) as reg:
         ids = [reg.fingerprint(fingerprint_ref).id] if fingerprint_ref else None
-        if show_records:
-            _list_records(reg, ids, scope, namespace, limit, fmt)
+        if records_flag is not None:
+            _list_records(reg, records_flag, ids, scope, namespace, limit, fmt)
             return
-        if show_protocol:
-            _list_protocol_records(reg, ids, scope, namespace, limit, fmt)
-            return
-        field_filters = {"gpu": gpu, "flashinfer_version": flashinfer_version}
-        notes = _filter_miss_notes(stored_filter_misses(reg, field_filters, ids), ids)
-        listed = [0]
+        notes = _list_entries(reg, ids, op, gpu, flashinfer_version, scope, limit, fmt)
+    for note in notes:
+        click.echo(note, err=True)
 
-        def counted(entries: Iterable[Any]) -> Iterator[Any]:
-            for entry in entries:
-                listed[0] += 1
-                yield entry
 
-        rows = counted(
-            reg.entries(
-                fingerprint_ids=ids,
-                op=op,
-                gpu=gpu,
-                flashinfer_version=flashinfer_version,
-                scope=scope,
-                limit=limit,
-            )
+#: The records ``list`` shows instead of entries: its flag -> the kind's name (``ficache.kinds``).
+_LISTED_KINDS = {"--records": "record", "--protocol-records": "protocol record"}
+
+
+def _listed_records(
+    show_records: bool,
+    show_protocol: bool,
+    op: str | None,
+    gpu: str | None,
+    flashinfer_version: str | None,
+) -> str | None:
+    """The flag of the records ``list`` shows instead of entries (None: entries), after
+    checking that the entries' filters are not given with it."""
+    if show_records and show_protocol:
+        raise click.UsageError("give --records or --protocol-records, not both")
+    flag = "--records" if show_records else "--protocol-records" if show_protocol else None
+    if flag is not None and (op is not None or gpu is not None or flashinfer_version is not None):
+        raise click.UsageError(f"{flag} takes --fingerprint, --scope, --namespace and --limit")
+    return flag
+
+
+def _list_entries(
+    reg: Any,
+    ids: list[int] | None,
+    op: str | None,
+    gpu: str | None,
+    flashinfer_version: str | None,
+    scope: str | None,
+    limit: int | None,
+    fmt: str,
+) -> list[str]:
+    """``list``'s entries, as JSON or a table; returns the warnings to show after them
+    (filters no stored fingerprint matches, or no entry listed)."""
+    from ficache.catalog import stored_filter_misses
+
+    field_filters = {"gpu": gpu, "flashinfer_version": flashinfer_version}
+    notes = _filter_miss_notes(stored_filter_misses(reg, field_filters, ids), ids)
+    listed = [0]
+
+    def counted(entries: Iterable[Any]) -> Iterator[Any]:
+        for entry in entries:
+            listed[0] += 1
+            yield entry
+
+    rows = counted(
+        reg.entries(
+            fingerprint_ids=ids,
+            op=op,
+            gpu=gpu,
+            flashinfer_version=flashinfer_version,
+            scope=scope,
+            limit=limit,
         )
-        if fmt == "json":
-            click.echo("[", nl=False)
-            for i, entry in enumerate(rows):
-                click.echo(("," if i else "") + "\n  " + json.dumps(entry.as_json()), nl=False)
-            click.echo("\n]")
-        else:
-            _echo_entries(rows)
+    )
+    if fmt == "json":
+        click.echo("[", nl=False)
+        for i, entry in enumerate(rows):
+            click.echo(("," if i else "") + "\n  " + json.dumps(entry.as_json()), nl=False)
+        click.echo("\n]")
+    else:
+        _echo_entries(rows)
     given = {"--op": op, "--scope": scope}
     if not notes and not listed[0] and any(v is not None for v in given.values()):
         notes = [f"warning: no stored entry matches {_options(given)}"]
-    for note in notes:
-        click.echo(note, err=True)
+    return notes
 
 
 def _options(values: dict[str, str | None]) -> str:
@@ -1482,29 +1509,37 @@ def _echo_entries(rows: Iterable[Any]) -> None:
 
 def _list_records(
     reg: Any,
+    flag: str,
     ids: list[int] | None,
     scope: str | None,
     namespace: str | None,
     limit: int | None,
     fmt: str,
 ) -> None:
-    """``list --records``: one row per stored record."""
-    from ficache.records import list_records
+    """``list --records`` / ``--protocol-records``: one row per stored record of the
+    flag's kind (``ficache.kind_read.list_stored``)."""
+    from ficache.kind_read import list_stored
+    from ficache.kinds import kind_named
 
-    rows = list_records(reg, fingerprint_ids=ids, scope=scope, namespace=namespace, limit=limit)
+    kind = kind_named(_LISTED_KINDS[flag])
+    rows = list_stored(
+        reg, kind, fingerprint_ids=ids, scope=scope, namespace=namespace, limit=limit
+    )
     if fmt == "json":
         _dump_json([r.as_json() for r in rows])
         return
+    identity, values = kind.item_identity, kind.item_values
     click.echo(
         _table(
-            ["fingerprint", "scope", "namespace", "key", "value", "commit"],
+            [
+                *("fingerprint", "scope", *identity),
+                *(name.removesuffix("_json") for name in values),
+                "commit",
+            ],
             (
                 (
-                    r.fingerprint_id,
-                    r.scope,
-                    r.namespace,
-                    r.key,
-                    r.value_json if len(r.value_json) <= 60 else r.value_json[:57] + "...",
+                    *(r.fingerprint_id, r.scope, *(getattr(r, name) for name in identity)),
+                    *(_cut_json(getattr(r, name)) for name in values),
                     r.commit_id,
                 )
                 for r in rows
@@ -1513,48 +1548,12 @@ def _list_records(
     )
 
 
-def _list_protocol_records(
-    reg: Any,
-    ids: list[int] | None,
-    scope: str | None,
-    namespace: str | None,
-    limit: int | None,
-    fmt: str,
-) -> None:
-    """``list --protocol-records``: one row per stored protocol record."""
-    from itertools import islice
-
-    from ficache.protocol_records import stored_protocol_records
-
-    with reg.engine.connect() as conn:
-        found = stored_protocol_records(conn, fingerprint_ids=ids, scope=scope, namespace=namespace)
-        rows = list(islice(found, limit) if limit is not None else found)
-    if fmt == "json":
-        _dump_json([r.as_json() for r in rows])
-        return
-
-    def short(text: str | None) -> str:
-        if text is None:
-            return "-"
-        return text if len(text) <= 60 else text[:57] + "..."
-
-    click.echo(
-        _table(
-            ["fingerprint", "scope", "namespace", "key", "value", "policy", "commit"],
-            (
-                (
-                    r.fingerprint_id,
-                    r.scope,
-                    r.namespace,
-                    r.key,
-                    short(r.value_json),
-                    short(r.policy_json),
-                    r.commit_id,
-                )
-                for r in rows
-            ),
-        )
-    )
+def _cut_json(text: str | None) -> str:
+    """A JSON text as ``list`` shows it: whole up to 60 characters, else cut, ending in
+    "..."; ``-`` for none."""
+    if text is None:
+        return "-"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @cli.command("stats")

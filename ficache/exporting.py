@@ -34,9 +34,9 @@ from pathlib import Path
 
 from ficache.bundle import BundleSummary, Records, encode_bundle, publish_bundle
 from ficache.errors import NotFoundError
+from ficache.kind_read import stored_items, stored_rows
+from ficache.kinds import PROTOCOL_KIND, RECORD_KIND
 from ficache.models import SHARED_SCOPE
-from ficache.protocol_records import NewProtocolRecord, protocol_values, stored_protocol_records
-from ficache.records import record_values
 from ficache.registry import NewEntry, Registry, validate_scope
 from ficache.v2_store import StoreExport, export_measurement, measurements_in, store_export
 
@@ -120,9 +120,9 @@ def bundle_bytes(
     by_id = {i.id: i.fingerprint for i in infos}
     rows = registry.entry_values(sorted(by_id))
     with registry.engine.connect() as conn:
-        stored_records = record_values(conn, sorted(by_id))
-        stored_protocol = protocol_values(conn, sorted(by_id))
-    if not rows and not stored_records and not stored_protocol:
+        stored_records = stored_items(conn, RECORD_KIND, by_id, sorted(by_id))
+        protocol = stored_items(conn, PROTOCOL_KIND, by_id, sorted(by_id))
+    if not rows and not stored_records and not protocol:
         raise NotFoundError(
             "no entries to bundle in the selected fingerprints; see `ficache fingerprints`"
         )
@@ -131,14 +131,12 @@ def bundle_bytes(
         for fid, scope, key, runner, tactic, policy, tuned_at, selection in rows
     ]
     records: Records = {}
-    for fid, scope, ns, key, value, _tuned_at in stored_records:
-        by_scope = records.setdefault(by_id[fid].digest, {})
-        by_scope.setdefault(scope, {}).setdefault(ns, {})[key] = json.loads(value)
-    record_fingerprints = [by_id[fid] for fid, *_rest in stored_records]
-    protocol = [
-        NewProtocolRecord(by_id[fid], ns, key, value, policy, scope, tuned_at)
-        for fid, scope, ns, key, value, policy, tuned_at in stored_protocol
-    ]
+    for r in stored_records:
+        by_scope = records.setdefault(r.fingerprint.digest, {})
+        by_scope.setdefault(r.scope, {}).setdefault(r.namespace, {})[r.key] = json.loads(
+            r.value_json
+        )
+    record_fingerprints = [r.fingerprint for r in stored_records]
     return encode_bundle(
         entries, records, record_fingerprints, path=path, protocol_records=protocol
     )
@@ -202,7 +200,7 @@ def _slice_protocol(
     at = {scope: n for n, scope in enumerate(scopes)}
     best: dict[tuple[str, str], tuple[tuple[int, int], tuple[str, str, str, str | None]]] = {}
     with registry.engine.connect() as conn:
-        for r in stored_protocol_records(conn, fingerprint_ids=list(fingerprint_ids)):
+        for r in stored_rows(conn, PROTOCOL_KIND, fingerprint_ids=list(fingerprint_ids)):
             if r.scope not in at:
                 continue
             order = (-rank[r.fingerprint_id], at[r.scope])

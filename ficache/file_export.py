@@ -20,10 +20,11 @@ from __future__ import annotations
 
 from sqlalchemy import Connection
 
-from ficache import stored_entries, stored_fingerprints
+from ficache import kind_read, stored_entries, stored_fingerprints
 from ficache.errors import NotFoundError
 from ficache.fingerprint import Fingerprint
 from ficache.flashinfer_format import render_cache
+from ficache.kinds import RECORD_KIND
 from ficache.models import SHARED_SCOPE
 
 
@@ -33,7 +34,7 @@ def _scopes(scope: str) -> list[str]:
 
 def _render(conn: Connection, current: Fingerprint, ids: list[int], scope: str) -> tuple[str, int]:
     rows = stored_entries.slice_rows(conn, ids, _scopes(scope))
-    records = stored_entries.slice_records(conn, ids, _scopes(scope))
+    records = kind_read.slice_values(conn, RECORD_KIND, ids, _scopes(scope))
     return render_cache(current.flashinfer_metadata(), rows.values(), records), len(rows)
 
 

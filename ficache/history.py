@@ -31,12 +31,11 @@ from sqlalchemy.exc import DatabaseError
 from ficache import schema
 from ficache.errors import NotFoundError
 from ficache.flashinfer_format import KeyFields, parse_key
+from ficache.kind_read import changes_of
 from ficache.kind_store import commit_changes
-from ficache.kinds import ENTRY_KIND
-from ficache.protocol_records import ProtocolChange, protocol_changes
-from ficache.records import RecordChange, record_changes
+from ficache.kinds import ENTRY_KIND, PROTOCOL_KIND, RECORD_KIND
 from ficache.registry_access import RegistryAccess
-from ficache.values import CommitInfo
+from ficache.values import CommitInfo, ProtocolChange, RecordChange
 
 ACTIONS = ("added", "replaced", "removed")
 
@@ -162,8 +161,8 @@ def commit_details(registry: RegistryAccess, commit_id: int) -> CommitDetails:
                 )
                 for r in commit_changes(conn, ENTRY_KIND, commit_id)
             )
-            records = record_changes(conn, commit_id)
-            protocol = protocol_changes(conn, commit_id)
+            records = changes_of(conn, RECORD_KIND, commit_id)
+            protocol = changes_of(conn, PROTOCOL_KIND, commit_id)
     except DatabaseError as exc:
         raise schema.translate_operational_error(exc, registry.location) from None
     return CommitDetails(found[0], changes, records, protocol)

@@ -12,7 +12,8 @@ namespaced records alike:
   changes, then each kind's current rows inserted, updated and deleted and
   one change row per change, keeping the state each change replaced;
 - ``commit_changes``: a commit's changes of one kind, read back (history,
-  revert), policies as text;
+  revert), policies as text (``changed_values``: each value column's old and
+  new value of one);
 - ``prune_candidates`` and ``stage_planned_removals``: what a prune plans
   and, under the lock, what of it is still as planned.
 
@@ -633,6 +634,15 @@ def commit_changes(
     order = [*(changes.c[c] for c in kind.identity_columns)] if by_identity else []
     query = select(*columns).where(changes.c.commit_id == commit_id).order_by(*order, changes.c.id)
     return list(conn.execute(query))
+
+
+def changed_values(kind: Kind, change: Any) -> tuple[Any, ...]:
+    """For each ``values`` column of ``kind`` in turn, the value ``change`` (a
+    ``commit_changes`` row) replaced and the value it wrote, policies as text."""
+    old, new = dict(kind.old), dict(kind.new)
+    return tuple(
+        getattr(change, _read_name(kind, column[c])) for c in kind.values for column in (old, new)
+    )
 
 
 def restored_item(kind: Kind, change: Any, fingerprint: Fingerprint) -> Any:

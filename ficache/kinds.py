@@ -7,9 +7,11 @@ FlashInfer 0.7.4's protocol records (``protocol_records`` /
 current-row table and its change table, which columns name a row, which hold
 its value, which travel with the value without being part of it, which are
 derived, how a current row maps onto a change row, and which commit columns
-count its changes. Staging a write, checking expected commits, applying,
-reading history, revert, prune, merge planning and verify's replay are
-written once, over a ``Kind``; they never name a kind's columns themselves.
+count its changes, and the classes its rows read back as. Staging a write,
+checking expected commits, applying, reading history, revert, prune, merge
+planning and verify's replay are written once, over a ``Kind``
+(``ficache.kind_store``, ``ficache.kind_merge``), and so is reading a kind's
+rows back (``ficache.kind_read``); they never name a kind's columns themselves.
 
 It owns the descriptions and the pure helpers that read a row by them
 (``Kind.identity_of`` ...); it executes no SQL and imports only the models.
@@ -40,13 +42,15 @@ Invariants:
 - A commit counts each kind's changes in its own columns (``Kind.counts``);
   ``WriteResult`` names them with ``Kind.result_prefix``.
 
-Adding a kind of stored result = a description here + a migration (its two
-tables and count columns) + its format code (reading and rendering it). No
-copy of the machinery.
+Adding a kind of stored result = a description here (with the classes its
+rows read back as, in ``ficache.values``) + a migration (its two tables and
+count columns) + its format code (reading and rendering it). No copy of the
+machinery.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -65,7 +69,15 @@ from ficache.models import (
     RECORD_CHANGES,
     RECORDS,
 )
-from ficache.values import NewEntry, NewProtocolRecord, NewRecord
+from ficache.values import (
+    NewEntry,
+    NewProtocolRecord,
+    NewRecord,
+    ProtocolChange,
+    RecordChange,
+    StoredProtocolRecord,
+    StoredRecord,
+)
 
 __all__ = [
     "ACTIONS",
@@ -165,6 +177,17 @@ class Kind:
     derive: Callable[[Iterable[Any]], list[tuple[Any, ...]]] | None = None
     #: Carried columns written as the write's time when the item holds None.
     now_if_none: tuple[str, ...] = ("tuned_at",)
+    #: The frozen dataclass a current row reads back as (``ficache.kind_read``), made by
+    #: position from ``fingerprint_id, scope, *identity, *values, commit_id, *carried``
+    #: (policies as text) and naming them ``fingerprint_id``, ``scope``, ``item_identity``,
+    #: ``item_values``, ``commit_id``, ``item_carried``; None: the kind has its own reader
+    #: (entries: ``ficache.stored_entries``).
+    stored_row: type | None = None
+    #: The frozen dataclass a change row reads back as (``ficache.kind_read``, history),
+    #: made by position from ``action, fingerprint_id, scope, *identity``, then for each
+    #: ``values`` column the value it replaced and the value it wrote, then
+    #: ``old_commit_id``; None: the kind has its own (entries: ``history.EntryChange``).
+    change_row: type | None = None
 
     def __post_init__(self) -> None:
         row_columns = set(self.rows.c.keys())
@@ -185,6 +208,14 @@ class Kind:
         assert len(self.item_identity) == len(self.identity)
         assert len(self.item_values) == len(self.values)
         assert len(self.item_carried) == len(self.carried)
+        if self.stored_row is not None:
+            assert _field_names(self.stored_row) == (
+                *("fingerprint_id", "scope", *self.item_identity, *self.item_values),
+                *("commit_id", *self.item_carried),
+            ), f"{self.name}: stored_row's fields"
+        if self.change_row is not None:
+            width = 3 + len(self.identity) + 2 * len(self.values) + 1
+            assert len(_field_names(self.change_row)) == width, f"{self.name}: change_row's fields"
 
     # -- columns ------------------------------------------------------------
 
@@ -272,6 +303,10 @@ class Kind:
     def same_value(self, a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
         """Whether two values (``values`` order, policies both by id or both by text) are equal."""
         return tuple(a) == tuple(b)
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 def _entry_item(
@@ -377,6 +412,8 @@ RECORD_KIND = Kind(
     item_values=("value_json",),
     item_carried=("tuned_at",),
     make_item=_record_item,
+    stored_row=StoredRecord,
+    change_row=RecordChange,
 )
 
 
@@ -422,6 +459,8 @@ PROTOCOL_KIND = Kind(
     item_values=("value_json", "policy_json"),
     item_carried=("tuned_at",),
     make_item=_protocol_item,
+    stored_row=StoredProtocolRecord,
+    change_row=ProtocolChange,
 )
 
 #: Every kind, in the order a commit writes, shows and reverts them.

@@ -102,6 +102,7 @@ from ficache.kind_merge import (
     plan_kind,
     resolve,
 )
+from ficache.kind_read import stored_items
 from ficache.kinds import ENTRY_KIND, PROTOCOL_KIND, RECORD_KIND
 from ficache.models import ENTRIES as E
 from ficache.models import (
@@ -109,8 +110,8 @@ from ficache.models import (
     SHARED_SCOPE,
 )
 from ficache.models import FINGERPRINTS as F
-from ficache.protocol_records import NewProtocolRecord, ProtocolWrite, protocol_values
-from ficache.records import NewRecord, RecordWrite, record_values
+from ficache.protocol_records import NewProtocolRecord, ProtocolWrite
+from ficache.records import NewRecord, RecordWrite
 from ficache.registry_access import RegistryAccess
 from ficache.values import (
     NewEntry,
@@ -327,31 +328,23 @@ def _registry_source(spec: str) -> MergeSource:
                 )
             # One snapshot, read here rather than through Registry.open, which
             # would upgrade (write) a source registry of an older schema.
-            fps = {row.id: fingerprint_from_row(row) for row in conn.execute(select(F))}
+            fps = {row.id: _interned(fingerprint_from_row(row)) for row in conn.execute(select(F))}
             rows = conn.execute(
                 select(*ENTRY_VALUE_COLUMNS).order_by(E.c.fingerprint_id, E.c.scope, E.c.key)
             ).all()
-            stored_records = record_values(conn)
-            stored_protocol = protocol_values(conn)
+            records, protocol_records = (
+                tuple(stored_items(conn, kind, fps)) for kind in (RECORD_KIND, PROTOCOL_KIND)
+            )
     except DatabaseError as exc:
         raise schema.translate_operational_error(exc, location) from None
     finally:
         engine.dispose()
-    fps = {fid: _interned(fp) for fid, fp in fps.items()}
     make = bulk_new_entry
     entries = tuple(
         [
             make(fps[fid], key, runner, tactic, policy, scope, None, tuned_at, selection)
             for fid, scope, key, runner, tactic, policy, tuned_at, selection in rows
         ]
-    )
-    records = tuple(
-        NewRecord(fps[fid], ns, key, value, scope, tuned_at)
-        for fid, scope, ns, key, value, tuned_at in stored_records
-    )
-    protocol_records = tuple(
-        NewProtocolRecord(fps[fid], ns, key, value, policy, scope, tuned_at)
-        for fid, scope, ns, key, value, policy, tuned_at in stored_protocol
     )
     return MergeSource(
         name,

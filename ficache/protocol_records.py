@@ -1,4 +1,4 @@
-"""FlashInfer 0.7.4's protocol records in the registry: what one is, writing it, reading it.
+"""FlashInfer 0.7.4's protocol records in the registry: what one is and checking it.
 
 FlashInfer 0.7.4 protocols (the MoE-EP MegaMoE ones first) keep tuning
 results with ``AutoTuner.publish_protocol_record(namespace, key, value, *,
@@ -31,31 +31,36 @@ Invariants:
   machinery (``ficache.kind_store`` over ``PROTOCOL_KIND``), so merge, prune,
   revert, history and verify's replay treat them as every kind.
 
-It reads only; ``ficache.v2_store`` reads and writes their entry files.
+It checks what is written; ``ficache.kind_read`` reads them back as it
+reads every kind's (``stored_protocol_records`` is its reading of these),
+``ficache.v2_store`` reads and writes their entry files.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, func, select
+from sqlalchemy import Connection
 
 from ficache.errors import RecordError
 from ficache.flashinfer_format import (
     MAX_PROTOCOL_KEY_CHARS,
-    canonical_json,
     check_protocol_identity,
     protocol_policy_json,
     protocol_value_json,
 )
-from ficache.kind_store import commit_changes
+from ficache.kind_read import stored_rows
 from ficache.kinds import PROTOCOL_KIND
-from ficache.models import PROTOCOL_RECORDS as P
-from ficache.models import policy_text
-from ficache.values import NewProtocolRecord, RecordIdentity, validate_scope
+from ficache.values import (
+    NewProtocolRecord,
+    ProtocolChange,
+    RecordIdentity,
+    StoredProtocolRecord,
+    validate_scope,
+)
 
 __all__ = [
     "MAX_PROTOCOL_KEY_CHARS",
@@ -66,10 +71,8 @@ __all__ = [
     "check_protocol_identity",
     "protocol_policy_json",
     "protocol_value_json",
+    "stored_protocol_records",
 ]
-
-#: ``{namespace: {key: canonical JSON value}}``: what one rank publishes.
-ProtocolMap = dict[str, dict[str, str]]
 
 
 def _canonical(text: Any, what: str) -> None:
@@ -112,153 +115,12 @@ class ProtocolWrite:
 
 
 # --------------------------------------------------------------------------
-# Reading.
+# Reading: ``ficache.kind_read`` over ``kinds.PROTOCOL_KIND`` (rows read back as
+# ``StoredProtocolRecord`` and ``ProtocolChange``, ``ficache.values``).
 
 
-@dataclass(frozen=True)
-class StoredProtocolRecord:
-    fingerprint_id: int
-    scope: str
-    namespace: str
-    key: str
-    value_json: str
-    policy_json: str | None
-    commit_id: int
-    tuned_at: float
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "fingerprint": self.fingerprint_id,
-            "scope": self.scope,
-            "namespace": self.namespace,
-            "key": self.key,
-            "value": json.loads(self.value_json),
-            "policy": json.loads(self.policy_json) if self.policy_json is not None else None,
-            "commit": self.commit_id,
-            "tuned_at": self.tuned_at,
-        }
-
-
-def stored_protocol_records(
-    conn: Connection,
-    *,
-    fingerprint_ids: Sequence[int] | None = None,
-    scope: str | None = None,
-    namespace: str | None = None,
-) -> Iterator[StoredProtocolRecord]:
-    """Stored protocol records in (fingerprint, scope, namespace, key) order."""
-    query = select(
-        P.c.fingerprint_id,
-        P.c.scope,
-        P.c.namespace,
-        P.c.key,
-        P.c.value,
-        policy_text(P.c.policy_id),
-        P.c.commit_id,
-        P.c.tuned_at,
-    )
-    if fingerprint_ids is not None:
-        query = query.where(P.c.fingerprint_id.in_(list(fingerprint_ids)))
-    if scope is not None:
-        query = query.where(P.c.scope == scope)
-    if namespace is not None:
-        query = query.where(P.c.namespace == namespace)
-    query = query.order_by(P.c.fingerprint_id, P.c.scope, P.c.namespace, P.c.key)
-    for row in conn.execute(query):
-        yield StoredProtocolRecord(*row)
-
-
-def protocol_values(
-    conn: Connection, fingerprint_ids: Sequence[int] | None = None
-) -> list[tuple[int, str, str, str, str, str | None, float]]:
-    """``(fingerprint_id, scope, namespace, key, value, policy, tuned_at)``, as bundles,
-    merges and v2 exports copy them."""
-    return [
-        (r.fingerprint_id, r.scope, r.namespace, r.key, r.value_json, r.policy_json, r.tuned_at)
-        for r in stored_protocol_records(conn, fingerprint_ids=fingerprint_ids)
-    ]
-
-
-def slice_protocol_records(
-    conn: Connection, fingerprint_ids: Sequence[int], scopes: Sequence[str]
-) -> ProtocolMap:
-    """``{namespace: {key: value}}`` one rank publishes: its scopes' rows, earlier fingerprints
-    and later scopes winning (as ``records.slice_records``)."""
-    out: ProtocolMap = {}
-    for fid in reversed(list(fingerprint_ids)):
-        for scope in scopes:
-            rows = conn.execute(
-                select(P.c.namespace, P.c.key, P.c.value).where(
-                    P.c.fingerprint_id == fid, P.c.scope == scope
-                )
-            )
-            for ns, key, value in rows:
-                out.setdefault(ns, {})[key] = value
-    return out
-
-
-def protocol_counts(conn: Connection) -> tuple[tuple[int, str, int], ...]:
-    """``(fingerprint id, namespace, protocol records)``, every stored namespace."""
-    rows = conn.execute(
-        select(P.c.fingerprint_id, P.c.namespace, func.count())
-        .group_by(P.c.fingerprint_id, P.c.namespace)
-        .order_by(P.c.fingerprint_id, P.c.namespace)
-    )
-    return tuple((int(fid), ns, int(n)) for fid, ns, n in rows)
-
-
-@dataclass(frozen=True)
-class ProtocolChange:
-    """What one commit did to one protocol record (values and policies as canonical JSON)."""
-
-    action: str
-    fingerprint_id: int
-    scope: str
-    namespace: str
-    key: str
-    old: str | None
-    new: str | None
-    old_policy: str | None
-    new_policy: str | None
-    old_commit_id: int | None
-
-    def as_json(self) -> dict[str, Any]:
-        def load(text: str | None) -> Any:
-            return json.loads(text) if text is not None else None
-
-        return {
-            "action": self.action,
-            "fingerprint": self.fingerprint_id,
-            "scope": self.scope,
-            "namespace": self.namespace,
-            "key": self.key,
-            "old": load(self.old),
-            "new": load(self.new),
-            "old_policy": load(self.old_policy),
-            "new_policy": load(self.new_policy),
-            "old_commit": self.old_commit_id,
-        }
-
-
-def protocol_changes(conn: Connection, commit_id: int) -> tuple[ProtocolChange, ...]:
-    """What commit ``commit_id`` did to protocol records, by identity."""
-    return tuple(
-        ProtocolChange(
-            ch.action,
-            ch.fingerprint_id,
-            ch.scope,
-            ch.namespace,
-            ch.key,
-            ch.old_value,
-            ch.new_value,
-            ch.old_policy,
-            ch.new_policy,
-            ch.old_commit_id,
-        )
-        for ch in commit_changes(conn, PROTOCOL_KIND, commit_id)
-    )
-
-
-def canonical_policy(policy: Sequence[Any] | None) -> str | None:
-    """A policy tuple or list as canonical JSON (None: none)."""
-    return canonical_json(list(policy)) if policy is not None else None
+def stored_protocol_records(conn: Connection, **filters: Any) -> Iterator[StoredProtocolRecord]:
+    """Stored protocol records in (fingerprint, scope, namespace, key) order:
+    ``kind_read.stored_rows`` of protocol records (``fingerprint_ids``, ``scope``,
+    ``namespace``, ``limit``)."""
+    return stored_rows(conn, PROTOCOL_KIND, **filters)

@@ -1,4 +1,4 @@
-"""FlashInfer's namespaced records in the registry: storage, history, reads.
+"""FlashInfer's namespaced records in the registry: what one is and checking it.
 
 A FlashInfer cache file may hold, besides tactics, ``"_records": {namespace:
 {record key: JSON value}}`` (``AutoTuner.publish_namespaced_records`` /
@@ -27,27 +27,26 @@ Invariants:
   commit ids are checked under the write lock, as for entries.
 - Scopes are the entries' (``shared`` or ``<layout>/rank<N>``). A rank's
   records are the shared ones overlaid, key by key within a namespace, by
-  its own scope's (``slice_records``); earlier fingerprints win, as in
-  ``Registry.slice_rows``.
+  its own scope's (``Registry.slice_records``); earlier fingerprints win,
+  as in ``Registry.slice_rows``.
 - Every value is validated before the transaction: canonical JSON of a value
   JSON carries exactly, at most ``MAX_RECORD_DEPTH`` deep; namespaces as
   FlashInfer demands. A bad record raises ``RecordError`` and nothing is
   written.
 
-It does not merge or verify records: ``ficache.merge`` plans their merges
-with the entries' (``ficache.kind_merge``, one machinery for both kinds), and
-``ficache.verify`` replays their change log as it replays the entries'.
+It does not read, merge or verify records: ``ficache.kind_read`` reads them
+back as it reads every kind's (``list_records`` is its listing of records),
+``ficache.merge`` plans their merges with the entries' (``ficache.kind_merge``,
+one machinery for every kind), and ``ficache.verify`` replays their change
+log as it replays the entries'.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
-
-from sqlalchemy import Connection, func, select
-from sqlalchemy.exc import DatabaseError
 
 from ficache.errors import RecordError
 from ficache.fingerprint import Fingerprint
@@ -56,10 +55,9 @@ from ficache.flashinfer_format import (
     check_namespace,
     record_value_json,
 )
-from ficache.kind_store import commit_changes
+from ficache.kind_read import list_stored
 from ficache.kinds import RECORD_KIND
-from ficache.models import RECORDS as R
-from ficache.values import NewRecord, RecordIdentity, validate_scope
+from ficache.values import NewRecord, RecordChange, RecordIdentity, StoredRecord, validate_scope
 
 __all__ = [
     "MAX_RECORD_DEPTH",
@@ -69,10 +67,8 @@ __all__ = [
     "RecordWrite",
     "StoredRecord",
     "canonical_value",
+    "list_records",
 ]
-
-#: ``{namespace: {record key: canonical JSON}}``: what one rank loads.
-RecordMap = dict[str, dict[str, str]]
 
 
 def canonical_value(value_json: str) -> str:
@@ -146,174 +142,12 @@ def records_of_map(
 
 
 # --------------------------------------------------------------------------
-# Reading.
+# Reading: ``ficache.kind_read`` over ``kinds.RECORD_KIND`` (rows read back as
+# ``StoredRecord`` and ``RecordChange``, ``ficache.values``).
 
 
-@dataclass(frozen=True)
-class StoredRecord:
-    fingerprint_id: int
-    scope: str
-    namespace: str
-    key: str
-    value_json: str
-    commit_id: int
-    tuned_at: float
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "fingerprint": self.fingerprint_id,
-            "scope": self.scope,
-            "namespace": self.namespace,
-            "key": self.key,
-            "value": json.loads(self.value_json),
-            "commit": self.commit_id,
-            "tuned_at": self.tuned_at,
-        }
-
-
-def stored_records(
-    conn: Connection,
-    *,
-    fingerprint_ids: Sequence[int] | None = None,
-    scope: str | None = None,
-    namespace: str | None = None,
-    limit: int | None = None,
-) -> Iterator[StoredRecord]:
-    query = select(
-        R.c.fingerprint_id,
-        R.c.scope,
-        R.c.namespace,
-        R.c.key,
-        R.c.value,
-        R.c.commit_id,
-        R.c.tuned_at,
-    )
-    if fingerprint_ids is not None:
-        query = query.where(R.c.fingerprint_id.in_(list(fingerprint_ids)))
-    if scope is not None:
-        query = query.where(R.c.scope == scope)
-    if namespace is not None:
-        query = query.where(R.c.namespace == namespace)
-    query = query.order_by(R.c.fingerprint_id, R.c.scope, R.c.namespace, R.c.key)
-    if limit is not None:
-        query = query.limit(limit)
-    for row in conn.execute(query):
-        yield StoredRecord(*row)
-
-
-def list_records(
-    registry: Any,
-    *,
-    fingerprint_ids: Sequence[int] | None = None,
-    scope: str | None = None,
-    namespace: str | None = None,
-    limit: int | None = None,
-) -> list[StoredRecord]:
-    """Stored records of ``registry`` (a ``Registry``), in (fingerprint, scope, namespace, key) order."""
-    from ficache import schema
-
-    try:
-        with registry.engine.connect() as conn:
-            return list(
-                stored_records(
-                    conn,
-                    fingerprint_ids=fingerprint_ids,
-                    scope=scope,
-                    namespace=namespace,
-                    limit=limit,
-                )
-            )
-    except DatabaseError as exc:
-        raise schema.translate_operational_error(
-            exc, registry.location, engine=registry.engine
-        ) from None
-
-
-def slice_records(
-    conn: Connection, fingerprint_ids: Sequence[int], scopes: Sequence[str]
-) -> RecordMap:
-    """``{namespace: {key: value}}`` as one rank loads it (see the module docstring)."""
-    out: RecordMap = {}
-    for fid in reversed(list(fingerprint_ids)):
-        for scope in scopes:
-            rows = conn.execute(
-                select(R.c.namespace, R.c.key, R.c.value).where(
-                    R.c.fingerprint_id == fid, R.c.scope == scope
-                )
-            )
-            for ns, key, value in rows:
-                out.setdefault(ns, {})[key] = value
-    return out
-
-
-def scopes_holding_records(conn: Connection, fingerprint_ids: Sequence[int]) -> set[str]:
-    if not fingerprint_ids:
-        return set()
-    rows = conn.execute(
-        select(R.c.scope).where(R.c.fingerprint_id.in_(list(fingerprint_ids))).distinct()
-    )
-    return {row[0] for row in rows}
-
-
-def record_values(
-    conn: Connection, fingerprint_ids: Sequence[int] | None = None
-) -> list[tuple[int, str, str, str, str, float]]:
-    """``(fingerprint_id, scope, namespace, key, value, tuned_at)``, as bundles and merges copy them."""
-    query = select(R.c.fingerprint_id, R.c.scope, R.c.namespace, R.c.key, R.c.value, R.c.tuned_at)
-    if fingerprint_ids is not None:
-        query = query.where(R.c.fingerprint_id.in_(list(fingerprint_ids)))
-    query = query.order_by(R.c.fingerprint_id, R.c.scope, R.c.namespace, R.c.key)
-    return [tuple(row) for row in conn.execute(query)]
-
-
-def record_counts(conn: Connection) -> tuple[tuple[int, str, int], ...]:
-    """``(fingerprint id, namespace, records)``, every stored namespace."""
-    rows = conn.execute(
-        select(R.c.fingerprint_id, R.c.namespace, func.count())
-        .group_by(R.c.fingerprint_id, R.c.namespace)
-        .order_by(R.c.fingerprint_id, R.c.namespace)
-    )
-    return tuple((int(fid), ns, int(n)) for fid, ns, n in rows)
-
-
-@dataclass(frozen=True)
-class RecordChange:
-    """What one commit did to one record."""
-
-    action: str
-    fingerprint_id: int
-    scope: str
-    namespace: str
-    key: str
-    old: str | None  # canonical JSON of the value replaced or removed
-    new: str | None  # the value written
-    old_commit_id: int | None
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "action": self.action,
-            "fingerprint": self.fingerprint_id,
-            "scope": self.scope,
-            "namespace": self.namespace,
-            "key": self.key,
-            "old": json.loads(self.old) if self.old is not None else None,
-            "new": json.loads(self.new) if self.new is not None else None,
-            "old_commit": self.old_commit_id,
-        }
-
-
-def record_changes(conn: Connection, commit_id: int) -> tuple[RecordChange, ...]:
-    """What commit ``commit_id`` did to records, by (fingerprint, scope, namespace, key)."""
-    return tuple(
-        RecordChange(
-            ch.action,
-            ch.fingerprint_id,
-            ch.scope,
-            ch.namespace,
-            ch.key,
-            ch.old_value,
-            ch.new_value,
-            ch.old_commit_id,
-        )
-        for ch in commit_changes(conn, RECORD_KIND, commit_id)
-    )
+def list_records(registry: Any, **filters: Any) -> list[StoredRecord]:
+    """Stored records of ``registry`` (a ``Registry``), in (fingerprint, scope, namespace,
+    key) order: ``kind_read.list_stored`` of records (``fingerprint_ids``, ``scope``,
+    ``namespace``, ``limit``)."""
+    return list_stored(registry, RECORD_KIND, **filters)

@@ -49,7 +49,8 @@ read concern lives in a module of its own that takes an open connection and
 never imports this one:
 ``ficache.stored_fingerprints`` (``fingerprints``, ``fingerprint``,
 ``serving``), ``ficache.stored_entries`` (``entries``, ``slice_rows``,
-``slice_records``, ``entry_values``), ``ficache.file_export``
+``entry_values``), ``ficache.kind_read`` (``slice_records``,
+``slice_protocol_records``), ``ficache.file_export``
 (``export_text``, ``export_for``), ``ficache.commit_log`` (``log``,
 ``commit_with_token``) and ``ficache.registry_stats`` (``stats``); their
 value types (``FingerprintInfo``, ``StoredEntry``, ``Stats``) are re-exported
@@ -76,6 +77,7 @@ from sqlalchemy.exc import DatabaseError, OperationalError
 from ficache import (
     commit_log,
     file_export,
+    kind_read,
     kind_store,
     prune,
     registry_stats,
@@ -369,14 +371,16 @@ class Registry:
         """The FlashInfer cache file of one stored fingerprint's entries, and its size."""
         return self._reading(file_export.export_text, fingerprint_id, scope)
 
-    def slice_records(self, fingerprint_ids: Sequence[int], scopes: Sequence[str]) -> rec.RecordMap:
+    def slice_records(
+        self, fingerprint_ids: Sequence[int], scopes: Sequence[str]
+    ) -> kind_read.NamespaceMap:
         """``{namespace: {key: canonical JSON}}`` as one rank loads it (``slice_rows``'s order)."""
-        return self._reading(stored_entries.slice_records, fingerprint_ids, scopes)
+        return self._reading(kind_read.slice_values, RECORD_KIND, fingerprint_ids, scopes)
 
-    def slice_protocol_records(self, fingerprint_ids: Sequence[int]) -> proto.ProtocolMap:
+    def slice_protocol_records(self, fingerprint_ids: Sequence[int]) -> kind_read.NamespaceMap:
         """``{namespace: {key: canonical JSON}}`` every rank publishes: the shared protocol
         records of ``fingerprint_ids``, an earlier fingerprint winning."""
-        return self._reading(proto.slice_protocol_records, fingerprint_ids, [SHARED_SCOPE])
+        return self._reading(kind_read.slice_values, PROTOCOL_KIND, fingerprint_ids, [SHARED_SCOPE])
 
     def export_for(self, current: Fingerprint, *, scope: str = SHARED_SCOPE) -> tuple[str, int]:
         """The cache file the environment ``current`` should load, and its size.

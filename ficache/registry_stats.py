@@ -4,7 +4,7 @@ This module owns counting what a registry holds: fingerprints, entries
 (shared and scoped), commits, ops, record namespaces, the schema revision and
 the size on disk or on the server. It does not own the rows themselves
 (``ficache.stored_fingerprints``, ``ficache.stored_entries``,
-``ficache.records``), connections or error translation: ``stats`` takes an
+``ficache.kind_read``), connections or error translation: ``stats`` takes an
 open ``Connection`` from ``Registry``.
 
 Invariants:
@@ -21,9 +21,9 @@ from typing import Any
 from sqlalchemy import Connection, case, func, select
 from sqlalchemy import text as sql_text
 
-from ficache import protocol_records as proto
-from ficache import records as rec
 from ficache import schema
+from ficache.kind_read import namespace_counts
+from ficache.kinds import PROTOCOL_KIND, RECORD_KIND
 from ficache.models import COMMITS as C
 from ficache.models import ENTRIES as E
 from ficache.models import FINGERPRINTS as F
@@ -108,7 +108,7 @@ def stats(conn: Connection, location: schema.Location) -> Stats:
         )
     )
     n_commits, last = conn.execute(select(func.count(), func.max(C.c.created_at))).one()
-    record_namespaces = rec.record_counts(conn)
+    record_namespaces = namespace_counts(conn, RECORD_KIND)
     shared = int(n_shared)
     scoped = int(n_entries) - shared
     return Stats(
@@ -126,7 +126,7 @@ def stats(conn: Connection, location: schema.Location) -> Stats:
         sum(n for _fid, _ns, n in record_namespaces),
         record_namespaces,
         start_counts,
-        proto.protocol_counts(conn),
+        namespace_counts(conn, PROTOCOL_KIND),
     )
 
 

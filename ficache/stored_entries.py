@@ -1,8 +1,8 @@
 """Stored entries, read: listing them (``Registry.entries``), one rank's slice of them
-(``slice_rows``, ``slice_records``) and their values as copies take them (``entry_values``).
+(``slice_rows``) and their values as copies take them (``entry_values``).
 
-This module owns the read queries over ``entries`` (and, for a slice, the
-records beside them, through ``ficache.records``). It does not own writing
+This module owns the read queries over ``entries`` (the records beside them are
+``ficache.kind_read``'s, as every kind's). It does not own writing
 entries (the registry's write machinery), rendering a slice as a FlashInfer
 file (``ficache.file_export``, ``ficache.slices``), connections or error
 translation: every function takes an open ``Connection`` from ``Registry``.
@@ -27,7 +27,6 @@ from typing import Any
 
 from sqlalchemy import Connection, select
 
-from ficache import records as rec
 from ficache.flashinfer_format import parse_key
 from ficache.models import ENTRIES as E
 from ficache.models import ENTRY_POLICY, ENTRY_VALUE_COLUMNS
@@ -140,13 +139,6 @@ def slice_rows(
             )
             result.update({row[0]: row for row in rows})
     return result
-
-
-def slice_records(
-    conn: Connection, fingerprint_ids: Sequence[int], scopes: Sequence[str]
-) -> rec.RecordMap:
-    """``{namespace: {key: canonical JSON}}`` as one rank loads it (``slice_rows``'s order)."""
-    return rec.slice_records(conn, fingerprint_ids, scopes)
 
 
 def entry_values(conn: Connection, fingerprint_ids: Sequence[int]) -> list[EntryValue]:

@@ -1,6 +1,7 @@
 """Value types every layer of ficache shares: what a writer hands the registry
 (``NewEntry``, ``NewRecord``), what a write returns, a commit as read back,
-and the rank scopes.
+the rows of a namespaced kind as read back (``StoredRecord``,
+``RecordChange`` ...: ``ficache.kind_read`` reads them), and the rank scopes.
 
 It owns plain data and its validation only: nothing here reads or writes a
 database (``ficache.registry`` does; ``ficache.registry_access`` names the part
@@ -18,13 +19,18 @@ Invariants:
   path reads fields by position in its hot loop).
 - ``WriteResult`` counts are of one commit; ``commit_id`` None means the
   write changed nothing and made no commit.
+- A read-back row's fields stand in the order its kind's description gives
+  (``Kind.stored_row``, ``Kind.change_row``; ``ficache.kinds`` checks them);
+  its ``as_json`` is ``ReadBack``'s, one rendering for every kind.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple, cast
 
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
 from ficache.flashinfer_format import KeyFields
@@ -203,6 +209,118 @@ class NewProtocolRecord:
         return (self.fingerprint, self.scope, self.namespace, self.key)
 
 
+# --------------------------------------------------------------------------
+# Rows of a namespaced kind as read back (``ficache.kind_read``; ``Kind.stored_row``,
+# ``Kind.change_row``).
+
+#: ``as_json``'s name of a read-back field, where it is not the field's own.
+_JSON_NAMES = {
+    "fingerprint_id": "fingerprint",
+    "commit_id": "commit",
+    "old_commit_id": "old_commit",
+    "value_json": "value",
+    "policy_json": "policy",
+}
+
+
+class ReadBack:
+    """``as_json`` of a read-back row (a frozen dataclass): every field in its order,
+    under its JSON name (``_JSON_NAMES``, else the field's), the fields holding
+    canonical JSON text (``JSON_TEXT``) decoded, None kept."""
+
+    JSON_TEXT: ClassVar[frozenset[str]] = frozenset()
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, shown, decode in _json_plan(type(self)):
+            value = getattr(self, name)
+            out[shown] = json.loads(value) if decode and value is not None else value
+        return out
+
+
+#: ``_json_plan``'s answers, by class.
+_JSON_PLANS: dict[type, tuple[tuple[str, str, bool], ...]] = {}
+
+
+def _json_plan(cls: type[ReadBack]) -> tuple[tuple[str, str, bool], ...]:
+    """``(field, JSON name, decoded)`` of each field of ``cls``, in order."""
+    plan = _JSON_PLANS.get(cls)
+    if plan is None:
+        plan = _JSON_PLANS[cls] = tuple(
+            (f.name, _JSON_NAMES.get(f.name, f.name), f.name in cls.JSON_TEXT)
+            for f in dataclasses.fields(cast(Any, cls))
+        )
+    return plan
+
+
+@dataclass(frozen=True)
+class _NamespacedRow(ReadBack):
+    """The fields a current row of a namespaced kind starts with; its kind's others follow."""
+
+    fingerprint_id: int
+    scope: str
+    namespace: str
+    key: str
+    value_json: str
+
+
+@dataclass(frozen=True)
+class StoredRecord(_NamespacedRow):
+    """One stored record (``RECORD_KIND.stored_row``); ``value_json`` canonical JSON."""
+
+    JSON_TEXT: ClassVar[frozenset[str]] = frozenset({"value_json"})
+
+    commit_id: int
+    tuned_at: float
+
+
+@dataclass(frozen=True)
+class StoredProtocolRecord(_NamespacedRow):
+    """One stored protocol record (``PROTOCOL_KIND.stored_row``); value and policy
+    canonical JSON (policy None: none)."""
+
+    JSON_TEXT: ClassVar[frozenset[str]] = frozenset({"value_json", "policy_json"})
+
+    policy_json: str | None
+    commit_id: int
+    tuned_at: float
+
+
+@dataclass(frozen=True)
+class _NamespacedChange(ReadBack):
+    """The fields a change of a namespaced kind starts with: ``old`` the canonical JSON of
+    the value replaced or removed, ``new`` of the value written; its kind's others follow."""
+
+    action: str
+    fingerprint_id: int
+    scope: str
+    namespace: str
+    key: str
+    old: str | None
+    new: str | None
+
+
+@dataclass(frozen=True)
+class RecordChange(_NamespacedChange):
+    """What one commit did to one record (``RECORD_KIND.change_row``)."""
+
+    JSON_TEXT: ClassVar[frozenset[str]] = frozenset({"old", "new"})
+
+    old_commit_id: int | None
+
+
+@dataclass(frozen=True)
+class ProtocolChange(_NamespacedChange):
+    """What one commit did to one protocol record (``PROTOCOL_KIND.change_row``), values
+    and policies as canonical JSON."""
+
+    JSON_TEXT: ClassVar[frozenset[str]] = frozenset({"old", "new", "old_policy", "new_policy"})
+
+    old_policy: str | None
+    new_policy: str | None
+    old_commit_id: int | None
+
+
 def fingerprint_from_row(row: Any) -> Fingerprint:
     """The ``Fingerprint`` of one ``fingerprints`` row."""
     return Fingerprint(**{name: getattr(row, name) for name in ALL_FIELDS})
@@ -215,7 +333,12 @@ __all__ = [
     "NewEntry",
     "NewProtocolRecord",
     "NewRecord",
+    "ProtocolChange",
+    "ReadBack",
+    "RecordChange",
     "RecordIdentity",
+    "StoredProtocolRecord",
+    "StoredRecord",
     "WriteResult",
     "bulk_new_entry",
     "fingerprint_from_row",

@@ -148,6 +148,24 @@ def test_show_log_list_and_stats(cli, registry_db: str) -> None:
     assert json.loads(cli("list", "--records", "--format", "json").stdout) == []
 
 
+def test_list_turns_a_database_error_into_one_line_for_every_kind(cli, registry_db: str) -> None:
+    """``list --protocol-records`` reads through the listing ``list --records`` uses, so a
+    damaged registry is the same one line and exit 1 for both, not a SQL dump."""
+    import sqlite3
+
+    write(registry_db, ("t1", "1", None))
+    with sqlite3.connect(registry_db) as conn:
+        for table in ("protocol_record_changes", "protocol_records", "record_changes", "records"):
+            conn.execute(f"DROP TABLE {table}")
+
+    for flag, table in (("--records", "records"), ("--protocol-records", "protocol_records")):
+        listed = cli("list", flag)
+        assert (listed.exit_code, listed.output) == (
+            1,
+            f"error: registry {registry_db}: no such table: {table}\n",
+        )
+
+
 @pytest.mark.usefixtures("backend")
 def test_reverting_an_import_restores_the_protocol_records(
     cli, registry_db: str, tmp_path: Path

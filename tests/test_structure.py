@@ -1,11 +1,14 @@
-"""The package's structure, read from its source with ``ast`` (nothing is imported).
+"""The package's structure, read from its source with ``ast`` (nothing is imported but
+by the one check that says so).
 
 Every import counts, wherever it is written: at the top of a module, inside a
 function (a lazy import) or under ``if TYPE_CHECKING:``. The rules:
 - no import cycle among ficache's modules;
 - format modules (``flashinfer_format``, ``bundle``, ``v2_store``) translate
-  between files and data: they import no registry, schema, engine or raw
-  SQLite code (``ficache.exporting`` reads the registry for them);
+  between files and data: they import no registry, schema, engine, store
+  machinery or raw SQLite code, directly or through the modules they import
+  (``ficache.exporting`` reads the registry for them); imported in a fresh
+  interpreter, they load no SQLAlchemy (the one check here that imports);
 - raw ``sqlite3`` only in ``ficache.schema`` (connection setup) and
   ``ficache.sqlite_fast`` (the fast paths);
 - offline operations (merge, verify, adoption, import, export, revert) import
@@ -16,21 +19,30 @@ function (a lazy import) or under ``if TYPE_CHECKING:``. The rules:
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ficache"
 
 FORMAT_MODULES = ("ficache.flashinfer_format", "ficache.bundle", "ficache.v2_store")
-#: What a format module may not import: the registry, its schema and engine (records
-#: holds the records' SQL), the export side, raw SQLite.
+#: What a format module may not import: the registry, its schema, models and engine,
+#: the store machinery and the kinds' modules over it (they hold SQL), the export side,
+#: raw SQLite.
 FORMAT_FORBIDDEN = (
     "ficache.registry",
     "ficache.schema",
+    "ficache.models",
     "ficache.sqlite_fast",
     "ficache.exporting",
     "ficache.slices",
+    "ficache.kinds",
+    "ficache.kind_store",
+    "ficache.kind_read",
     "ficache.records",
+    "ficache.protocol_records",
     "sqlalchemy",
     "sqlite3",
 )
@@ -155,15 +167,51 @@ def test_no_import_cycles_lazy_imports_included() -> None:
     assert not cycles, "import cycles:\n" + "\n".join(shown)
 
 
+def _reached(graph: dict[str, dict[str, int]], start: str) -> set[str]:
+    """``start`` and every ficache module it imports, directly or not."""
+    seen = {start}
+    queue = [start]
+    while queue:
+        for w in graph.get(queue.pop(), {}):
+            if w not in seen:
+                seen.add(w)
+                queue.append(w)
+    return seen
+
+
 def test_format_modules_import_no_registry_schema_or_engine_code() -> None:
+    """Nor through a ficache module they import (lazy imports included)."""
     modules = _modules()
+    graph = _graph(modules)
     bad = [
-        f"{name}:{line} imports {target}"
+        f"{name}: {reached}:{line} imports {target}"
         for name in FORMAT_MODULES
-        for target, line in _imports(name, modules[name])
+        for reached in sorted(_reached(graph, name))
+        for target, line in _imports(reached, modules[reached])
         if any(target == f or target.startswith(f + ".") for f in FORMAT_FORBIDDEN)
     ]
     assert not bad, "format modules must only translate:\n" + "\n".join(bad)
+
+
+def test_format_modules_load_no_sqlalchemy_in_a_fresh_interpreter() -> None:
+    """What importing them really loads (``sys.modules``), not only what the source says."""
+    heavy = ("sqlalchemy", "sqlite3", "ficache.models", "ficache.schema", "ficache.registry")
+    code = (
+        "import sys\n"
+        f"import {', '.join(FORMAT_MODULES)}\n"
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules))\n"
+    )
+    path = os.pathsep.join([str(PACKAGE.parent), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"importing the format modules loads {done.stdout}"
 
 
 def test_raw_sqlite3_only_in_schema_and_the_fast_path_module() -> None:
