@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from sqlalchemy import Connection
 
@@ -55,9 +55,9 @@ from ficache.flashinfer_format import (
 from ficache.kind_read import stored_rows
 from ficache.kinds import PROTOCOL_KIND
 from ficache.values import (
+    NamespacedWrite,
     NewProtocolRecord,
     ProtocolChange,
-    RecordIdentity,
     StoredProtocolRecord,
     validate_scope,
 )
@@ -87,31 +87,24 @@ def _canonical(text: Any, what: str) -> None:
 
 
 @dataclass(frozen=True)
-class ProtocolWrite:
+class ProtocolWrite(NamespacedWrite):
     """What one ``Registry.write`` does to protocol records: store, remove, expect."""
 
     records: tuple[NewProtocolRecord, ...] = ()
-    removals: tuple[RecordIdentity, ...] = ()
-    #: (identity, commit id that must hold it now, or None: absent).
-    expected: tuple[tuple[RecordIdentity, int | None], ...] = ()
+    item_name: ClassVar[str] = "protocol record"
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.records and not self.removals
-
-    def validate(self) -> None:
-        """Check identities, scopes, values and policies; ``RecordError`` for the first bad one."""
-        for r in self.records:
-            try:
-                validate_scope(r.scope)
-                check_protocol_identity(r.namespace, r.key)
-            except ValueError as exc:
-                raise RecordError(f"protocol record refused: {exc}") from None
-            _canonical(r.value_json, "value")
-            if r.policy_json is not None:
-                _canonical(r.policy_json, "policy")
-                if not r.policy_json.startswith("["):
-                    raise RecordError("protocol record policy is not a JSON list")
+    def check_item(self, item: NewProtocolRecord) -> None:
+        """Check the record's identity, scope, value and policy; ``RecordError`` if bad."""
+        try:
+            validate_scope(item.scope)
+            check_protocol_identity(item.namespace, item.key)
+        except ValueError as exc:
+            raise RecordError(f"protocol record refused: {exc}") from None
+        _canonical(item.value_json, "value")
+        if item.policy_json is not None:
+            _canonical(item.policy_json, "policy")
+            if not item.policy_json.startswith("["):
+                raise RecordError("protocol record policy is not a JSON list")
 
 
 # --------------------------------------------------------------------------

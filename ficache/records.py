@@ -57,7 +57,14 @@ from ficache.flashinfer_format import (
 )
 from ficache.kind_read import list_stored
 from ficache.kinds import RECORD_KIND
-from ficache.values import NewRecord, RecordChange, RecordIdentity, StoredRecord, validate_scope
+from ficache.values import (
+    NamespacedWrite,
+    NewRecord,
+    RecordChange,
+    RecordIdentity,
+    StoredRecord,
+    validate_scope,
+)
 
 __all__ = [
     "MAX_RECORD_DEPTH",
@@ -84,34 +91,21 @@ def canonical_value(value_json: str) -> str:
 
 
 @dataclass(frozen=True)
-class RecordWrite:
+class RecordWrite(NamespacedWrite):
     """What one ``Registry.write`` does to records: store, remove, expect."""
 
     records: tuple[NewRecord, ...] = ()
-    removals: tuple[RecordIdentity, ...] = ()
-    #: (identity, commit id that must hold it now, or None: absent).
-    expected: tuple[tuple[RecordIdentity, int | None], ...] = ()
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.records and not self.removals
-
-    def validate(self) -> None:
-        """Check scopes, namespaces and values; ``RecordError`` for the first bad one."""
-        seen: set[RecordIdentity] = set()
-        for r in self.records:
-            try:
-                validate_scope(r.scope)
-                check_namespace(r.namespace)
-            except ValueError as exc:
-                raise RecordError(f"record {r.key[:80]!r} refused: {exc}") from None
-            if not isinstance(r.key, str) or not r.key:
-                raise RecordError(f"a record key of namespace {r.namespace!r} is empty")
-            canonical_value(r.value_json)
-            seen.add(r.identity)
-        for ident in self.removals:
-            if ident in seen:
-                raise ValueError(f"record {ident[3][:80]!r} is both written and removed")
+    def check_item(self, item: NewRecord) -> None:
+        """Check the record's scope, namespace, key and value; ``RecordError`` if bad."""
+        try:
+            validate_scope(item.scope)
+            check_namespace(item.namespace)
+        except ValueError as exc:
+            raise RecordError(f"record {item.key[:80]!r} refused: {exc}") from None
+        if not isinstance(item.key, str) or not item.key:
+            raise RecordError(f"a record key of namespace {item.namespace!r} is empty")
+        canonical_value(item.value_json)
 
 
 def records_of_file(

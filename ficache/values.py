@@ -209,6 +209,44 @@ class NewProtocolRecord:
         return (self.fingerprint, self.scope, self.namespace, self.key)
 
 
+@dataclass(frozen=True)
+class NamespacedWrite:
+    """What one ``Registry.write`` does to one namespaced kind: store, remove, expect.
+
+    The one shape of every namespaced kind's write (``records.RecordWrite``,
+    ``protocol_records.ProtocolWrite``); a kind adds only ``check_item``, its
+    own check of one stored item. ``records`` hold ``NewRecord`` or
+    ``NewProtocolRecord`` (anything with an ``identity``).
+    """
+
+    records: tuple[Any, ...] = ()
+    removals: tuple[RecordIdentity, ...] = ()
+    #: (identity, commit id that must hold it now, or None: absent).
+    expected: tuple[tuple[RecordIdentity, int | None], ...] = ()
+
+    #: How the kind's errors name one of its items ("record", "protocol record").
+    item_name: ClassVar[str] = "record"
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.records and not self.removals
+
+    def check_item(self, item: Any) -> None:
+        """The kind's check of one item to store; raises ``RecordError``."""
+        raise NotImplementedError
+
+    def validate(self) -> None:
+        """Check every item (``check_item``), and that none is both written and
+        removed; the first problem raises (``RecordError``, ``ValueError``)."""
+        seen: set[RecordIdentity] = set()
+        for item in self.records:
+            self.check_item(item)
+            seen.add(item.identity)
+        for ident in self.removals:
+            if ident in seen:
+                raise ValueError(f"{self.item_name} {ident[3][:80]!r} is both written and removed")
+
+
 # --------------------------------------------------------------------------
 # Rows of a namespaced kind as read back (``ficache.kind_read``; ``Kind.stored_row``,
 # ``Kind.change_row``).

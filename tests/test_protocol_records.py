@@ -300,3 +300,29 @@ def test_a_malformed_protocol_entry_is_skipped_and_counted(
     assert adopted.exit_code == 0, adopted.output
     assert adopted.stderr.startswith("warning: skipped 1 unreadable file(s), entr(ies)")
     assert dump_db(registry_db) == before
+
+
+def test_a_write_that_stores_and_removes_one_identity_is_refused_for_every_namespaced_kind(
+    registry_db: str,
+) -> None:
+    """Records and protocol records share one write shape (``values.NamespacedWrite``): a
+    write that stores and removes the same identity is refused before anything is written,
+    for both kinds alike (protocol records' own copy of the write once lacked this check)."""
+    from ficache.protocol_records import ProtocolWrite
+    from ficache.records import NewRecord, RecordWrite
+
+    write(registry_db, ("t1", '"v1"', None))
+    before = protocol_rows(registry_db)
+    record = NewRecord(FP, NS, "t1", '"v2"')
+    protocol = NewProtocolRecord(FP, NS, "t1", '"v2"')
+    with Registry.open(registry_db) as reg:
+        with pytest.raises(ValueError, match="record 't1' is both written and removed"):
+            reg.write([], kind="import", records=RecordWrite((record,), (record.identity,)))
+        with pytest.raises(ValueError, match="protocol record 't1' is both written and removed"):
+            reg.write(
+                [],
+                kind="import",
+                protocol_records=ProtocolWrite((protocol,), (protocol.identity,)),
+            )
+        assert len(reg.log()) == 1
+    assert protocol_rows(registry_db) == before
