@@ -882,8 +882,10 @@ class WarmStart:
         return self
 
     def _step_prepare(self) -> None:
-        """1. Every rank, alone: collect the fingerprint, clear the tuner. No collective; a
-        failure is kept as ``local_error`` (the load step turns it into a failed load)."""
+        """1. Every rank, alone: collect the fingerprint, clear the tuner (a tuner that can
+        keep a slice, ``Tuner.kept_slice``: at step 4, which knows the slice). No
+        collective; a failure is kept as ``local_error`` (the load step turns it into a
+        failed load)."""
         state = self._enter
         try:
             state.fp = self._fingerprint or collect()
