@@ -184,10 +184,11 @@ Decisions:
 
 Cost: a warm start with nothing to tune is four collectives on ``group`` plus
 one ``load_configs`` per rank, or none on a rank that keeps its slice (a
-comparison of the tuner's containers with a snapshot instead). Rank 0 reads rendered slices from the slice
-cache (``ficache.slices``) after checking the registry's state over one
-read-only SQLite connection, and the tuner adapter pauses the garbage
-collector during ``load_configs``; see ``benchmarks/warm_start.py``.
+comparison of the tuner's containers with a snapshot instead). Rank 0 reads
+rendered slices from the slice cache (``ficache.slices``) after checking the
+registry's state over one read-only SQLite connection, and the tuner adapter
+pauses the garbage collector during ``load_configs``; see
+``benchmarks/warm_start.py``.
 """
 
 from __future__ import annotations
