@@ -25,7 +25,8 @@ On enter:
 
 1. Each rank collects its fingerprint and clears its tuner: for the block,
    ``warm_start`` owns the AutoTuner's cache, and every rank starts from
-   exactly its slice.
+   exactly its slice. A tuner that can keep a slice (``kept_slice``) is
+   cleared at step 4 instead, right before its load.
 2. Rank 0 opens the registry and exports one slice per rank for its own
    fingerprint (``ficache.slices``): the shared entries plus that rank's
    entries scoped to ``layout``. With ``reuse`` (a later pass of one
@@ -38,7 +39,13 @@ On enter:
 3. One broadcast carries the slices (a base every rank loads, plus an
    overlay per rank where its scoped entries differ), or the reason there
    are none.
-4. A rank whose fingerprint equals rank 0's loads its slice.
+4. A rank whose fingerprint equals rank 0's loads its slice. A rank whose
+   tuner provably holds exactly that slice already (an earlier start of this
+   process loaded the same texts and protocol records, and nothing the tuner
+   holds changed since: ``FlashInferTuner.kept_slice``) keeps it instead of
+   clearing and loading, and counts what that load counted, so its
+   confirmation is the one a load would send (``report.load_kept``). Every
+   other rank that loads nothing still clears.
    4b. v2 mode (``ficache.v2_mode``): the slice is also served as a
    FlashInfer managed store of the rank's own, attached in place of any
    store attached before, and every ``autotune_v2`` of the block is sent to
@@ -176,10 +183,12 @@ Decisions:
   the timeout once, not twice (``tests/test_killed_ranks.py``, slow cases).
 
 Cost: a warm start with nothing to tune is four collectives on ``group`` plus
-one ``load_configs`` per rank. Rank 0 reads rendered slices from the slice
-cache (``ficache.slices``) after checking the registry's state over one
-read-only SQLite connection, and the tuner adapter pauses the garbage
-collector during ``load_configs``; see ``benchmarks/warm_start.py``.
+one ``load_configs`` per rank, or none on a rank that keeps its slice (a
+comparison of the tuner's containers with a snapshot instead). Rank 0 reads
+rendered slices from the slice cache (``ficache.slices``) after checking the
+registry's state over one read-only SQLite connection, and the tuner adapter
+pauses the garbage collector during ``load_configs``; see
+``benchmarks/warm_start.py``.
 """
 
 from __future__ import annotations
@@ -306,6 +315,7 @@ class WarmStartReport:
     slice_cache: str = "off"  # rank 0's slice cache: "hit", "miss" or "off"
     mode: str = "tune"  # "tune", or "replay": served the registry, never profiled
     missed: int = 0  # replay: distinct keys this rank looked up and the registry lacked
+    load_kept: bool = False  # step 4: this rank's tuner already held exactly its slice, kept
     loaded_by_rank: list[int] = field(default_factory=list)
     tuned_by_rank: list[int] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -569,6 +579,7 @@ class _EnterState:
     loaded: int = 0  # step 4: entries this rank loaded
     load_error: str | None = None  # step 4
     tuning_group_cached: bool = False  # step 5: every rank still holds the tuning group
+    clear_pending: bool = False  # step 1 left the clear to step 4 (``_load_texts``)
 
 
 @dataclass
@@ -583,6 +594,7 @@ class _Loaded:
     protocol_served: dict[str, dict[str, str]] = field(default_factory=dict)
     protocol: dict[str, dict[str, str]] = field(default_factory=dict)
     published: int = 0  # of ``protocol_served``, how many the tuner published
+    kept: bool = False  # the tuner already held exactly these: not cleared, not loaded
 
 
 @dataclass
@@ -871,8 +883,10 @@ class WarmStart:
         return self
 
     def _step_prepare(self) -> None:
-        """1. Every rank, alone: collect the fingerprint, clear the tuner. No collective; a
-        failure is kept as ``local_error`` (the load step turns it into a failed load)."""
+        """1. Every rank, alone: collect the fingerprint, clear the tuner (a tuner that can
+        keep a slice, ``Tuner.kept_slice``: at step 4, which knows the slice). No
+        collective; a failure is kept as ``local_error`` (the load step turns it into a
+        failed load)."""
         state = self._enter
         try:
             state.fp = self._fingerprint or collect()
@@ -883,7 +897,10 @@ class WarmStart:
             )
         try:
             self.tuner = self._tuner if self._tuner is not None else FlashInferTuner()
-            self.tuner.clear()
+            if state.local_error is None and hasattr(self.tuner, "kept_slice"):
+                state.clear_pending = True  # step 4 clears, or keeps an identical slice
+            else:
+                self.tuner.clear()
         except Exception as exc:  # noqa: BLE001
             state.local_error = (
                 state.local_error
@@ -937,12 +954,17 @@ class WarmStart:
                 root = self.v2_root or v2_mode.process_root(rank)
                 mode = v2_mode.V2Mode(root, fields)
                 tuner = v2_mode.V2ModeTuner(self.tuner, mode)
-                tuner.clear()
+                eager = self.v2 is True or ambient is not None
+                if self._enter.clear_pending and not eager:
+                    mode.wipe()  # the tuner's own clear is step 4's (``_load_texts``)
+                else:
+                    tuner.clear()
+                    self._enter.clear_pending = False
             except Exception as exc:  # noqa: BLE001 - the start goes on in v1 mode
                 why = f"could not set up its v2 store: {_one_line(exc)}"
             else:
                 self.tuner, self._v2 = tuner, mode
-                self._v2_eager = self.v2 is True or ambient is not None
+                self._v2_eager = eager
                 return
         self._warn(
             f"rank {rank}: v2 mode off: {why}; what the block tunes into a store is not committed"
@@ -1018,7 +1040,10 @@ class WarmStart:
 
     def _step_load(self) -> None:
         """4. Every rank whose fingerprint is rank 0's loads its slice, alone. No collective:
-        a failed load is a value (``load_ok``, ``load_error``) for the confirm."""
+        a failed load is a value (``load_ok``, ``load_error``) for the confirm. The clear of
+        step 1, when it was left to this step, is made here on every path, unless the tuner
+        provably held exactly this slice already (``_load_texts``): a local decision that
+        returns the same counts a load would, so the confirm cannot tell the two apart."""
         state = self._enter
         offer = state.offer
         assert offer is not None
@@ -1028,6 +1053,7 @@ class WarmStart:
                 try:
                     state.loaded = self._load_reused() if offer.reused else self._load_slice(offer)
                     self.report.protocol_loaded = self._loaded.published
+                    self.report.load_kept = self._loaded.kept
                 except Exception as exc:  # noqa: BLE001 - a failed load is a value
                     state.load_ok = False
                     state.load_error = (
@@ -1035,6 +1061,16 @@ class WarmStart:
                     )
         elif state.local_error is not None:
             state.load_ok, state.load_error = False, state.local_error
+        if state.clear_pending:  # nothing was loaded: clear as step 1 would have
+            state.clear_pending = False
+            try:
+                self.tuner.clear()
+            except Exception as exc:  # noqa: BLE001 - a failed clear is a failed load
+                if state.load_ok:
+                    state.load_ok = False
+                    state.load_error = (
+                        f"rank {state.rank} could not set up its tuner: {_one_line(exc)}"
+                    )
 
     def _step_confirm(self) -> None:
         """5. One all-gather of every rank's ``LoadConfirmation``; then, only when a load failed
@@ -1170,14 +1206,15 @@ class WarmStart:
             self._set_tuning_group(state.tuning_group_cached)
             self.report.synchronized = self._tuning.group is not None
 
-    def _load_slice(self, message: SliceOffer | CommitOutcome) -> int:
-        """Load the base text and this rank's overlay; return the entries now held."""
+    def _load_slice(self, message: SliceOffer | CommitOutcome, *, final: bool = False) -> int:
+        """Load the base text and this rank's overlay (``final``: step 9's, in place of what
+        the tuner holds); return the entries now held."""
         assert message.base is not None
         texts = [message.base]
         overlay = message.overlay(self.report.rank)
         if overlay is not None:
             texts.append(overlay)
-        return self._load_texts(texts, message.protocol)
+        return self._load_texts(texts, message.protocol, clear=final)
 
     def _load_reused(self) -> int:
         """Step 4 of a reused offer: load what the earlier start left this rank holding. A rank
@@ -1190,16 +1227,37 @@ class WarmStart:
             )
         return self._load_texts(list(earlier._loaded.texts), earlier._loaded.protocol_served)
 
-    def _load_texts(self, texts: list[str], protocol: dict[str, dict[str, str]]) -> int:
+    def _load_texts(
+        self, texts: list[str], protocol: dict[str, dict[str, str]], *, clear: bool = False
+    ) -> int:
         """Load the slice texts, then publish its protocol records (``Tuner.publish_protocol``,
-        where the tuner has it); keep what the tuner then holds, to compare at exit."""
+        where the tuner has it); keep what the tuner then holds, to compare at exit.
+
+        The tuner is cleared first when ``clear`` is set or step 1 left its clear here. A
+        tuner that provably holds exactly what that clear and load would leave
+        (``_kept_slice``) is neither cleared nor loaded, and the counts are those of the
+        load that left it so; after a real clear and load, the tuner notes the slice
+        (``Tuner.note_slice``) for a later start of this process."""
         self._loaded = _Loaded()
-        loaded = 0
-        for text in texts:
-            loaded += self.tuner.load(text)
-            self._loaded.texts.append(text)
-        publish = getattr(self.tuner, "publish_protocol", None)
-        published = publish(protocol) if publish is not None and protocol else 0
+        clear = clear or self._enter.clear_pending
+        kept = self._kept_slice(texts, protocol) if clear else None
+        if kept is not None:
+            loaded, published = kept
+            self._loaded.texts, self._loaded.kept = list(texts), True
+            self._enter.clear_pending = False
+        else:
+            if clear:
+                self._enter.clear_pending = False
+                self.tuner.clear()
+            loaded = 0
+            for text in texts:
+                loaded += self.tuner.load(text)
+                self._loaded.texts.append(text)
+            publish = getattr(self.tuner, "publish_protocol", None)
+            published = publish(protocol) if publish is not None and protocol else 0
+            note = getattr(self.tuner, "note_slice", None)
+            if clear and note is not None:
+                note(texts, protocol, (loaded, published))
         if protocol and not published:
             self._warn(
                 f"rank {self.report.rank}: {sum(len(b) for b in protocol.values())} protocol "
@@ -1216,6 +1274,20 @@ class WarmStart:
             held_protocol[ns] = {**by_key, **held_protocol.get(ns, {})}
         self._loaded.protocol = held_protocol
         return loaded
+
+    def _kept_slice(
+        self, texts: list[str], protocol: dict[str, dict[str, str]]
+    ) -> tuple[int, int] | None:
+        """The counts of the load that left the tuner holding exactly ``texts`` and
+        ``protocol``, when it provably still does (``Tuner.kept_slice``); None: clear and
+        load. Never in v2 mode when the store is served from the load (eager or active)."""
+        keep = getattr(self.tuner, "kept_slice", None)
+        if keep is None or (self._v2 is not None and (self._v2_eager or self._v2.active)):
+            return None
+        try:
+            return cast("tuple[int, int] | None", keep(texts, protocol))
+        except Exception:  # noqa: BLE001 - then clear and load, as always
+            return None
 
     def _export_payload(self, world: int, layout: str) -> SliceOffer:
         """Rank 0: what every rank needs to load its slice, or why there is nothing."""
@@ -1599,8 +1671,7 @@ class WarmStart:
             return None
         if mine.base is not None:
             try:
-                self.tuner.clear()
-                self._load_slice(mine)
+                self._load_slice(mine, final=True)
             except Exception as exc:  # noqa: BLE001 - the tuner keeps what it tuned
                 self._warn(f"rank {report.rank} could not load its final slice: {_one_line(exc)}")
         self._phase("final", t)

@@ -53,6 +53,29 @@ Invariants:
   reads the private ``_protocol_record_partitions`` under the tuner's lock,
   read-only, because ``get_protocol_records`` needs the namespace and reads
   only the calling thread's identity (a test checks the two agree).
+- ``kept_slice`` and ``note_slice`` (optional for other tuners; ``ficache.sync``
+  then always clears and loads) let a later start of this process skip a
+  clear and a load it does not need. ``note_slice`` is called right after
+  the tuner was cleared, loaded with a slice's texts and given its protocol
+  records: it keeps, per ``AutoTuner`` object (a weak reference, so one
+  process-wide tuner is shared by every ``FlashInferTuner`` over it), the
+  texts, the protocol map, the counts that load returned and a snapshot of
+  every container ``clear_cache`` empties that says what the tuner holds
+  or serves (``_HELD_STATE``: the profiling cache, the loaded configs with
+  their policies and selections, the namespaced and protocol records, the
+  derived caches), as copies. ``kept_slice(texts, protocol)`` returns those
+  counts only when the texts and the map are equal to the noted ones and
+  every snapshotted container still equals what the tuner holds now (dict
+  and set equality, O(n), no parsing), so the tuner provably holds exactly
+  what clearing and loading would leave; else None. Left out of the
+  comparison, as history rather than contents: ``_protocol_cache_generation``
+  (a counter ``clear_cache`` bumps), ``_observed_cache_generations`` (keyed by
+  the path a file was loaded from) and the log-once sets. A tuner that ever
+  had a managed store attached (``_managed_cache``, ``_managed_stores``:
+  their memos are reset only by ``clear_cache``) or whose containers cannot
+  be read or copied never keeps a slice. The snapshot holds its own
+  containers, with the values (tactics, policies) shared: FlashInfer
+  replaces them, never edits them in place.
 - ``set_process_group`` is ``set_autotune_process_group``: while a group is
   set, FlashInfer all-reduces every per-tactic timing over it, so every rank
   of the group must profile the same sequence (see ``ficache.sync``).
@@ -82,7 +105,8 @@ import gc
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -136,6 +160,57 @@ class ReplayLookups:
 
     missed: set[str] = field(default_factory=set)
     hits: int = 0
+
+
+#: The ``AutoTuner`` containers that say what it holds or serves (those ``clear_cache``
+#: empties, less history and logging), by how deep a snapshot copies them: the container
+#: only, one level more (containers of dicts or sets), or deep (JSON-like records).
+_HELD_STATE: tuple[tuple[str, str], ...] = (
+    ("profiling_cache", "shallow"),
+    ("_profiling_cache_policies", "shallow"),
+    ("_profiling_cache_selections", "two"),
+    ("_ranked_tactics_cache", "shallow"),
+    ("_ranked_tactics_partitions", "two"),
+    ("_file_configs", "shallow"),
+    ("_file_config_policies", "shallow"),
+    ("_file_config_selections", "two"),
+    ("_invalidated_file_keys", "shallow"),
+    ("_excluded_file_keys", "two"),
+    ("_namespaced_records", "deep"),
+    ("_dirty_namespaces", "shallow"),
+    ("_dirty", "value"),
+    ("_winner_partitions", "two"),
+    ("_protocol_record_partitions", "deep"),
+    ("_managed_decoded", "shallow"),
+    ("_preloaded_stores", "shallow"),
+)
+
+#: Stands for a container this FlashInfer does not have (absent then and now: equal).
+_ABSENT = ("ficache.tuner: absent",)
+
+
+def _copied(value: Any, depth: str) -> Any:
+    if value is _ABSENT or depth == "value":
+        return value
+    if depth == "deep":
+        return copy.deepcopy(value)
+    if depth == "two":
+        return {k: copy.copy(v) for k, v in value.items()}
+    return copy.copy(value)
+
+
+@dataclass
+class _NotedSlice:
+    """What ``note_slice`` kept: the slice, the counts its load returned, the snapshot."""
+
+    texts: tuple[str, ...]
+    protocol: dict[str, dict[str, str]]
+    counts: tuple[int, int]
+    state: tuple[Any, ...]
+
+
+#: ``AutoTuner`` object -> the slice it was last noted holding (``note_slice``).
+_NOTED: weakref.WeakKeyDictionary[Any, _NotedSlice] = weakref.WeakKeyDictionary()
 
 
 def _one_line(exc: BaseException) -> str:
@@ -292,6 +367,70 @@ class FlashInferTuner:
                 selection,
             )
         return out
+
+    def _held_state(self) -> tuple[Any, ...] | None:
+        """A snapshot of ``_HELD_STATE`` as copies (module docstring); None when this tuner
+        cannot keep a slice (a managed store was attached, or a container is unreadable)."""
+        tuner = self.autotuner
+        try:
+            if getattr(tuner, "_managed_cache", None) is not None or getattr(
+                tuner, "_managed_stores", None
+            ):
+                return None
+            with tuner._lock:
+                return tuple(
+                    _copied(getattr(tuner, name, _ABSENT), depth) for name, depth in _HELD_STATE
+                )
+        except Exception:  # noqa: BLE001 - then it clears and loads, as always
+            return None
+
+    def _holds(self, state: tuple[Any, ...]) -> bool:
+        """Whether every ``_HELD_STATE`` container equals ``state``'s, with no copy."""
+        tuner = self.autotuner
+        try:
+            if getattr(tuner, "_managed_cache", None) is not None or getattr(
+                tuner, "_managed_stores", None
+            ):
+                return False
+            with tuner._lock:
+                return all(
+                    getattr(tuner, name, _ABSENT) == held
+                    for (name, _depth), held in zip(_HELD_STATE, state, strict=True)
+                )
+        except Exception:  # noqa: BLE001
+            return False
+
+    def note_slice(
+        self,
+        texts: Sequence[str],
+        protocol: Mapping[str, Mapping[str, str]],
+        counts: tuple[int, int],
+    ) -> None:
+        """Right after a clear, the load of ``texts`` and the publishing of ``protocol``:
+        remember them, the counts returned, and a snapshot of what the tuner holds."""
+        state = self._held_state()
+        try:
+            if state is None:
+                _NOTED.pop(self.autotuner, None)
+                return
+            _NOTED[self.autotuner] = _NotedSlice(
+                tuple(texts), {ns: dict(by) for ns, by in protocol.items()}, counts, state
+            )
+        except TypeError:  # an AutoTuner that cannot be weakly referenced: never kept
+            return
+
+    def kept_slice(
+        self, texts: Sequence[str], protocol: Mapping[str, Mapping[str, str]]
+    ) -> tuple[int, int] | None:
+        """The counts ``note_slice`` kept when the tuner provably still holds exactly what
+        clearing, loading ``texts`` and publishing ``protocol`` would leave; else None."""
+        try:
+            noted = _NOTED.get(self.autotuner)
+        except TypeError:
+            return None
+        if noted is None or noted.texts != tuple(texts) or noted.protocol != protocol:
+            return None
+        return noted.counts if self._holds(noted.state) else None
 
     def set_process_group(self, group: Any | None) -> None:
         from flashinfer.autotuner import set_autotune_process_group

@@ -56,7 +56,7 @@ import logging
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -403,6 +403,30 @@ class V2ModeTuner:
 
     def entries(self) -> dict[str, Row]:
         return self.inner.entries()
+
+    def kept_slice(
+        self, texts: Sequence[str], protocol: Mapping[str, Mapping[str, str]]
+    ) -> tuple[int, int] | None:
+        """The inner tuner's ``kept_slice``; when it keeps the slice, the store is still
+        given the texts and protocol records, as ``load`` and ``publish_protocol`` would."""
+        keep = getattr(self.inner, "kept_slice", None)
+        counts = keep(texts, protocol) if keep is not None else None
+        if counts is not None:
+            for text in texts:
+                self.mode.add_slice(text)
+            if counts[1]:
+                self.mode.add_protocol(protocol)
+        return counts
+
+    def note_slice(
+        self,
+        texts: Sequence[str],
+        protocol: Mapping[str, Mapping[str, str]],
+        counts: tuple[int, int],
+    ) -> None:
+        note = getattr(self.inner, "note_slice", None)
+        if note is not None:
+            note(texts, protocol, counts)
 
     def tuned(self) -> dict[str, Row]:
         out = dict(self.inner.tuned())

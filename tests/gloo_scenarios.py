@@ -52,10 +52,14 @@ def registry(tmp: Path, file: str = "registry.db") -> Path | str:
 
 
 class FailingLoadTuner(FlashInferTuner):
-    """Fault injection: the real FlashInfer tuner, except that ``load`` fails."""
+    """Fault injection: the real FlashInfer tuner, except that ``load`` fails (and it never
+    keeps a slice it holds already, so every start loads: ``tests/test_kept_slice.py``)."""
 
     def load(self, text: str) -> int:
         raise TunerError("injected load failure")
+
+    def kept_slice(self, texts: Any, protocol: Any) -> None:
+        return None
 
 
 def _quiet_logs() -> None:

@@ -1,0 +1,144 @@
+"""A later warm start of one process keeps the slice its tuner provably still holds.
+
+Real FlashInfer ``AutoTuner`` throughout; the multi-rank case runs on real gloo ranks
+(``tests/kept_slice_ranks.py``). ``LoadProbe`` (instrumentation) counts
+``load_configs`` calls; "holds exactly the slice" is compared with what a tuner cleared
+and loaded by a start holds (``held``).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kept_slice_ranks import LoadProbe, held, one_rank_changed, start
+
+from ficache._ranks import run_ranks
+
+ALL = 18  # the stand-in's keys (3 shapes x 6 buckets)
+
+
+def _reference(db: Path, autotuner: Any) -> dict[str, Any]:
+    """What a start that clears and loads leaves the tuner holding (it loads: checked)."""
+    autotuner.clear_cache()
+    with LoadProbe(autotuner) as probe:
+        out = start(db)
+    assert probe.calls >= 1 and not out["report"]["load_kept"]
+    return held(autotuner)
+
+
+def test_a_second_start_with_an_unchanged_registry_loads_nothing(
+    registry_path: Path, autotuner: Any
+) -> None:
+    db = registry_path
+    start(db)  # cold: tunes, commits, loads the final slice
+    expected = _reference(db, autotuner)
+    assert len(expected["entries"]) == ALL and expected["profiled"] == 0
+    for _ in range(2):
+        with LoadProbe(autotuner) as probe:
+            out = start(db)
+        report = out["report"]
+        assert probe.calls == 0 and report["load_kept"]
+        assert (report["status"], report["loaded"], report["loaded_by_rank"]) == (
+            "warm",
+            ALL,
+            [ALL],
+        )
+        assert report["tuned"] == 0 and out["profiled"] == 0 and report["reason"] is None
+        assert held(autotuner) == expected
+
+
+def _alter(autotuner: Any) -> None:
+    key = sorted(autotuner._file_configs)[0]
+    runner, _tactic = autotuner._file_configs[key]
+    autotuner._file_configs[key] = (runner, 999)
+
+
+def _add(autotuner: Any) -> None:
+    key = sorted(autotuner._file_configs)[0]  # (op, runner, shapes, extras) as text
+    runner, tactic = autotuner._file_configs[key]
+    extra = key.replace("((", "((7777, 7777), (", 1)
+    assert extra != key and extra not in autotuner._file_configs
+    autotuner._file_configs[extra] = (runner, tactic)
+
+
+def _remove(autotuner: Any) -> None:
+    del autotuner._file_configs[sorted(autotuner._file_configs)[-1]]
+
+
+def _record(autotuner: Any) -> None:
+    autotuner.publish_namespaced_records("ficache_test", {"k": {"v": 1}})
+
+
+def _protocol_record(autotuner: Any) -> None:
+    if not hasattr(autotuner, "publish_protocol_record"):
+        pytest.skip("this FlashInfer has no protocol records")
+    autotuner.publish_protocol_record("ficache_test", "k", {"v": 1}, persist=False)
+
+
+def _policy(autotuner: Any) -> None:
+    key = sorted(autotuner._file_configs)[0]
+    autotuner._file_config_policies[key] = ("cuda_graph_profile_replays", None, "l2", "hot")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [_alter, _add, _remove, _record, _protocol_record, _policy],
+    ids=["entry altered", "entry added", "entry removed", "record", "protocol record", "policy"],
+)
+def test_a_tuner_changed_between_starts_is_cleared_and_reloaded(
+    registry_path: Path, autotuner: Any, change: Callable[[Any], None]
+) -> None:
+    db = registry_path
+    start(db)
+    expected = _reference(db, autotuner)
+    change(autotuner)  # private containers, changed by the test
+    assert held(autotuner) != expected
+    with LoadProbe(autotuner) as probe:
+        out = start(db)
+    report = out["report"]
+    assert probe.calls >= 1 and not report["load_kept"]
+    assert (report["status"], report["loaded"], report["tuned"]) == ("warm", ALL, 0)
+    assert held(autotuner) == expected
+    with LoadProbe(autotuner) as probe:  # and the reload is kept by the next start
+        again = start(db)
+    assert probe.calls == 0 and again["report"]["load_kept"] and held(autotuner) == expected
+
+
+def test_a_registry_changed_between_starts_is_reloaded(registry_path: Path, autotuner: Any) -> None:
+    db = registry_path
+    start(db)
+    _reference(db, autotuner)
+    # Another server commits new keys (another process: this one's tuner is untouched).
+    script = (
+        "import sys, ficache\n"
+        "from ficache.standin import standin_tune\n"
+        "with ficache.warm_start(db=sys.argv[1]) as ws:\n"
+        "    standin_tune(shapes=[(512, 512)])\n"
+        "assert ws.report.committed == 6, ws.report\n"
+    )
+    subprocess.run([sys.executable, "-c", script, str(db)], check=True, timeout=300)
+    with LoadProbe(autotuner) as probe:
+        out = start(db)
+    report = out["report"]
+    assert probe.calls >= 1 and not report["load_kept"]
+    assert (report["status"], report["loaded"]) == ("warm", ALL + 6)
+    now = held(autotuner)
+    assert now == _reference(db, autotuner) and len(now["entries"]) == ALL + 6
+
+
+def test_ranks_that_keep_and_ranks_that_reload_agree(tmp_path: Path) -> None:
+    rank0, rank1 = run_ranks(one_rank_changed, 2, str(tmp_path), timeout=600)
+    for out in (rank0, rank1):
+        assert out["first_calls"] >= 1 and not out["first"]["report"]["load_kept"]
+        report = out["second"]["report"]
+        assert (report["status"], report["reason"], report["loaded"]) == ("warm", None, ALL)
+        assert report["loaded_by_rank"] == [ALL, ALL] and report["synchronized"]
+        assert report["tuned_by_rank"] == [0, 0] and out["second"]["profiled"] == 0
+        assert out["held_as_expected"] and out["loaded_keys"] == ALL
+    assert rank0["second_calls"] == 0 and rank0["second"]["report"]["load_kept"]
+    assert rank1["second_calls"] >= 1 and not rank1["second"]["report"]["load_kept"]
