@@ -72,8 +72,10 @@ Invariants:
   (a counter ``clear_cache`` bumps), ``_observed_cache_generations`` (keyed by
   the path a file was loaded from) and the log-once sets. A tuner that ever
   had a managed store attached (``_managed_cache``, ``_managed_stores``:
-  their memos are reset only by ``clear_cache``) or whose containers cannot
-  be read or copied never keeps a slice. The snapshot holds its own
+  their memos are reset only by ``clear_cache``), whose containers cannot
+  be read or copied, or that has an attribute this module has not
+  classified (``unclassified_state``: a FlashInfer release that added state)
+  never keeps a slice. The snapshot holds its own
   containers, with the values (tactics, policies) shared: FlashInfer
   replaces them, never edits them in place.
 - ``set_process_group`` is ``set_autotune_process_group``: while a group is
@@ -184,6 +186,37 @@ _HELD_STATE: tuple[tuple[str, str], ...] = (
     ("_managed_decoded", "shallow"),
     ("_preloaded_stores", "shallow"),
 )
+
+#: Every other ``AutoTuner`` attribute this code knows (FlashInfer 0.7.2.post1 and 0.7.4),
+#: none of which says what the tuner holds: history (generation counters, the paths
+#: loaded, log-once sets), settings, statistics, per-thread switches, the lock, and the
+#: managed stores (a tuner that has any never keeps a slice).
+_OTHER_STATE = frozenset(
+    {
+        "_active_tuning_contexts", "_blocklist", "_cupti_disabled", "_dirty_seq", "_lock",
+        "_logged_cache_miss_oor", "_logged_file_hits", "_logged_invalid_tactic",
+        "_managed_cache", "_managed_stores", "_measure_config_cache",
+        "_observed_cache_generations", "_override_config_cache", "_override_local",
+        "_protocol_cache_generation", "_record_global_timer", "_skip_ops_local",
+        "_use_global_timer", "_v2_local", "_warned_cache_mismatch", "is_tuning_mode",
+        "profiling_debug", "repeat", "stats", "stream_delay_micro_secs", "warmup",
+    }
+)  # fmt: skip
+
+
+def unclassified_state(tuner: Any) -> set[str]:
+    """``tuner``'s data attributes that are in neither ``_HELD_STATE`` nor ``_OTHER_STATE``.
+
+    A FlashInfer that adds state this code has not classified could hold
+    something a kept slice would not compare: such a tuner never keeps a
+    slice (it clears and loads at every start, as before), and a test
+    checks that each FlashInfer CI runs has none.
+    """
+    held = {name for name, _depth in _HELD_STATE}
+    # Callables set on the instance are patched methods (a wrapped load), not state.
+    state = {name for name, value in vars(tuner).items() if not callable(value)}
+    return state - held - _OTHER_STATE
+
 
 #: Stands for a container this FlashInfer does not have (absent then and now: equal).
 _ABSENT = ("ficache.tuner: absent",)
@@ -377,6 +410,8 @@ class FlashInferTuner:
                 tuner, "_managed_stores", None
             ):
                 return None
+            if unclassified_state(tuner):
+                return None
             with tuner._lock:
                 return tuple(
                     _copied(getattr(tuner, name, _ABSENT), depth) for name, depth in _HELD_STATE
@@ -391,6 +426,8 @@ class FlashInferTuner:
             if getattr(tuner, "_managed_cache", None) is not None or getattr(
                 tuner, "_managed_stores", None
             ):
+                return False
+            if unclassified_state(tuner):
                 return False
             with tuner._lock:
                 return all(

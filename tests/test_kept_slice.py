@@ -142,3 +142,58 @@ def test_ranks_that_keep_and_ranks_that_reload_agree(tmp_path: Path) -> None:
         assert out["held_as_expected"] and out["loaded_keys"] == ALL
     assert rank0["second_calls"] == 0 and rank0["second"]["report"]["load_kept"]
     assert rank1["second_calls"] >= 1 and not rank1["second"]["report"]["load_kept"]
+
+
+_ATTRIBUTES = (
+    "import json; from flashinfer.autotuner import AutoTuner; "
+    "print(json.dumps(sorted(vars(AutoTuner.get()))))"
+)
+
+
+def test_every_autotuner_attribute_of_each_flashinfer_ci_runs_is_classified() -> None:
+    """A kept slice compares what ``ficache.tuner._HELD_STATE`` names; an ``AutoTuner``
+    attribute the module has not classified makes every start clear and load. Each
+    FlashInfer CI runs (this env's, and 0.7.2.post1 through its own python) has none, so
+    a release that adds state fails here instead of silently never keeping a slice."""
+    import json
+    import os
+    import types
+
+    from flashinfer.autotuner import AutoTuner
+    from flashinfer_072 import flashinfer_072_python
+
+    from ficache.tuner import unclassified_state
+
+    assert unclassified_state(AutoTuner.get()) == set()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    names = json.loads(
+        subprocess.run(
+            [flashinfer_072_python(), "-c", _ATTRIBUTES],
+            check=True,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        ).stdout
+    )
+    assert "profiling_cache" in names
+    assert unclassified_state(types.SimpleNamespace(**dict.fromkeys(names))) == set()
+
+
+def test_a_tuner_with_state_this_code_has_not_classified_clears_and_loads(
+    registry_path: Path, autotuner: Any
+) -> None:
+    """An attribute ``ficache.tuner`` does not know (as a newer FlashInfer could add) means
+    the tuner may hold something a kept slice would not compare: the start loads."""
+    autotuner.clear_cache()
+    start(registry_path)  # cold: fills the registry (the stand-in tunes)
+    autotuner.clear_cache()
+    start(registry_path)  # loads and notes the slice
+    autotuner._ficache_test_unknown_state = {}  # the stand-in for state of a newer release
+    try:
+        with LoadProbe(autotuner) as probe:
+            out = start(registry_path)
+        assert probe.calls >= 1 and not out["report"]["load_kept"]
+        assert out["report"]["loaded"] == ALL
+    finally:
+        del autotuner._ficache_test_unknown_state
