@@ -935,7 +935,7 @@ class WarmStart:
                     else v2_mode.store_measurement(ambient)
                 )
                 root = self.v2_root or v2_mode.process_root(rank)
-                mode = v2_mode.V2Mode(root, fields)
+                mode = v2_mode.V2Mode(root, fields, adopt_policy=policy is None)
                 tuner = v2_mode.V2ModeTuner(self.tuner, mode)
                 tuner.clear()
             except Exception as exc:  # noqa: BLE001 - the start goes on in v1 mode
@@ -1732,6 +1732,7 @@ class WarmStart:
         )
         if self._v2 is not None and self._v2.active:
             provenance["v2_mode"] = self._v2.report.as_json()
+            provenance.update(self._v2.environments_provenance(fp.digest))
         token = uuid.uuid4().hex
         attempts = 0
 
