@@ -283,10 +283,11 @@ def test_a_store_that_changes_while_read_back_is_refused(tmp_path: Path, entry_f
 
 
 def test_only_the_first_differing_policy_is_adopted(tmp_path: Path) -> None:
-    """One process, v2 mode at the block's first ``autotune_v2`` (the ``policy_*`` scenarios serve the
-    store eagerly, ``v2=True``): that call names ``block_policy()`` (adopted), a
-    second one another policy (FlashInfer's ``_timer`` override: identity-bearing, and timed
-    by the CPU stand-in as the default), whose entries are counted elsewhere, not committed."""
+    """One process, v2 mode set up at the block's first ``autotune_v2`` (the ``policy_*``
+    scenarios serve the store eagerly, ``v2=True``): that call names ``block_policy()``
+    (adopted), a second one another policy (FlashInfer's ``_timer`` override: identity-bearing,
+    and timed by the CPU stand-in as the default), whose entries are counted elsewhere, not
+    committed."""
     from flashinfer import autotune_v2
     from flashinfer.autotune_cache import MeasurementPolicy
 
