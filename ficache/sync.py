@@ -952,7 +952,7 @@ class WarmStart:
                     else v2_mode.store_measurement(ambient)
                 )
                 root = self.v2_root or v2_mode.process_root(rank)
-                mode = v2_mode.V2Mode(root, fields)
+                mode = v2_mode.V2Mode(root, fields, adopt_policy=policy is None)
                 tuner = v2_mode.V2ModeTuner(self.tuner, mode)
                 eager = self.v2 is True or ambient is not None
                 if self._enter.clear_pending and not eager:
@@ -1803,6 +1803,7 @@ class WarmStart:
         )
         if self._v2 is not None and self._v2.active:
             provenance["v2_mode"] = self._v2.report.as_json()
+            provenance.update(self._v2.environments_provenance(fp.digest))
         token = uuid.uuid4().hex
         attempts = 0
 

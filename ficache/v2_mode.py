@@ -11,7 +11,11 @@ tuned and commit nothing. In v2 mode each rank instead:
    every start, writes exactly the slice it loaded into that root's
    environment: the manifest is the live ``_collect_metadata()`` plus the
    measurement policy the caller passes (``warm_start(measurement_policy=
-   ...)``), so its ``env_hash`` is the one FlashInfer computes;
+   ...)``), so its ``env_hash`` is the one FlashInfer computes. A caller
+   that passes none gets the policy of the block's first redirected
+   ``autotune_v2`` call (``V2Mode.adopt``): a warmup that tunes under its
+   own ``MeasurementPolicy`` (vLLM PR #55671's draft passes one) is served,
+   harvested and committed in that policy's environment;
 2. attaches that root as the process's ambient store (FlashInfer's
    ``_resolve_managed_store``, the function ``autotune_v2`` itself calls),
    which replaces any store attached before (a node-local store that only
@@ -42,9 +46,22 @@ Invariants:
   published in memory under the store's identity or none
   (``V2ModeTuner.protocol_records``); the start keeps the ones that differ
   from what was served.
-- Entries tuned under a measurement policy other than the served one land
-  in another environment directory of the root: they are counted and
-  warned about, never committed.
+- The served environment changes at most once per start, at the block's
+  first redirected ``autotune_v2`` call, and only when the caller passed no
+  measurement policy and that call's manifest has other ``measure_*``
+  fields: the slice and protocol records loaded so far are (re)written
+  into that call's environment before FlashInfer resolves it, and
+  ``measurement``, ``manifest``, ``env_hash``, ``env_dir``, the report and
+  what was served all name it from then on (so the commit's provenance,
+  ``v2_mode`` and ``v2_environments``, and a later ``export --v2-store``
+  name that policy). The environment served before keeps its files: they
+  are not counted as tuned anywhere.
+- Entries tuned under a measurement policy other than the served one (a
+  later call under yet another policy, or any other policy when the caller
+  passed one) land in another environment directory of the root: they are
+  counted and warned about, never committed.
+- Every rank decides the same way from the same calls; nothing here
+  exchanges the decision.
 - Nothing here runs a collective.
 """
 
@@ -130,7 +147,12 @@ def measurement_fields(policy: Any) -> dict[str, str]:
 
 
 def store_measurement(store: Any) -> dict[str, str]:
-    manifest = getattr(store, "manifest", None) or {}
+    """The ``measure_*`` fields of a managed store's manifest."""
+    return store_measurement_of(getattr(store, "manifest", None) or {})
+
+
+def store_measurement_of(manifest: Mapping[str, Any]) -> dict[str, str]:
+    """The ``measure_*`` fields of a manifest (what ``autotune_v2`` resolves a store by)."""
     return {
         str(k): str(v) for k, v in manifest.items() if str(k).startswith(v2_store.MEASURE_PREFIX)
     }
@@ -179,16 +201,23 @@ class V2Report:
 class V2Mode:
     """One rank's managed store for one warm start (see the module docstring)."""
 
-    def __init__(self, root: Path, measurement: Mapping[str, str]) -> None:
+    def __init__(
+        self, root: Path, measurement: Mapping[str, str], *, adopt_policy: bool = False
+    ) -> None:
+        """``adopt_policy``: the caller passed no measurement policy, so the block's first
+        redirected ``autotune_v2`` call may name the one served (``adopt``)."""
         from flashinfer.autotuner import _collect_metadata
 
         self.root = root
         self.metadata = {str(k): str(v) for k, v in _collect_metadata().items()}
-        self.measurement = dict(measurement)
-        self.manifest = v2_store.manifest_for(self.metadata, self.measurement)
-        self.env_hash = v2_store.env_hash(self.manifest)
-        self.env_dir = root / v2_store.SCHEMA / self.env_hash
-        self.report = V2Report(str(root), self.env_hash, dict(self.measurement))
+        self.report = V2Report(str(root))
+        self._use_measurement(measurement)
+        #: Whether the next redirected ``autotune_v2`` call may still switch the policy.
+        self.adopt_policy = adopt_policy
+        #: ``env_hash -> what was served there`` of an environment served before ``adopt``.
+        self._served_before: dict[str, dict[str, tuple[str, str, str | None]]] = {}
+        self._loaded: list[str] = []  # every slice text loaded (re-written on ``adopt``)
+        self._loaded_protocol: dict[str, dict[str, str]] = {}  # protocol records, likewise
         #: Whether the store is written and attached: at ``serve(eager=True)``, else at
         #: the block's first ``autotune_v2`` call (``_activate``).
         self.active = False
@@ -198,10 +227,18 @@ class V2Mode:
         self._saved_resolve: Callable[..., Any] | None = None
         self.warnings: list[str] = []
 
+    def _use_measurement(self, measurement: Mapping[str, str]) -> None:
+        self.measurement = dict(measurement)
+        self.manifest = v2_store.manifest_for(self.metadata, self.measurement)
+        self.env_hash = v2_store.env_hash(self.manifest)
+        self.env_dir = self.root / v2_store.SCHEMA / self.env_hash
+        self.report.env_hash, self.report.measurement = self.env_hash, dict(self.measurement)
+
     # -- the files ----------------------------------------------------------
 
     def add_slice(self, text: str) -> None:
         """A slice text the tuner loaded: written now when active, else when activated."""
+        self._loaded.append(text)
         if self.active:
             self.write_slice(text)
         else:
@@ -210,6 +247,8 @@ class V2Mode:
     def add_protocol(self, records: Mapping[str, Mapping[str, str]]) -> None:
         """A slice's protocol records (canonical JSON values): written now when active, else
         when activated."""
+        for ns, by_key in records.items():
+            self._loaded_protocol.setdefault(ns, {}).update(by_key)
         if not self.active:
             for ns, by_key in records.items():
                 self._pending_protocol.setdefault(ns, {}).update(by_key)
@@ -223,6 +262,7 @@ class V2Mode:
     def wipe(self) -> None:
         """Remove every entry file under the root (manifests stay) and forget pending slices."""
         self._pending, self._pending_protocol = [], {}
+        self._loaded, self._loaded_protocol = [], {}
         schema_dir = self.root / v2_store.SCHEMA
         if not schema_dir.is_dir():
             return
@@ -290,6 +330,9 @@ class V2Mode:
         original = getattr(module, _RESOLVE)
 
         def redirected(tuner: Any, cache_root: Any, manifest: Any, *a: Any, **kw: Any) -> Any:
+            if self.adopt_policy:
+                self.adopt_policy = False
+                self.adopt(store_measurement_of(manifest))
             if not self.active:
                 self._activate(original)
             if cache_root is None or Path(cache_root) != self.root:
@@ -308,6 +351,56 @@ class V2Mode:
         setattr(module, _RESOLVE, redirected)
         self._saved_resolve = original
 
+    def adopt(self, measurement: Mapping[str, str]) -> None:
+        """Serve the environment of ``measurement`` from now on, when it is another policy:
+        an active store has the slice and protocol records it loaded re-written there, and
+        what it serves re-read there (module docstring's invariants)."""
+        measurement = dict(measurement)
+        if measurement == self.measurement:
+            return
+        before = v2_store.measurement_label(self.measurement)
+        if self.active:
+            self._served_before[self.env_hash] = self._served
+        self._use_measurement(measurement)
+        logger.info(
+            "ficache: the block tunes under measurement policy %s (not %s): its slice is "
+            "served in environment %s",
+            v2_store.measurement_label(self.measurement),
+            before,
+            self.env_hash,
+        )
+        if not self.active:
+            return  # ``_activate`` writes the pending slice under the new policy
+        for text in self._loaded:
+            self.write_slice(text)
+        if self._loaded_protocol:
+            self.add_protocol({ns: dict(by_key) for ns, by_key in self._loaded_protocol.items()})
+        self._write_manifest()
+        self._served = self._read()
+        self.report.served = len(self._served)
+
+    def _write_manifest(self) -> None:
+        self.env_dir.mkdir(parents=True, exist_ok=True)
+        if not (self.env_dir / v2_store.MANIFEST).exists():
+            v2_store.store_export(self.metadata, self.measurement, []).write(self.root)
+
+    def environments_provenance(self, fingerprint_digest: str) -> dict[str, Any]:
+        """The commit's record of the served environment when the block tuned entries into
+        it (``v2_store.environments_provenance``: what ``export --v2-store`` reads the
+        policy back from); nothing otherwise. ``records`` is not counted here (0)."""
+        if not self.report.harvested:
+            return {}
+        stored = v2_store.StoredEnvironment(
+            self.env_dir,
+            self.env_hash,
+            fingerprint_digest,
+            tuple(sorted(self.measurement.items())),
+            self.report.harvested,
+            0,
+            0,
+        )
+        return v2_store.environments_provenance([stored])
+
     def _activate(self, resolve: Callable[..., Any]) -> None:
         """Write the slice loaded so far, attach the root, note what it serves."""
         from flashinfer.autotuner import AutoTuner
@@ -319,9 +412,7 @@ class V2Mode:
         pending_protocol, self._pending_protocol = self._pending_protocol, {}
         if pending_protocol:
             self.add_protocol(pending_protocol)
-        self.env_dir.mkdir(parents=True, exist_ok=True)
-        if not (self.env_dir / v2_store.MANIFEST).exists():
-            v2_store.store_export(self.metadata, self.measurement, []).write(self.root)
+        self._write_manifest()
         before = attached_store()
         if before is not None and Path(str(getattr(before, "root", ""))) != self.root:
             self.report.replaced = str(getattr(before, "root", before))
@@ -371,12 +462,27 @@ class V2Mode:
         return tuned
 
     def _count_elsewhere(self) -> int:
+        """Entry files of the other environments, less what this start served in one
+        before ``adopt`` (unchanged there)."""
         schema_dir = self.root / v2_store.SCHEMA
         count = 0
         for env_dir in schema_dir.iterdir() if schema_dir.is_dir() else ():
             entries = env_dir / v2_store.ENTRIES
-            if env_dir.name != self.env_hash and entries.is_dir():
+            if env_dir.name == self.env_hash or not entries.is_dir():
+                continue
+            served = self._served_before.get(env_dir.name)
+            if served is None:
                 count += sum(1 for p in entries.iterdir() if p.suffix == ".json")
+                continue
+            try:
+                env = v2_store._read_environment(env_dir)
+            except ValueError as exc:
+                raise TunerError(f"v2 store {env_dir}: {exc}") from None
+            count += sum(
+                1
+                for e in env.entries
+                if served.get(e.key) != (e.runner, e.tactic_json, e.policy_json)
+            )
         return count
 
     def _warn_once(self, message: str) -> None:

@@ -133,6 +133,86 @@ def test_an_attached_store_is_replaced_and_reported(ranks: list[dict[str, Any]])
 
 
 # --------------------------------------------------------------------------
+# A block that tunes under its own measurement policy (``v2_mode_scenarios.block_policy``).
+
+#: The manifest fields of ``v2_mode_scenarios.block_policy()``.
+BLOCK_POLICY = {"measure_cold_l2": "False"}
+POLICY_WARNING = "tuned under another measurement policy"
+
+
+@pytest.fixture(scope="module")
+def policy_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """2 ranks: ``policy_cold`` and ``policy_explicit``, then ``policy_warm`` in fresh
+    processes (a fresh store root each; the registry is what carries over)."""
+    root = str(tmp_path_factory.mktemp("v2-policy"))
+    options = {"timeout": HARD_TIMEOUT, "group_timeout": GROUP_TIMEOUT}
+    first = run_ranks(
+        v2_mode_scenarios.run_plan, 2, root, ["policy_cold", "policy_explicit"], **options
+    )
+    second = run_ranks(v2_mode_scenarios.run_plan, 2, root, ["policy_warm"], **options)
+    return [{**a, **b} for a, b in zip(first, second, strict=True)]
+
+
+def test_a_blocks_own_policy_is_adopted_and_committed(policy_ranks: list[dict[str, Any]]) -> None:
+    per_rank = _scenario(policy_ranks, "policy_cold")
+    for rank, r in enumerate(per_rank):
+        cold = r["cold"]
+        report = cold["report"]
+        assert cold["exception"] is None, cold["exception"]
+        assert cold["profiled"] == ALL, (rank, cold["profiled"])
+        assert report["status"] == "cold" and report["tuned"] == ALL, report
+        assert report["committed"] == ALL and report["shared"] == ALL, report
+        v2 = report["v2"]
+        assert v2["measurement"] == BLOCK_POLICY, v2
+        assert v2["harvested"] == ALL and v2["served"] == 0 and v2["elsewhere"] == 0, v2
+        assert not any(POLICY_WARNING in w for w in report["warnings"]), report["warnings"]
+        assert r["after_cold"]["scopes"] == {"shared": ALL}
+    zero = per_rank[0]
+    env_hash = zero["cold"]["report"]["v2"]["env_hash"]
+    [commit] = zero["commits"]
+    assert commit["provenance"]["v2_mode"]["measurement"] == BLOCK_POLICY
+    [environment] = commit["provenance"]["v2_environments"]
+    assert environment["measurement"] == BLOCK_POLICY and environment["env_hash"] == env_hash
+    assert environment["entries"] == ALL
+    # ``export --v2-store`` writes the entries back where that policy's autotune_v2 looks.
+    assert zero["exported_measurement"] == BLOCK_POLICY
+    assert zero["exported_envs"] == [env_hash]
+
+
+def test_a_warm_start_under_the_blocks_policy_profiles_nothing(
+    policy_ranks: list[dict[str, Any]],
+) -> None:
+    cold = _scenario(policy_ranks, "policy_cold")
+    for rank, r in enumerate(_scenario(policy_ranks, "policy_warm")):
+        warm = r["warm"]
+        report = warm["report"]
+        assert warm["exception"] is None, warm["exception"]
+        assert warm["profiled"] == 0, (rank, warm["profiled"])
+        assert report["status"] == "warm" and report["loaded"] == ALL, report
+        assert report["tuned"] == 0 and report["committed"] == 0, report
+        v2 = report["v2"]
+        assert v2["measurement"] == BLOCK_POLICY and v2["served"] == ALL, v2
+        assert v2["harvested"] == 0 and v2["elsewhere"] == 0 and v2["discarded"] == 0, v2
+        assert v2["env_hash"] == cold[rank]["cold"]["report"]["v2"]["env_hash"]
+        assert v2["root"] != cold[rank]["cold"]["report"]["v2"]["root"]  # a fresh process
+        assert r["after_warm"] == cold[rank]["after_cold"]
+
+
+def test_an_explicit_policy_is_kept_and_others_are_not_committed(
+    policy_ranks: list[dict[str, Any]],
+) -> None:
+    for rank, r in enumerate(_scenario(policy_ranks, "policy_explicit")):
+        cold = r["cold"]
+        report = cold["report"]
+        assert cold["exception"] is None, cold["exception"]
+        assert cold["profiled"] == ALL, (rank, cold["profiled"])
+        v2 = report["v2"]
+        assert v2["measurement"] == {} and v2["elsewhere"] == ALL and v2["harvested"] == 0, v2
+        assert report["committed"] == 0 and report["commit_id"] is None, report
+        assert any(POLICY_WARNING in w for w in report["warnings"]), report["warnings"]
+
+
+# --------------------------------------------------------------------------
 # Bad input: a store root that changes while it is read.
 
 
@@ -200,3 +280,33 @@ def test_a_store_that_changes_while_read_back_is_refused(tmp_path: Path, entry_f
     assert "\n" not in report.reason
     assert registry_summary(db) == before
     assert _sql(db, "SELECT count(*) FROM protocol_records") == [(0,)]
+
+
+def test_only_the_first_differing_policy_is_adopted(tmp_path: Path) -> None:
+    """One process, v2 mode set up at the block's first ``autotune_v2`` (the ``policy_*``
+    scenarios serve the store eagerly, ``v2=True``): that call names ``block_policy()``
+    (adopted), a second one another policy (FlashInfer's ``_timer`` override: identity-bearing,
+    and timed by the CPU stand-in as the default), whose entries are counted elsewhere, not
+    committed."""
+    from flashinfer import autotune_v2
+    from flashinfer.autotune_cache import MeasurementPolicy
+
+    from ficache.standin import DEFAULT_SHAPES
+    from ficache.standin_timing import real_loop_tune
+    from ficache.sync import warm_start
+
+    db, node = tmp_path / "registry.db", tmp_path / "node-local"
+    first, second = v2_mode_scenarios.block_policy(), MeasurementPolicy(_timer="events")
+    # v2 left to the start (``None``): the store is written at the first autotune_v2 call.
+    with warm_start(None, db=str(db), timeout=GROUP_TIMEOUT) as ws:
+        with autotune_v2(mode="tune", cache_root=node, measurement_policy=first):
+            adopted = real_loop_tune(shapes=DEFAULT_SHAPES[:1]).profiled
+        with autotune_v2(mode="tune", cache_root=node, measurement_policy=second):
+            other = real_loop_tune(shapes=DEFAULT_SHAPES[1:]).profiled
+    report = ws.report
+    assert (adopted, adopted + other) == (ALL // len(DEFAULT_SHAPES), ALL)
+    assert report.v2 is not None and report.v2["measurement"] == BLOCK_POLICY, report.v2
+    assert report.committed == adopted and report.v2["harvested"] == adopted
+    assert report.v2["elsewhere"] == other
+    assert any(POLICY_WARNING in w for w in report.warnings), report.warnings
+    assert registry_summary(db)["scopes"] == {"shared": adopted}

@@ -16,6 +16,14 @@
   rank 0's holds entries (a node-local store only some ranks hit); the block
   tunes through FlashInfer's v1 loop (``autotune(True)``), as vLLM 0.33's v1
   path does. The same four starts, with ``warm_start``'s defaults.
+- ``policy_cold`` / ``policy_warm`` (each in fresh processes): the
+  ``pr55671`` block with ``autotune_v2(measurement_policy=BLOCK_POLICY)`` (a
+  policy other than the default, as a framework that names its serving mode
+  passes), under ``warm_start(v2=True)`` with no measurement policy (the
+  vLLM plugin's start); ``policy_cold`` also exports the registry as a v2
+  store (``plan_v2_export``, what ``export --v2-store`` writes).
+- ``policy_explicit``: the same block, under ``warm_start(measurement_policy=
+  MeasurementPolicy())`` (the caller names the default policy explicitly).
 """
 
 from __future__ import annotations
@@ -50,14 +58,25 @@ def _tune(fail: bool) -> int:
     return profiled
 
 
-def _pr55671_block(node_root: Path, fail: bool) -> int:
-    """The warmup as vLLM PR #55671 writes it (see the module docstring)."""
+def block_policy() -> Any:
+    """The measurement policy of the ``policy_*`` blocks: hot L2 forced (``cold_l2=False``),
+    a non-default policy (its own ``measure_cold_l2`` manifest field) that FlashInfer 0.7.2.post1
+    and 0.7.4 both have and whose profiling the CPU stand-in times as the default's."""
+    from flashinfer.autotune_cache import MeasurementPolicy
+
+    return MeasurementPolicy(cold_l2=False)
+
+
+def _pr55671_block(node_root: Path, fail: bool, policy: Any = None) -> int:
+    """The warmup as vLLM PR #55671 writes it (see the module docstring); ``policy``: the
+    ``measurement_policy`` its ``autotune_v2`` passes, if any."""
     from flashinfer import autotune_v2, autotune_v2_reload
     from flashinfer.autotuner import get_autotune_process_group, set_autotune_process_group
 
+    extra = {} if policy is None else {"measurement_policy": policy}
     set_autotune_process_group(get_autotune_process_group())
     try:
-        with autotune_v2(mode="tune", cache_root=node_root, skip_ops=SKIP_OPS):
+        with autotune_v2(mode="tune", cache_root=node_root, skip_ops=SKIP_OPS, **extra):
             profiled = _tune(fail)
     finally:
         set_autotune_process_group(None)
@@ -71,10 +90,12 @@ def _ambient_block(node_root: Path, fail: bool) -> int:
     return _tune(fail)
 
 
-def _start(db: Path, block: Any, node_root: Path, fail: bool = False) -> dict[str, Any]:
+def _start(
+    db: Path, block: Any, node_root: Path, fail: bool = False, **options: Any
+) -> dict[str, Any]:
     out: dict[str, Any] = {"exception": None, "profiled": None}
     try:
-        with warm_start(None, db=str(db), timeout=gloo_scenarios.GROUP_TIMEOUT) as ws:
+        with warm_start(None, db=str(db), timeout=gloo_scenarios.GROUP_TIMEOUT, **options) as ws:
             out["v2_cache_root"] = str(ws.v2_cache_root)
             out["profiled"] = block(node_root, fail)
     except Exception as exc:  # noqa: BLE001 - recorded for the test
@@ -134,7 +155,64 @@ def ambient(rank: int, world: int, tmp: Path) -> dict[str, Any]:
     return out
 
 
-SCENARIOS = {f.__name__: f for f in (pr55671, ambient)}
+def _policy_block(node_root: Path, fail: bool) -> int:
+    return _pr55671_block(node_root, fail, block_policy())
+
+
+def _commits(db: Path) -> list[dict[str, Any]]:
+    from ficache.registry import Registry
+
+    with Registry.open(str(db)) as reg:
+        return [{"kind": c.kind, "provenance": c.provenance} for c in reg.log(None)]
+
+
+def policy_cold(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    """A cold start whose block tunes under ``block_policy()``; rank 0 then exports the
+    registry's fingerprint as a v2 store."""
+    from ficache.exporting import plan_v2_export
+
+    db = tmp / "registry.db"
+    out: dict[str, Any] = {"cold": _start(db, _policy_block, tmp / f"node-{rank}", v2=True)}
+    out["after_cold"] = registry_summary(db)
+    if rank == 0 and _commits(db):  # nothing to export without a commit
+        from ficache.registry import Registry
+
+        out["commits"] = _commits(db)
+        with Registry.open(str(db)) as reg:
+            export = plan_v2_export(reg, 1)
+        export.write(tmp / "exported")
+        out["exported_measurement"] = dict(export.measurement)
+        out["exported_envs"] = sorted(p.name for p in (tmp / "exported" / "v2").iterdir())
+    return out
+
+
+def policy_warm(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    """``policy_cold``'s start again, in fresh processes, on its registry."""
+    db = tmp.parent / "policy_cold" / "registry.db"
+    out: dict[str, Any] = {"warm": _start(db, _policy_block, tmp / f"node-{rank}", v2=True)}
+    out["after_warm"] = registry_summary(db)
+    return out
+
+
+def policy_explicit(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    """The ``block_policy()`` block under a start given the default policy explicitly."""
+    from flashinfer.autotune_cache import MeasurementPolicy
+
+    db = tmp / "registry.db"
+    out: dict[str, Any] = {
+        "cold": _start(
+            db,
+            _policy_block,
+            tmp / f"node-{rank}",
+            v2=True,
+            measurement_policy=MeasurementPolicy(),
+        )
+    }
+    out["after_cold"] = registry_summary(db)
+    return out
+
+
+SCENARIOS = {f.__name__: f for f in (pr55671, ambient, policy_cold, policy_warm, policy_explicit)}
 
 
 def run_plan(rank: int, world: int, root: str, names: list[str]) -> dict[str, dict[str, Any]]:
