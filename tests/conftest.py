@@ -213,15 +213,23 @@ def cache_file(tmp_path: Path) -> Callable[..., Path]:
 @pytest.fixture(autouse=True)
 def _no_managed_store_outlives_its_test() -> Iterator[None]:
     """A FlashInfer managed store a test's start attached (v2 mode keeps it attached for the
-    life of the process, as a server's) is detached after that test, so the next test in
-    this process starts as a fresh server would, not in the previous test's store."""
+    life of the process, as a server's) is detached and forgotten after that test, so the
+    next test in this process starts as a fresh server would, not in the previous test's
+    store: a tuner that ever registered a store never keeps a slice (``ficache.tuner``), so
+    a registration left behind would change what a later test's start does."""
     yield
     autotuner_module = sys.modules.get("flashinfer.autotuner")
     if autotuner_module is None:
         return
     tuner = getattr(autotuner_module.AutoTuner, "_instance", None)
-    if tuner is not None and getattr(tuner, "_managed_cache", None) is not None:
-        tuner._managed_cache = None
+    if tuner is None:
+        return
+    with tuner._lock:
+        if getattr(tuner, "_managed_cache", None) is not None:
+            tuner._managed_cache = None
+        stores = getattr(tuner, "_managed_stores", None)
+        if stores:
+            stores.clear()
 
 
 @pytest.fixture
