@@ -218,6 +218,16 @@ def unclassified_state(tuner: Any) -> set[str]:
     return state - held - _OTHER_STATE
 
 
+def _may_keep_slices(tuner: Any) -> bool:
+    """Whether ``tuner`` may keep a slice at all: it never had a managed store, and every
+    data attribute it has is classified (``unclassified_state``)."""
+    if getattr(tuner, "_managed_cache", None) is not None or getattr(
+        tuner, "_managed_stores", None
+    ):
+        return False
+    return not unclassified_state(tuner)
+
+
 #: Stands for a container this FlashInfer does not have (absent then and now: equal).
 _ABSENT = ("ficache.tuner: absent",)
 
@@ -406,11 +416,7 @@ class FlashInferTuner:
         cannot keep a slice (a managed store was attached, or a container is unreadable)."""
         tuner = self.autotuner
         try:
-            if getattr(tuner, "_managed_cache", None) is not None or getattr(
-                tuner, "_managed_stores", None
-            ):
-                return None
-            if unclassified_state(tuner):
+            if not _may_keep_slices(tuner):
                 return None
             with tuner._lock:
                 return tuple(
@@ -423,11 +429,7 @@ class FlashInferTuner:
         """Whether every ``_HELD_STATE`` container equals ``state``'s, with no copy."""
         tuner = self.autotuner
         try:
-            if getattr(tuner, "_managed_cache", None) is not None or getattr(
-                tuner, "_managed_stores", None
-            ):
-                return False
-            if unclassified_state(tuner):
+            if not _may_keep_slices(tuner):
                 return False
             with tuner._lock:
                 return all(
