@@ -39,6 +39,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
+from functools import cached_property
 
 from ficache.errors import FingerprintError
 
@@ -87,9 +88,10 @@ class Fingerprint:
                     f"of at most 1000 characters, got {value!r:.80}"
                 )
 
-    @property
+    @cached_property
     def digest(self) -> str:
-        """SHA-256 over the canonical JSON of all fields (stable identity)."""
+        """SHA-256 over the canonical JSON of all fields (stable identity); computed once per
+        object (the fields are frozen), since a start asks for it several times."""
         canonical = json.dumps(self.as_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
