@@ -75,6 +75,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DatabaseError, OperationalError
 
 from ficache import (
+    after_start,
     commit_log,
     file_export,
     kind_read,
@@ -263,6 +264,9 @@ class Registry:
         ``write=False`` opens it to read only: its schema is never changed.
         ``created`` says whether this call created a new SQLite file.
         """
+        # What this process reads through a registry shows what its starts left running
+        # (their served marks, ``ficache.after_start``).
+        after_start.wait()
         location = schema.resolve(db)
         new = create and schema.is_new_sqlite_file(location)
         engine, readonly = schema.make_engine(location, create=create)

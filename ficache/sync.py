@@ -33,7 +33,8 @@ On enter:
    process) it reads nothing when the earlier start served: every rank then
    loads what that start left it holding (``SliceOffer.reused``). After the exit steps it marks the
    fingerprints the slices came from as served (``ficache.usage.mark_served``:
-   one statement, a wait of at most 0.25 s, skipped silently when the
+   one statement, on a SQLite file written on a thread of its own after the
+   start returns, a wait of at most 0.25 s, skipped silently when the
    registry is read-only or busy, or when the start's commit met the registry
    failing; never a reason for a start to fail).
 3. One broadcast carries the slices (a base every rank loads, plus an
@@ -1524,7 +1525,9 @@ class WarmStart:
     def _mark_start(self) -> None:
         """After step 9, rank 0: the served mark (``ficache.usage.mark_served``), counting
         this start and, in replay mode, its misses, now that the block ran: one UPDATE per
-        start, bounded and never raising, and only when the ranks used their slices. A
+        start, bounded and never raising, and only when the ranks used their slices. On a
+        SQLite file it is written on a thread of its own (``mark_served_after_start``), so
+        the start returns before its fsyncs. A
         start whose commit met the registry failing (a full disk, a lost server) leaves no
         mark either: the registry stays exactly as it was, and the counts stay a lower
         bound (``ficache.usage``)."""
@@ -1537,12 +1540,12 @@ class WarmStart:
         ):
             return
         from ficache.location import resolve
-        from ficache.usage import mark_served
+        from ficache.usage import mark_served, mark_served_after_start
 
         try:
             location = resolve(self.db)
-            if location.path is not None:
-                mark_served(location, self._served_ids, missed=self._mark_misses())
+            if location.path is not None:  # off the start's path: no rank waits for its fsyncs
+                mark_served_after_start(location, self._served_ids, missed=self._mark_misses())
                 return
             with self._deadline(), self._registry() as reg:
                 mark_served(reg, self._served_ids, missed=self._mark_misses())

@@ -37,6 +37,18 @@ Invariants:
   (``SERVED_MARK_TIMEOUT_S``) for a lock, is never retried, and any problem
   (a read-only registry, a writer holding the lock, a lost connection) only
   skips it, with a debug log line.
+- On a SQLite file a start's mark is written off the start's path
+  (``mark_served_after_start``): on a thread of its own
+  (``ficache.after_start``), started when the start's last collective is
+  done, so no rank waits for its UPDATE or for the fsyncs of the WAL
+  checkpoint its connection's close makes. The process waits for that thread
+  when it exits normally, and every ``Registry.open`` in the process waits
+  for it first, so whatever this process reads through a registry shows its
+  own marks (``wait_for_served_marks`` waits for them too). Marks of one
+  process are written in the order of their starts. A process that ends without its
+  interpreter's shutdown (``os._exit``, a kill) within those milliseconds
+  loses its mark, a skipped mark as above. A PostgreSQL registry is marked
+  on the start's path, through the start's bounded registry connection.
 - A fingerprint never served (``last_served_at`` NULL) counts as last used
   when it was created, so one imported or tuned today is
   not "unused for 30 days" today (``coalesce(last_served_at, created_at)``
@@ -53,7 +65,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ficache import sqlite_fast
+from ficache import after_start, sqlite_fast
 from ficache.location import Location
 
 if TYPE_CHECKING:
@@ -119,6 +131,32 @@ def mark_served(
         logger.debug("ficache: served mark of %s not recorded: %s", location.display, reason)
         return False
     return True
+
+
+def mark_served_after_start(
+    location: Location, fingerprint_ids: Sequence[int], *, missed: int | None = None
+) -> None:
+    """``mark_served`` of a SQLite registry file, dated now and written on a thread of its
+    own (``ficache.after_start``), so that the caller does not wait for it. Never raises,
+    and returns at once; ``wait_for_served_marks`` waits for it."""
+    ids = sorted({int(i) for i in fingerprint_ids})
+    if ids:
+        after_start.submit("served-mark", _mark_later, location, ids, time.time(), missed)
+
+
+def _mark_later(location: Location, ids: list[int], when: float, missed: int | None) -> None:
+    # Looked up when it runs (not bound at submission), as every caller of mark_served does.
+    mark_served(location, ids, now=when, missed=missed)
+
+
+def wait_for_served_marks(timeout: float | None = None) -> bool:
+    """Wait until every mark this process started with ``mark_served_after_start`` is
+    written or skipped (at most ``timeout`` seconds); True when none is left pending.
+
+    ``Registry.open`` waits so (``ficache.after_start.wait``), so a registry opened in
+    the process that started shows that process's marks.
+    """
+    return after_start.wait(timeout)
 
 
 def _mark_sqlite_file(

@@ -211,6 +211,19 @@ def cache_file(tmp_path: Path) -> Callable[..., Path]:
 
 
 @pytest.fixture(autouse=True)
+def _no_served_mark_outlives_its_test() -> Iterator[None]:
+    """A served mark a test's start left writing on its own thread (``ficache.usage``) is
+    done before the next test, whose files and registries it must not touch."""
+    yield
+    assert _wait_for_served_marks(timeout=60), "a served mark's thread did not end in 60 s"
+
+
+def _wait_for_served_marks(timeout: float | None = None) -> bool:
+    usage = sys.modules.get("ficache.usage")  # never loaded: no start ran in this process
+    return usage is None or bool(usage.wait_for_served_marks(timeout))
+
+
+@pytest.fixture(autouse=True)
 def _no_managed_store_outlives_its_test() -> Iterator[None]:
     """A FlashInfer managed store a test's start attached (v2 mode keeps it attached for the
     life of the process, as a server's) is detached and forgotten after that test, so the
@@ -243,6 +256,9 @@ def autotuner() -> Iterator[Any]:
 
 
 def _dump(db: str | Path) -> list[str]:
+    """Every row of the registry at ``db``, once the served marks this process's starts
+    write on threads of their own (``ficache.usage.mark_served_after_start``) are done."""
+    _wait_for_served_marks()
     if str(db).startswith("postgresql"):
         return _dump_postgres(str(db))
     conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)

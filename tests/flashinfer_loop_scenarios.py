@@ -68,7 +68,9 @@ def _serve(db: Path, **kwargs: Any) -> dict[str, Any]:
 
 
 def _rows(db: Path) -> dict[str, Any]:
-    """Every stored entry's tactic, the commits and the start counts, read with plain SQL."""
+    """Every stored entry's tactic, the commits and the start counts, read with plain SQL
+    once the served marks of this process's starts are written."""
+    gloo_scenarios.settled()
     conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     try:
         return {

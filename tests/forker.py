@@ -57,7 +57,7 @@ import torch
 torch.set_num_threads(1)  # no OpenMP worker threads in this process: safe to fork
 torch.ones(2, 2) @ torch.ones(2, 2)  # torch's lazy set-up, once, before any fork
 import flashinfer.autotuner
-import ficache, ficache.bundle, ficache.cli, ficache.merge, ficache.standin, ficache.sync
+import ficache, ficache.bundle, ficache.cli, ficache.merge, ficache.standin, ficache.sync, ficache.usage
 from ficache import schema
 from ficache.fingerprint import collect
 from ficache.registry import Registry
@@ -94,6 +94,9 @@ def run(op, args):
     if op == "warm_start":
         with ficache.warm_start(None, db=args[0]) as ws:
             ficache.standin.standin_tune(force_tactic=1)
+        # This child ends with os._exit, which joins no thread: wait for the served mark as
+        # the interpreter's shutdown would.
+        ficache.usage.wait_for_served_marks()
         print(json.dumps(ws.report.as_json()))
         return 0 if ws.report.commit_id is not None else 3
     if op == "fingerprint":

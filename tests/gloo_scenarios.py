@@ -132,11 +132,22 @@ def start(
     out["block_seconds"] = time.monotonic() - block_started
     out["report"] = ws.report.as_json()
     out["entries"] = _LOOP["entries"]()
+    settled()
     return out
+
+
+def settled() -> None:
+    """Wait for what this process's starts left running (the served mark a start on a
+    SQLite file writes on a thread of its own), so the scenario's plain SQL and file
+    reads and writes after a start see the registry as that start left it."""
+    from ficache.usage import wait_for_served_marks
+
+    assert wait_for_served_marks(timeout=120), "a served mark's thread did not end"
 
 
 def _sql(db: Path | str, statement: str) -> list[tuple[Any, ...]]:
     """Run one statement on a registry behind its back (plain driver SQL); its rows."""
+    settled()
     if isinstance(db, Path):
         conn = sqlite3.connect(db)
         try:

@@ -60,6 +60,7 @@ from sqlalchemy import Engine, event
 import ficache
 import ficache.schema
 from ficache.standin import DEFAULT_SHAPES, standin_tune
+from ficache.usage import wait_for_served_marks
 
 ITEM = "full disk and read-only"
 OPERATIONS = ("import", "merge", "prune", "revert")
@@ -90,6 +91,8 @@ def write_cache(path: Path, op: int, count: int, tactic: int) -> Path:
 
 
 def file_bytes(path: Path) -> bytes:
+    """The file's bytes once no served mark of this process is still being written."""
+    assert wait_for_served_marks(timeout=60)
     return path.read_bytes()
 
 
@@ -203,7 +206,9 @@ def operation_args(name: str, work: Path) -> list[str]:
 
 
 def checkpoint(db: Path) -> None:
-    """Fold the WAL into the file, so the file's bytes are the registry's whole content."""
+    """Fold the WAL into the file, so the file's bytes are the registry's whole content
+    (after the served marks this process's starts write on threads of their own)."""
+    assert wait_for_served_marks(timeout=60)
     conn = sqlite3.connect(db)
     try:
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")

@@ -20,7 +20,7 @@ from ficache import schema
 from ficache.fingerprint import Fingerprint, collect
 from ficache.registry import NewEntry, PruneGroup, Registry
 from ficache.standin import standin_tune
-from ficache.usage import SERVED_MARK_RESOLUTION_S, mark_served
+from ficache.usage import SERVED_MARK_RESOLUTION_S, mark_served, wait_for_served_marks
 
 #: Runs a test on SQLite and on PostgreSQL (``registry_db`` and ``cli`` follow).
 both_backends = pytest.mark.usefixtures("backend")
@@ -381,6 +381,9 @@ def test_a_start_that_cannot_mark_still_serves(registry_db: str, autotuner: Any,
     with another_writer_holding_the_lock(registry_db):
         # A commit would wait for the lock too: nothing is tuned here, so none is made.
         warm = start(registry_db)
+        # On SQLite the mark is written on a thread of its own: it gives up while the lock
+        # is still held.
+        assert wait_for_served_marks(timeout=60)
 
     assert (warm.status, warm.loaded, warm.tuned, warm.reason) == ("warm", 18, 0, None)
     assert dump_db(registry_db) == before
@@ -422,3 +425,84 @@ def test_stats_show_how_many_starts_each_fingerprint_served_and_what_replays_mis
     assert as_json["start_counts"] == {
         "1": {"served_starts": 3, "replay_starts": 2, "replay_misses": 18}
     }
+
+
+# -- the mark off the start's path (SQLite) -------------------------------------------
+
+
+def served_starts_over_sqlite3(db: str) -> int:
+    """The served-start count of every fingerprint, read with plain ``sqlite3``: no
+    ``Registry.open``, which would first wait for this process's pending marks."""
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        [(count,)] = conn.execute("SELECT coalesce(sum(served_starts), 0) FROM fingerprints")
+    return int(count)
+
+
+def test_a_start_on_a_sqlite_file_returns_before_its_mark_is_written(
+    registry_db: str, autotuner: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mark's thread is held at a gate (test stand-in: the real ``mark_served``, called
+    once the gate opens): the start has returned, served, with its mark still pending;
+    ``wait_for_served_marks`` and ``Registry.open`` wait for it."""
+    import threading
+
+    import ficache.usage
+
+    start(registry_db)  # cold: commits, marks nothing
+    gate = threading.Event()
+    real_mark = ficache.usage.mark_served
+
+    def gated_mark(*args: Any, **kwargs: Any) -> bool:
+        assert gate.wait(timeout=120), "the test never opened the gate"
+        return real_mark(*args, **kwargs)
+
+    monkeypatch.setattr(ficache.usage, "mark_served", gated_mark)
+    warm = start(registry_db)
+    again = start(registry_db)  # its mark waits behind the first one's: order is kept
+
+    assert (warm.status, warm.loaded, again.status) == ("warm", 18, "warm")
+    assert served_starts_over_sqlite3(registry_db) == 0  # nothing written yet
+    assert wait_for_served_marks(timeout=0) is False
+
+    threading.Timer(1.0, gate.set).start()  # opens while Registry.open is waiting
+    with Registry.open(registry_db) as reg:
+        [info] = reg.fingerprints()
+        [(counted_id, served, _, _)] = reg.stats().start_counts
+    assert info.last_served_at is not None
+    assert (counted_id, served) == (info.id, 2)
+    assert wait_for_served_marks(timeout=0) is True
+
+
+EXIT_AFTER_A_START = """
+import sys
+import ficache
+from ficache.standin import standin_tune
+with ficache.warm_start(db=sys.argv[1]) as ws:
+    standin_tune()
+assert ws.report.status == "warm", ws.report
+sys.exit(0)  # at once: the interpreter's shutdown joins the mark's thread
+"""
+
+
+def test_a_process_that_exits_right_after_its_start_leaves_the_mark(
+    registry_db: str, autotuner: Any, tmp_path: Any
+) -> None:
+    """A fresh interpreter, warm start, then exit: the mark written off the start's path
+    is in the registry once the process has ended."""
+    import os
+    import subprocess
+    import sys
+
+    start(registry_db)  # cold: commits the entries this machine's fingerprint loads
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "user-cache")}
+    env.pop("FICACHE_DB", None)
+    for n in (1, 2):
+        done = subprocess.run(
+            [sys.executable, "-c", EXIT_AFTER_A_START, registry_db],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+        assert served_starts_over_sqlite3(registry_db) == n

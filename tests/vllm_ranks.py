@@ -340,6 +340,11 @@ class Rank:
         except Exception as exc:  # noqa: BLE001 - recorded for the test
             step["exception"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         step["seconds"] = round(time.perf_counter() - started, 3)
+        # The served mark rank 0 writes on a thread of its own after a start on a SQLite
+        # file: done before this step's plain SQL looks at the registry.
+        import ficache.usage
+
+        assert ficache.usage.wait_for_served_marks(timeout=120)
         after = plugin.last_report()
         step["report"] = after.as_json() if after is not None and after is not before else None
         step.update(profiled=runner.profiled, hits=runner.hits, reduces=runner.reduces)
