@@ -7,7 +7,8 @@ the plugins differ only in how they hook their engine (``adopt_at_start``,
 ``log_report``).
 
 - ``FICACHE_<ENGINE>`` / ``FICACHE_ADOPT`` (``switch``): on unless ``0``,
-  ``false``, ``off`` or ``no``.
+  ``false``, ``off``, ``no`` or ``n``; a value that is neither on nor off is
+  one warning and on.
 - ``FICACHE_REGISTRY_TIMEOUT`` (``registry_timeout``): seconds a start waits,
   per phase, on a registry server that stopped answering (default 60).
 - ``FICACHE_MODE`` (``start_mode``): how a start uses the registry. ``tune``
@@ -71,9 +72,31 @@ def start_mode() -> str:
     return DEFAULT_MODE
 
 
-def switch(name: str) -> bool:
-    """An on/off variable, on by default: off for ``0``, ``false``, ``off``, ``no``."""
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
+#: The spellings of an on/off variable, case-insensitive, surrounding spaces ignored.
+SWITCH_ON: tuple[str, ...] = ("1", "true", "on", "yes", "y")
+SWITCH_OFF: tuple[str, ...] = ("0", "false", "off", "no", "n")
+
+
+def switch(name: str, warn_once: Callable[[str, str], None] = _warn_once) -> bool:
+    """An on/off variable, on by default (unset or empty).
+
+    On for ``1``, ``true``, ``on``, ``yes``, ``y``; off for ``0``, ``false``,
+    ``off``, ``no``, ``n``. Any other value is one warning per process and per
+    variable, and the default (on): a typo never turns a plugin off, and never
+    leaves an operator believing it did without saying so.
+    """
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if not value or value in SWITCH_ON:
+        return True
+    if value in SWITCH_OFF:
+        return False
+    warn_once(
+        name,
+        f"ficache: {name}={raw!r} is neither on ({', '.join(SWITCH_ON)}) nor off "
+        f"({', '.join(SWITCH_OFF)}); keeping the default, on",
+    )
+    return True
 
 
 def registry_timeout(warn_once: Callable[[str, str], None] = _warn_once) -> float:

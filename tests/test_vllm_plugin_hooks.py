@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+import ficache.engine_env as engine_env
 import ficache.vllm_plugin as plugin
 
 STANDIN_KERNEL_WARMUP = """
@@ -88,15 +89,42 @@ def standin_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
 
 
 @pytest.mark.parametrize(
-    ("value", "expected"),
-    [(None, True), ("1", True), ("yes", True), ("0", False), ("false", False), (" OFF ", False)],
+    ("value", "expected", "warned"),
+    [
+        (None, True, False),
+        ("", True, False),
+        ("1", True, False),
+        ("yes", True, False),
+        ("Y", True, False),
+        ("0", False, False),
+        ("false", False, False),
+        (" OFF ", False, False),
+        ("n", False, False),
+        ("N", False, False),
+        ("nope", True, True),
+        ("2", True, True),
+    ],
 )
-def test_switch(monkeypatch: pytest.MonkeyPatch, value: str | None, expected: bool) -> None:
+def test_switch(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    value: str | None,
+    expected: bool,
+    warned: bool,
+) -> None:
+    """Every on/off variable reads the same spellings; a value that is neither is one
+    warning naming the variable and the plugin stays on (issue 35: ``n`` left it on
+    without a word)."""
+    monkeypatch.setattr(engine_env, "_warned", set())
     if value is None:
         monkeypatch.delenv("FICACHE_VLLM", raising=False)
     else:
         monkeypatch.setenv("FICACHE_VLLM", value)
-    assert plugin.enabled() is expected
+    with caplog.at_level(logging.WARNING, logger="ficache.engine"):
+        assert plugin.enabled() is expected
+        assert plugin.enabled() is expected
+    warnings = [r.getMessage() for r in caplog.records if "FICACHE_VLLM" in r.getMessage()]
+    assert len(warnings) == (1 if warned else 0)
 
 
 @pytest.mark.parametrize(
