@@ -2270,10 +2270,12 @@ def verify_cmd(obj: _Context, fmt: str) -> None:
 @FORMAT
 @pass_ctx
 def demo_cmd(obj: _Context, world: int | None, device: str, fmt: str) -> None:
-    """Two consecutive warm starts on N local processes against the registry.
+    """Two consecutive warm starts on N local processes against a registry.
 
     On a fresh registry the first start tunes and commits; the second loads
-    everything and tunes nothing.
+    everything and tunes nothing. Without --db (or FICACHE_DB) the demo uses a
+    registry of its own, demo.db beside the default registry, never the one
+    servers start from.
     """
     from ficache.demo import render_table, run_demo
 

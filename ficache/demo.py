@@ -12,7 +12,10 @@ registry:
   Its output says so.
 
 On a fresh registry the first start tunes and commits, and the second loads
-everything and tunes nothing. The result is ``{"starts": [report, report],
+everything and tunes nothing. With no registry named (``db``, else
+``FICACHE_DB``) the demo uses one of its own, ``demo.db`` beside the default
+registry (``demo_registry_path``), so trying it never writes the stand-in's
+CPU timings into the registry real servers start from. The result is ``{"starts": [report, report],
 "profiling": ...}`` with rank 0's reports (``WarmStartReport.as_json``);
 ``render_table`` is the CLI's table.
 """
@@ -21,9 +24,11 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from ficache.errors import FicacheError
+from ficache.location import ENV_VAR
 
 PROFILING_GPU = "FlashInfer AutoTuner on CUDA (ficache.tunable_matmul)"
 PROFILING_CPU = "CPU stand-in for profiling (ficache.standin): no GPU per rank, FlashInfer cannot profile on CPU"
@@ -55,6 +60,13 @@ def _demo_rank(
     return reports
 
 
+def demo_registry_path() -> Path:
+    """The demo's own registry: ``demo.db`` beside the default ``registry.db``."""
+    from ficache.location import default_registry_path
+
+    return default_registry_path().with_name("demo.db")
+
+
 def run_demo(
     world: int | None = None,
     db: str | os.PathLike[str] | None = None,
@@ -66,8 +78,9 @@ def run_demo(
 
     ``world`` defaults to the number of GPUs (2 without GPUs). ``device`` is
     ``"auto"`` (GPUs when there is one per rank, else the CPU stand-in),
-    ``"cuda"`` or ``"cpu"``. ``db`` as for ``warm_start`` (None: ``FICACHE_DB``,
-    then the default registry). ``timeout`` bounds the whole run: ranks still
+    ``"cuda"`` or ``"cpu"``. ``db`` as for ``warm_start``, except that with
+    neither ``db`` nor ``FICACHE_DB`` the demo's own registry
+    (``demo_registry_path``) is used, never the default one. ``timeout`` bounds the whole run: ranks still
     running then are killed and ``FicacheError`` is raised.
     """
     if device not in ("auto", "cuda", "cpu"):
@@ -93,6 +106,8 @@ def run_demo(
     # (in each rank); keep the demo's output to the reports unless asked.
     os.environ.setdefault("FLASHINFER_LOGGING_LEVEL", "warning")
 
+    if db is None and not os.environ.get(ENV_VAR):
+        db = demo_registry_path()
     try:
         results = run_ranks(
             _demo_rank,

@@ -200,7 +200,7 @@ def commit_contents(
         recorded["protocol_records"] = len(protocol)
     keys = len(set().union(*per_rank))
     message = (
-        f"warm start on {world} rank(s) ({layout}): {keys} new keys"
+        f"startup on {world} rank(s) ({layout}): {keys} keys tuned"
         + (f", {len(records)} new records" if records else "")
         + (f", {len(protocol)} new protocol records" if protocol else "")
     )

@@ -7,14 +7,22 @@ from pathlib import Path
 
 import pytest
 
-from ficache.demo import PROFILING_CPU, render_table, run_demo
+from ficache.demo import PROFILING_CPU, demo_registry_path, render_table, run_demo
 from ficache.errors import FicacheError
 
 
 @pytest.mark.slow
 def test_demo_on_a_fresh_registry_tunes_then_loads_everything(tmp_path: Path) -> None:
-    db = tmp_path / "registry.db"
-    result = run_demo(2, db, device="cpu", timeout=300)
+    """With no registry named, the demo uses its own (demo.db beside the default
+    registry, which it never creates), and its cold commit is not called a warm start."""
+    from ficache.location import default_registry_path
+    from ficache.registry import Registry
+
+    db = demo_registry_path()
+    assert db.parent == default_registry_path().parent and db.name == "demo.db"
+    assert str(db).startswith(str(tmp_path))  # the test's user cache dir (conftest)
+    result = run_demo(2, device="cpu", timeout=300)
+    assert not default_registry_path().exists()
     json.dumps(result)
     assert result["profiling"] == PROFILING_CPU
     first, second = result["starts"]
@@ -32,6 +40,9 @@ def test_demo_on_a_fresh_registry_tunes_then_loads_everything(tmp_path: Path) ->
         0,
         0,
     )
+    with Registry.open(str(db), create=False, write=False) as reg:
+        (commit,) = reg.log()
+    assert commit.message == "startup on 2 rank(s) (world2): 18 keys tuned"
     table = render_table(result)
     assert "CPU stand-in" in table and "cold" in table and "warm" in table
     assert table.splitlines()[4].split() == [
