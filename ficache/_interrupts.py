@@ -1,4 +1,4 @@
-"""Hold SIGINT across the end of a commit, so a commit made is a commit known.
+"""Hold SIGINT and SIGTERM across the end of a commit, so a commit made is a commit known.
 
 ``Registry.transaction`` calls ``held.start()`` as the last step inside its
 transaction; from there until the ``with`` block ends (the database's
@@ -9,9 +9,10 @@ commit landed (``Registry.commit_listeners``) and say so: the CLI then
 reports the commit as made instead of "interrupted".
 
 Invariants:
-- Only SIGINT, only in the calling thread, only between ``start()`` and the
+- Only SIGINT and SIGTERM (the CLI's stop signals), only in the calling
+  thread, only between ``start()`` and the
   end of the block; the thread's previous signal mask is restored on every
-  exit, also on exceptions, and a pending SIGINT is delivered then.
+  exit, also on exceptions, and a pending signal is delivered then.
 - Where signal masks do not exist (Windows), it does nothing.
 """
 
@@ -21,17 +22,19 @@ import signal
 from types import TracebackType
 
 _CAN_MASK = hasattr(signal, "pthread_sigmask")
+#: The signals held: Ctrl-C, and SIGTERM, which the CLI treats as one.
+_HELD = {signal.SIGINT, signal.SIGTERM}
 
 
 class HeldInterrupts:
-    """``with HeldInterrupts() as held: ...; held.start(); ...``: SIGINT waits from start()."""
+    """``with HeldInterrupts() as held: ...; held.start(); ...``: SIGINT/SIGTERM wait from start()."""
 
     def __init__(self) -> None:
         self._previous: set[int | signal.Signals] | None = None
 
     def start(self) -> None:
         if _CAN_MASK and self._previous is None:
-            self._previous = set(signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}))
+            self._previous = set(signal.pthread_sigmask(signal.SIG_BLOCK, _HELD))
 
     def __enter__(self) -> HeldInterrupts:
         return self
@@ -48,5 +51,5 @@ class HeldInterrupts:
 
 
 def interrupt_pending() -> bool:
-    """True when a SIGINT waits, held (always False where masks do not exist)."""
-    return _CAN_MASK and signal.SIGINT in signal.sigpending()
+    """True when a SIGINT or SIGTERM waits, held (always False where masks do not exist)."""
+    return _CAN_MASK and bool(_HELD & signal.sigpending())

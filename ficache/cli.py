@@ -16,7 +16,8 @@ Invariants:
 - A commit made is reported as made: once a command's registry made a commit
   (``Registry.commit_listeners``), a Ctrl-C no longer stops it with
   "interrupted" and exit 130; it finishes, prints its report, notes the
-  interrupt on stderr and exits as it would have.
+  interrupt on stderr and exits as it would have. SIGTERM is a Ctrl-C, and
+  so is either at a confirmation prompt (exit 130, not click's 1).
 """
 
 from __future__ import annotations
@@ -222,7 +223,13 @@ class _Group(click.Group):
             if _debug(ctx):
                 raise
             _fail(str(exc))
-        except (click.exceptions.Exit, click.ClickException, click.Abort):
+        except click.Abort as exc:
+            if isinstance(exc.__context__, KeyboardInterrupt):
+                # Ctrl-C (or SIGTERM) at a prompt: click turns it into Abort (exit 1).
+                click.echo("\ninterrupted", err=True)
+                sys.exit(130)
+            raise
+        except (click.exceptions.Exit, click.ClickException):
             raise
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
@@ -245,15 +252,18 @@ class _Group(click.Group):
 
 
 _ARGV_META = "ficache.argv"
+#: The signals that stop a command: Ctrl-C, and SIGTERM as a service manager sends it.
+_STOP_SIGNALS = ("SIGINT", "SIGTERM")
 
 
 @contextlib.contextmanager
 def _interrupts_after_commits_ignored(ctx: click.Context, noted: list[int]) -> Iterator[None]:
-    """While the command runs, a Ctrl-C once it made a commit is noted, not raised.
+    """While the command runs, a Ctrl-C (or SIGTERM) once it made a commit is noted, not raised.
 
-    Before any commit a Ctrl-C stops the command as ever ("interrupted",
-    exit 130). After one, the registry already holds the result, so the
-    command finishes and reports it; the commit id goes to ``noted``.
+    Before any commit a Ctrl-C or SIGTERM stops the command as ever
+    ("interrupted", exit 130, a registry it created removed). After one, the
+    registry already holds the result, so the command finishes and reports it;
+    the commit id goes to ``noted``.
     """
     import signal
     import threading
@@ -269,12 +279,17 @@ def _interrupts_after_commits_ignored(ctx: click.Context, noted: list[int]) -> I
             return
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    # SIGTERM (a service manager, ``kill``) stops a command as Ctrl-C does.
+    previous = {
+        signum: signal.signal(signum, on_sigint)
+        for signum in (getattr(signal, name) for name in _STOP_SIGNALS)
+    }
     try:
         yield
     finally:
-        if previous is not None:  # None: a handler not set from Python; leave it
-            signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            if handler is not None:  # None: a handler not set from Python; leave it
+                signal.signal(signum, handler)
 
 
 def _first_non_utf8(args: Sequence[str]) -> str | None:

@@ -20,8 +20,11 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_in_a_terminal(args: list[str], answer: bytes | None = None) -> tuple[int, str]:
-    """Run ``python -m ficache ARGS`` on a real pseudo-terminal; answer its ``[y/N]`` prompt.
+def run_in_a_terminal(
+    args: list[str], answer: bytes | None = None, *, signal_at_prompt: int | None = None
+) -> tuple[int, str]:
+    """Run ``python -m ficache ARGS`` on a real pseudo-terminal; answer its ``[y/N]`` prompt,
+    or send it ``signal_at_prompt`` (SIGINT: the Ctrl-C a user types there) when it asks.
 
     Hang guard: a child still running 60 s after it started (a changed prompt,
     a child waiting on its terminal) is killed and the test fails with what
@@ -36,6 +39,7 @@ def run_in_a_terminal(args: list[str], answer: bytes | None = None) -> tuple[int
             os._exit(127)  # never return into pytest
     output = b""
     answered = False
+    next_signal = 0.0
     deadline = time.monotonic() + 60
     try:
         while time.monotonic() < deadline:
@@ -48,7 +52,14 @@ def run_in_a_terminal(args: list[str], answer: bytes | None = None) -> tuple[int
                 if not chunk:
                     break
                 output += chunk
-            if answer is not None and not answered and b"[y/N]" in output:
+            if signal_at_prompt is not None and b"[y/N]" in output:
+                # Again every 0.5 s until it exits: a signal that lands after the
+                # prompt is written but before its read() starts only sets Python's
+                # flag, and the read then waits (a person presses Ctrl-C again).
+                if time.monotonic() >= next_signal:
+                    os.kill(pid, signal_at_prompt)
+                    next_signal = time.monotonic() + 0.5
+            elif not answered and b"[y/N]" in output and answer is not None:
                 os.write(fd, answer)
                 answered = True
         # The terminal closed (the child exited) or the deadline passed: reap

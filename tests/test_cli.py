@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sqlite3
 import stat
@@ -1589,9 +1590,10 @@ def test_verify_takes_table_as_every_command_does_and_text_still(cli, populated:
 # -- Ctrl-C after the commit ------------------------------------------------------------------
 
 
-def _interrupted_after_commit(tmp_path: Path, db: Path, *args: str) -> tuple[int, str, str]:
-    """Run ``ficache --db DB ARGS`` in a child, SIGINT it right after its commit is made."""
-    import signal
+def _interrupted_after_commit(
+    tmp_path: Path, db: Path, *args: str, signum: int = signal.SIGINT
+) -> tuple[int, str, str]:
+    """Run ``ficache --db DB ARGS`` in a child, send ``signum`` right after its commit is made."""
 
     marker = tmp_path / f"committed-{len(list(tmp_path.glob('committed-*')))}"
     env = {k: v for k, v in os.environ.items() if k != "FICACHE_DB"}
@@ -1609,7 +1611,7 @@ def _interrupted_after_commit(tmp_path: Path, db: Path, *args: str) -> tuple[int
         while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         assert marker.exists(), f"ficache {' '.join(args)} made no commit: {child.communicate()}"
-        child.send_signal(signal.SIGINT)
+        child.send_signal(signum)
         out, err = child.communicate(timeout=60)
     finally:
         if child.poll() is None:
@@ -1639,6 +1641,53 @@ def test_ctrl_c_just_after_the_commit_reports_the_commit(cache_file, tmp_path: P
     assert reverted[1].splitlines()[-1].startswith("reverted commit 2 as commit 3")
     with Registry.open(str(db)) as reg:
         assert [c.kind for c in reg.log()] == ["revert", "merge", "import"]
+
+
+def test_sigterm_just_after_the_commit_reports_the_commit_as_ctrl_c_does(
+    cache_file, tmp_path: Path
+) -> None:
+    """A service manager's SIGTERM is a Ctrl-C: the commit made is reported, exit 0."""
+    db = tmp_path / "reg.db"
+    a = cache_file("a.json", {K16: ["Runner", 1]}, metadata=META)
+
+    imported = _interrupted_after_commit(tmp_path, db, "import", str(a), signum=signal.SIGTERM)
+
+    assert imported == (
+        0,
+        "imported 1 entries from 1 file(s): 1 added, 0 replaced, 0 unchanged (commit 1)\n",
+        f"note: creating a new registry at {db}\n"
+        "interrupted after commit 1 was made; the commit stands\n",
+    )
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_ctrl_c_or_sigterm_at_a_prompt_exits_130_and_changes_nothing(
+    cache_file, tmp_path: Path, signum: int
+) -> None:
+    """Stopped at "Revert? [y/N]", a command says "interrupted" and exits 130 (click's own
+    Abort exits 1, which read as a failure, not a stop); the registry is as before."""
+    db = tmp_path / "reg.db"
+    a = cache_file("a.json", {K16: ["Runner", 1]}, metadata=META)
+    imported = subprocess.run(
+        [sys.executable, "-m", "ficache", "--db", str(db), "import", str(a)],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert imported.returncode == 0, imported.stderr
+    before = _sqlite_dump(db)
+
+    code, output = run_in_a_terminal(["--db", str(db), "revert", "1"], signal_at_prompt=signum)
+
+    assert code == 130
+    assert output.endswith("[y/N]: \ninterrupted\n")
+    assert _sqlite_dump(db) == before
+
+
+def _sqlite_dump(db: Path) -> list[str]:
+    with closing(sqlite3.connect(db)) as conn:
+        return list(conn.iterdump())
 
 
 # -- issue 23: missing fields, and options that were accepted without a word ------------------
