@@ -341,9 +341,17 @@ def pass_ctx(command: Any) -> Any:
     )(_pass_context(command))
 
 
+def _printable(text: str) -> str:
+    """``text`` with each character a terminal would act on (ESC, CR, BEL, ...) escaped as
+    Python writes it (``\\x1b``): stored strings come from files and are shown, never obeyed."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     head = [[str(h) for h in headers]] if any(headers) else []  # all-empty headers: no header line
-    cells = head + [["" if v is None else str(v) for v in row] for row in rows]
+    cells = head + [["" if v is None else _printable(str(v)) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
     return "\n".join(lines)

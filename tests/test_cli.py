@@ -1693,6 +1693,27 @@ def _sqlite_dump(db: Path) -> list[str]:
 # -- issue 23: missing fields, and options that were accepted without a word ------------------
 
 
+def test_control_characters_in_stored_strings_are_shown_escaped_never_sent_raw(
+    cli, cache_file
+) -> None:
+    """A file's ``_metadata.gpu`` (or key) holding terminal control bytes is stored as
+    given and exported as given, but tables show them escaped: a hostile file cannot
+    clear the operator's screen or rewrite what ``fingerprints`` and ``list`` print."""
+    hostile = {**META, "gpu": "H200\x1b[2J\x07\r"}
+    key = "('op\x1b]0;title\x07', 'Runner', ((1,),), ())"
+    cli("import", cache_file("h.json", {key: ["Runner", 1]}, metadata=hostile))
+
+    shown = cli("fingerprints").stdout + cli("list").stdout
+
+    assert "\x1b" not in shown and "\x07" not in shown and "\r" not in shown
+    assert "H200\\x1b[2J\\x07\\r" in shown
+    assert "op\\x1b]0;title\\x07" in shown
+    assert (
+        json.loads(cli("export", "--fingerprint", "1").stdout)["_metadata"]["gpu"]
+        == (hostile["gpu"])
+    )
+
+
 def test_a_file_without_gpu_is_exported_without_gpu(cli, cache_file) -> None:
     no_gpu = {k: v for k, v in META.items() if k != "gpu"}
     cli("import", cache_file("a.json", {K16: ["Runner", 1]}, metadata=no_gpu))
