@@ -2273,6 +2273,51 @@ def verify_cmd(obj: _Context, fmt: str) -> None:
     sys.exit(1)
 
 
+@cli.command("env")
+@FORMAT
+@pass_ctx
+def env_cmd(obj: _Context, fmt: str) -> None:
+    """Show what ficache uses here: the registry, variables in effect, the slice cache.
+
+    Reads only: a registry that does not exist is not created, one that
+    cannot be read is reported with the reason.
+    """
+    from ficache.env_report import collect
+
+    report = collect(obj.db)
+    if fmt == "json":
+        _dump_json(report.as_json())
+        return
+    if report.registry_problem is not None:
+        schema_text = report.registry_problem
+    elif report.registry_revision == report.head_revision:
+        schema_text = f"schema {report.registry_revision} (head)"
+    else:
+        schema_text = f"schema {report.registry_revision or '(none)'}, head {report.head_revision}"
+    size = f"{report.slice_cache_bytes / 1024:.1f} KiB"
+    versions = ", ".join(f"{n} {v}" for n, v in report.versions.items() if v is not None)
+    click.echo(
+        _table(
+            ["", ""],
+            [
+                ["registry", f"{report.registry} ({report.registry_source}; {schema_text})"],
+                ["slice cache", f"{report.slice_cache} ({report.slice_cache_files} files, {size})"],
+                ["versions", versions],
+            ],
+        )
+    )
+    click.echo()
+    click.echo(
+        _table(
+            ["variable", "value", "effect"],
+            [
+                [v.name, "(unset)" if v.value is None else v.value, v.effect]
+                for v in report.variables
+            ],
+        )
+    )
+
+
 # -- the startup protocol --------------------------------------------------------
 
 

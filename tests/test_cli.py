@@ -86,6 +86,7 @@ def test_the_command_set() -> None:
             "db history",
             "db upgrade",
             "demo",
+            "env",
             "export",
             "fingerprint",
             "fingerprints",
@@ -1871,3 +1872,63 @@ def test_fingerprints_fits_100_columns_filters_and_hides_empty_ones(cli, cache_f
         "warning: no stored fingerprint matches --gpu 'NVIDIA B200' and "
         "--flashinfer-version '0.7.2.post1' together\n"
     )
+
+
+# -- ficache env (issue 35) ---------------------------------------------------------------
+
+
+def test_env_reports_the_registry_variables_and_slice_cache_without_creating_anything(
+    cli, registry_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cache_file
+) -> None:
+    from ficache import schema
+    from ficache.slices import default_cache_dir
+
+    monkeypatch.setenv("FICACHE_SGLANG", "n")
+    monkeypatch.setenv("FICACHE_MODE", "replay")
+    monkeypatch.setenv("VLLM_PLUGINS", "other,ficache")
+    monkeypatch.setenv("SGLANG_PLUGINS", "other")
+    slices = default_cache_dir()
+    slices.mkdir(parents=True)
+    (slices / "a.bin").write_bytes(b"x" * 1000)
+    (slices / "b.bin").write_bytes(b"y" * 24)
+
+    missing = cli("env", "--format", "json")
+    assert (missing.exit_code, missing.stderr) == (0, "")
+    assert not registry_path.exists()
+    before = json.loads(missing.stdout)
+    assert before["registry"] == str(registry_path) and before["registry_source"] == "--db"
+    assert (before["registry_revision"], before["registry_problem"]) == (None, "not created yet")
+    assert (before["slice_cache"], before["slice_cache_files"], before["slice_cache_bytes"]) == (
+        str(slices),
+        2,
+        1024,
+    )
+    effects = {v["name"]: (v["value"], v["effect"]) for v in before["variables"]}
+    assert effects["FICACHE_SGLANG"] == ("n", "SGLang plugin: off")
+    assert effects["FICACHE_VLLM"] == (None, "vLLM plugin: on")
+    assert effects["FICACHE_MODE"] == ("replay", "start mode: replay")
+    assert effects["VLLM_PLUGINS"][1] == "ficache is allowed"
+    assert effects["SGLANG_PLUGINS"][1] == "ficache is NOT allowed: it never loads"
+
+    cli("import", cache_file("a.json", {K16: ["Runner", 1]}, metadata=META))
+    after = json.loads(cli("env", "--format", "json").stdout)
+    head = schema.head_revision()
+    assert (after["registry_revision"], after["registry_problem"]) == (head, None)
+    table = cli("env")
+    assert table.exit_code == 0
+    assert table.stdout.splitlines()[0] == (
+        f"registry     {registry_path} (--db; schema {head} (head))"
+    )
+
+
+def test_env_names_a_registry_it_cannot_read_and_still_exits_0(cli, tmp_path: Path) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a database\n")
+
+    shown = cli("env", "--format", "json", db=notes)
+
+    assert shown.exit_code == 0
+    report = json.loads(shown.stdout)
+    assert report["registry_revision"] is None
+    assert "is not a SQLite database" in report["registry_problem"]
+    assert notes.read_text() == "not a database\n"
