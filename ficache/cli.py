@@ -568,7 +568,8 @@ IMPORT_HELP = """Import FlashInfer autotune cache files, or ficache bundles, all
 
 Every file is read and validated first: one invalid file imports nothing.
 A bundle (from `export --bundle`) is recognised by its content and keeps
-its own fingerprints, scopes and tuning times.
+its own fingerprints, scopes and tuning times. A FILE of `-` is standard
+input; a pipe (`<(cat f.json)`, /dev/stdin) is read once, as a file.
 
 A key two inputs hold is imported once: a duplicate when they agree, a
 conflict settled by --on-conflict (merge's rule) when they do not. The
@@ -668,9 +669,25 @@ def import_cmd(
     from ficache import import_request as ir
     from ficache import ingest
 
-    request = ir.ImportRequest(
-        files, fingerprint_ref, scope, from_vllm, from_sglang, layout, policy
-    )
+    with ingest.spooled(files) as spool:  # a pipe or `-` is read once, here
+        request = ir.ImportRequest(
+            spool.paths,
+            fingerprint_ref,
+            scope,
+            from_vllm,
+            from_sglang,
+            layout,
+            policy,
+            tuple(spool.names.items()),
+        )
+        _import_request(obj, request, dry_run, fmt)
+
+
+def _import_request(obj: _Context, request: Any, dry_run: bool, fmt: str) -> None:
+    """``import`` of a decided request: an adoption, v2 stores, bundles or FlashInfer files."""
+    from ficache import import_request as ir
+    from ficache import ingest
+
     with _import_usage():
         kind = request.kind()
         adoption = ir.prepare_adoption(request) if kind == ir.ADOPTION else None

@@ -1801,3 +1801,55 @@ def test_fingerprints_fits_100_columns_filters_and_hides_empty_ones(cli, cache_f
         "warning: no stored fingerprint matches --gpu 'NVIDIA B200' and "
         "--flashinfer-version '0.7.2.post1' together\n"
     )
+
+
+# -- a fleet's operator, second trial (issue 35) -------------------------------------------
+
+
+def test_import_reads_a_pipe_once(tmp_path: Path, cache_file) -> None:
+    """Bug 5: a pipe (`<(cat f)`, `cat f | ... /dev/stdin`) and `-` were read twice
+    (recognising, then reading), so the second read saw a truncated file."""
+    f = cache_file("h200.json", {K16: ["Runner", 1], K32: ["Runner", 2]}, metadata=META)
+    db = tmp_path / "reg.db"
+    env = {k: v for k, v in os.environ.items() if k != "FICACHE_DB"}
+    run = [sys.executable, "-m", "ficache", "--db", str(db)]
+    substituted = subprocess.run(
+        ["bash", "-c", f'exec "$@" import <(cat {f})', "bash", *run],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    piped = subprocess.run(
+        [*run, "import", "/dev/stdin", "--format", "json"],
+        input=cache_file("changed.json", {K32: ["Runner", 5]}, metadata=META).read_text(),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert (substituted.returncode, substituted.stdout) == (
+        0,
+        "imported 2 entries from 1 file(s): 2 added, 0 replaced, 0 unchanged (commit 1)\n",
+    ), substituted.stderr
+    assert piped.returncode == 0, piped.stderr
+    assert json.loads(piped.stdout)["replaced"] == 1
+    with Registry.open(str(db)) as reg:
+        messages = sorted(c.message for c in reg.log())
+    assert messages[1] == "/dev/stdin"
+    assert messages[0].startswith("/dev/fd/")  # the name given, not the spooled copy
+
+
+def test_import_dash_is_standard_input(cli, cache_file, registry_path: Path) -> None:
+    f = cache_file("h200.json", {K16: ["Runner", 1]}, metadata=META)
+
+    result = cli("import", "-", input=f.read_text())
+    bad = cli("import", "-", input='{"_metadata": {')
+
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.startswith("imported 1 entries from 1 file(s): 1 added")
+    assert bad.exit_code == 1
+    assert bad.stderr.startswith("error: <stdin>: ")
+    with Registry.open(str(registry_path)) as reg:
+        assert [c.message for c in reg.log()] == ["<stdin>"]
