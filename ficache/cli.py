@@ -1298,6 +1298,14 @@ def _export_v2_store(
         f"(measurement policy {measurement_label(export.measurement)}): "
         f"{result.written} written, {result.unchanged} unchanged{lazy}"
     )
+    if export.records_left_out:
+        n = export.records_left_out
+        click.echo(
+            f"warning: {n} namespaced record{'' if n == 1 else 's'} (_records) not exported: "
+            "a v2 store has no place for them; export a file (-o FILE) or a bundle (--bundle) "
+            "to carry them",
+            err=True,
+        )
     if scope_note:
         click.echo(scope_note, err=True)
 

@@ -1853,3 +1853,24 @@ def test_import_dash_is_standard_input(cli, cache_file, registry_path: Path) -> 
     assert bad.stderr.startswith("error: <stdin>: ")
     with Registry.open(str(registry_path)) as reg:
         assert [c.message for c in reg.log()] == ["<stdin>"]
+
+
+def test_export_v2_store_says_it_leaves_namespaced_records_out(
+    cli, cache_file, tmp_path: Path
+) -> None:
+    """Bug 8: a v2 store has no place for ``_records``; the export dropped them silently."""
+    path = cache_file(
+        "r.json",
+        {"_records": {"trtllm_moe_da": {"a": 1, "b": [2]}}, K16: ["Runner", 1]},
+        metadata=META,
+    )
+    cli("import", path)
+
+    store = cli("export", "--v2-store", tmp_path / "v2", "--fingerprint", "1")
+
+    assert store.exit_code == 0
+    assert store.stdout.startswith("exported 1 entries to ")
+    assert store.stderr == (
+        "warning: 2 namespaced records (_records) not exported: a v2 store has no place for "
+        "them; export a file (-o FILE) or a bundle (--bundle) to carry them\n"
+    )
