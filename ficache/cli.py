@@ -2123,7 +2123,14 @@ REVERT_CONFLICTS_SHOWN = 10
 
 
 @cli.command("revert")
-@click.argument("commit_id", type=POSITIVE_ID)
+@click.argument("commit_id", type=POSITIVE_ID, required=False)
+@click.option(
+    "--to",
+    "to_commit",
+    type=POSITIVE_ID,
+    metavar="N",
+    help="Return the registry to its state after commit N, as one new commit.",
+)
 @click.option(
     "--dry-run",
     is_flag=True,
@@ -2132,15 +2139,27 @@ REVERT_CONFLICTS_SHOWN = 10
 @click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
 @FORMAT
 @pass_ctx
-def revert_cmd(obj: _Context, commit_id: int, dry_run: bool, yes: bool, fmt: str) -> None:
-    """Undo one commit as a new commit.
+def revert_cmd(
+    obj: _Context, commit_id: int | None, to_commit: int | None, dry_run: bool, yes: bool, fmt: str
+) -> None:
+    """Undo one commit, or every commit after N (--to N), as a new commit.
 
-    Refused (exit 1, with --dry-run too) when the commit is already reverted
-    or a later commit changed one of its entries or records; the plan lists
-    those conflicts and the commits that made them.
+    Reverting one commit is refused (exit 1, with --dry-run too) when the
+    commit is already reverted or a later commit changed one of its entries
+    or records and still holds it (a later change that was itself reverted
+    is no conflict); the plan lists those conflicts and the commits that
+    made them. --to N never refuses: every entry and record a later commit
+    changed gets back the value it held after commit N; the later commits
+    stay in the log, and the new commit can be reverted too.
     """
     from ficache.revert import plan_revert
 
+    if (commit_id is None) == (to_commit is None):
+        raise click.UsageError("give one COMMIT_ID to revert, or --to N")
+    if to_commit is not None:
+        _revert_to(obj, to_commit, dry_run, yes, fmt)
+        return
+    assert commit_id is not None
     with obj.registry(create=False) as reg:
         reg.require_writable()
         plan = plan_revert(reg, commit_id)
@@ -2175,6 +2194,60 @@ def revert_cmd(obj: _Context, commit_id: int, dry_run: bool, yes: bool, fmt: str
     click.echo(
         f"reverted commit {commit_id} as commit {result.commit_id}: {result.removed} removed, "
         f"{result.replaced} restored, {result.added} re-added{records}"
+    )
+
+
+def _revert_to(obj: _Context, commit_id: int, dry_run: bool, yes: bool, fmt: str) -> None:
+    """``revert --to N``: plan, show, stop on --dry-run, ask (or --yes), execute."""
+    from ficache.revert import plan_revert_to
+
+    with obj.registry(create=False) as reg:
+        reg.require_writable()
+        plan = plan_revert_to(reg, commit_id)
+        question = f"Return the registry to its state after commit {commit_id}?"
+        if fmt == "json":
+            if not plan.is_empty and not dry_run:
+                _confirm_or_stop(question, dry_run=False, yes=yes, err=True)
+            result = None if plan.is_empty or dry_run else plan.execute(reg)
+            _dump_json(
+                {
+                    **plan.as_json(),
+                    "dry_run": dry_run,
+                    "commit": result.commit_id if result is not None else None,
+                }
+            )
+            return
+        c = plan.commit
+        counts = [("entries", plan.entries), ("records", plan.records)]
+        counts += [("protocol records", plan.protocol)] if plan.protocol.total else []
+        click.echo(
+            f"revert plan: back to commit {c.id} ({c.kind}, {_when(c.created_at)}, {c.host}), "
+            f"undoing {len(plan.later)} later commit(s): "
+            + "; ".join(
+                f"{what}: remove {n.remove}, restore {n.restore}, re-add {n.re_add}"
+                for what, n in counts
+            )
+        )
+        if plan.is_empty:
+            click.echo(f"nothing to revert: the registry holds its state after commit {c.id}")
+            return
+        _confirm_or_stop(question, dry_run=dry_run, yes=yes)
+        result = plan.execute(reg)
+    click.echo(
+        f"reverted to commit {commit_id} as commit {result.commit_id}: {result.removed} removed, "
+        f"{result.replaced} restored, {result.added} re-added"
+        + (
+            f"; records {result.records_removed} removed, {result.records_replaced} restored, "
+            f"{result.records_added} re-added"
+            if result.records_changed
+            else ""
+        )
+        + (
+            f"; protocol records {result.protocol_removed} removed, "
+            f"{result.protocol_replaced} restored, {result.protocol_added} re-added"
+            if result.protocol_changed
+            else ""
+        )
     )
 
 
