@@ -2311,9 +2311,17 @@ VERIFY_EXAMPLES = 3
 @pass_ctx
 def verify_cmd(obj: _Context, fmt: str) -> None:
     """Check the registry (read-only): storage, schema, keys, history; exit 1 on problems."""
+    from ficache.errors import FicacheError
     from ficache.verify import verify
 
-    report = verify(obj.db)
+    try:
+        report = verify(obj.db)
+    except FicacheError as exc:
+        if fmt != "json":
+            raise
+        # JSON always: a registry verify cannot open is reported as what it is.
+        _dump_json({"registry": obj.db, "ok": False, "error": str(exc)})
+        sys.exit(1)
     if fmt == "json":
         _dump_json(report.as_json())
         sys.exit(0 if report.ok else 1)

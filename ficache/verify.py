@@ -179,7 +179,7 @@ from sqlalchemy.pool import NullPool
 from ficache import protocol_records as proto
 from ficache import records as rec
 from ficache import schema
-from ficache.errors import FingerprintError, RecordError, RegistryError
+from ficache.errors import FingerprintError, RecordError, RegistryError, SchemaTooNewError
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
 from ficache.flashinfer_format import canonical_json, check_namespace, parse_key, selection_json
 from ficache.kinds import ACTIONS, ENTRY_KIND, PROTOCOL_KIND, RECORD_KIND, Kind
@@ -654,7 +654,11 @@ class _Verifier:
         )
 
     def run(self) -> VerifyReport:
-        revision = schema.check_revision(self.conn, self.location)  # foreign, too new: raise
+        try:
+            revision = schema.check_revision(self.conn, self.location)  # foreign: raise
+            newer = False
+        except SchemaTooNewError:  # reported, with what storage checks can still say
+            revision, newer = schema.current_revision(self.conn), True
         if revision is None and not inspect(self.conn).get_table_names():
             raise RegistryError(
                 f"no registry in {self.location.display}; import a cache file first "
@@ -668,6 +672,14 @@ class _Verifier:
             self.notes.append("data checks skipped: the database is damaged")
             return self.report(revision)
         head = schema.head_revision()
+        if newer:
+            self.problem(
+                "schema_revision",
+                f"schema is at {revision}, newer than this ficache knows (head {head}); "
+                "upgrade ficache (pip install -U ficache) to check its data",
+            )
+            self.notes.append("data checks skipped: the schema is newer than this ficache")
+            return self.report(revision)
         if revision != head:
             self.problem(
                 "schema_revision",
@@ -688,6 +700,8 @@ class _Verifier:
         for (line,) in self.conn.exec_driver_sql("PRAGMA integrity_check"):
             if line != "ok":
                 self.problem("integrity", f"integrity_check: {line}")
+        if self.problems:  # reading foreign keys through damaged pages raises
+            return
         for table, rowid, parent, _fkid in self.conn.exec_driver_sql("PRAGMA foreign_key_check"):
             if (table, parent) not in _ORPHAN_CHECKED:
                 self.problem(

@@ -112,11 +112,18 @@ def test_an_exception_in_the_block_propagates_and_commits_nothing(
         assert reg.log() == []
 
 
-@pytest.mark.parametrize("fault", ["corrupt", "newer-schema", "not-a-dir"])
+@pytest.mark.parametrize("fault", ["corrupt", "damaged", "newer-schema", "not-a-dir"])
 def test_registry_faults_become_tune_uncached(tmp_path: Path, autotuner: Any, fault: str) -> None:
+    """``damaged`` (issue 35, bug 3): a file SQLite reports malformed in pages the start
+    does not read was served from, and could be written."""
     db = tmp_path / "registry.db"
     if fault == "corrupt":
         db.write_bytes(b"\x00garbage" * 64)
+    elif fault == "damaged":
+        from damage import damage_history
+
+        start(db)
+        damage_history(db)
     elif fault == "newer-schema":
         start(db)
         import sqlite3
@@ -131,6 +138,9 @@ def test_registry_faults_become_tune_uncached(tmp_path: Path, autotuner: Any, fa
     before = db.read_bytes() if db.is_file() else None
     report, tuned = start(db)
     assert report.status == "uncached" and report.reason
+    if fault == "damaged":
+        assert "is damaged (SQLite: " in report.reason
+        assert "run `ficache verify`" in report.reason
     assert (report.loaded, report.tuned, report.committed) == (0, 18, 0)
     assert tuned.profiled == 18  # the block ran and tuned
     if before is not None:
