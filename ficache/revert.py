@@ -288,7 +288,8 @@ class RevertToPlan:
             return registry.write(
                 self.writes,
                 kind="revert",
-                message=f"revert to commit {cid} (undoes {_commit_range(self.later)})",
+                message=f"revert to commit {cid} (undoes {_later_commits(self.later)})",
+                provenance={"revert_to": cid},
                 removals=self.removals,
                 expected=self.expected,
                 records=self.record_write,
@@ -301,16 +302,13 @@ class RevertToPlan:
             ) from None
 
 
-def _commit_range(ids: Sequence[int]) -> str:
-    if not ids:
-        return "nothing"
+def _later_commits(ids: Sequence[int]) -> str:
+    """``commit 7``, ``commits 7-9`` or ``4 commits from 7 to 12`` (ids may skip)."""
     if len(ids) == 1:
         return f"commit {ids[0]}"
-    return (
-        f"commits {ids[0]}-{ids[-1]}"
-        if ids[-1] - ids[0] == len(ids) - 1
-        else ("commits " + ", ".join(map(str, ids)))
-    )
+    if ids[-1] - ids[0] == len(ids) - 1:
+        return f"commits {ids[0]}-{ids[-1]}"
+    return f"{len(ids)} commits from {ids[0]} to {ids[-1]}"
 
 
 def plan_revert_to(registry: RegistryAccess, commit_id: int) -> RevertToPlan:

@@ -72,7 +72,9 @@ Rows (SQL joins for orphans, the rest in Python over the bulk reads)
 - ``bad_commit``: a commit's kind is one of ``registry.COMMIT_KINDS``; its
   provenance is NULL or a JSON object; it reverts a commit exactly when its
   kind is ``revert``, and then an earlier one (a revert refers to an
-  existing commit by id, and ids grow in commit order).
+  existing commit by id, and ids grow in commit order), except a ``revert
+  --to`` commit, whose provenance names the earlier commit it returns to
+  (``revert_to``) and which reverts no one commit.
 - ``empty_commit``: every commit has changes (a write that changes nothing
   makes no commit; a prune or revert of nothing makes none either).
 - ``commit_counts``: a commit's ``added``/``replaced``/``removed`` equal the
@@ -1039,16 +1041,26 @@ class _Verifier:
             where = ("commits", cid)
             if kind not in COMMIT_KINDS:
                 self.problem("bad_commit", f"commit {cid}: unknown kind {_short(kind)}", *where)
+            reverts_to = None
             if provenance is not None:
                 try:
-                    is_object = isinstance(json.loads(provenance), dict)
+                    loaded = json.loads(provenance)
                 except (ValueError, RecursionError):
-                    is_object = False
-                if not is_object:
+                    loaded = None
+                if not isinstance(loaded, dict):
                     self.problem(
                         "bad_commit", f"commit {cid}: provenance is not a JSON object", *where
                     )
-            if kind == "revert" and target is None:
+                else:
+                    reverts_to = loaded.get("revert_to")
+            if kind == "revert" and target is None and isinstance(reverts_to, int):
+                if not 0 < reverts_to < cid:
+                    self.problem(
+                        "bad_commit",
+                        f"commit {cid} reverts to commit {reverts_to}, not an earlier one",
+                        *where,
+                    )
+            elif kind == "revert" and target is None:
                 self.problem("bad_commit", f"commit {cid}: a revert without its target", *where)
             elif kind != "revert" and target is not None:
                 self.problem(

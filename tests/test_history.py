@@ -472,3 +472,16 @@ def test_revert_needs_a_commit_or_to(cli, imported: Path) -> None:
 
     assert both.exit_code == neither.exit_code == 2
     assert both.stderr.splitlines()[-1] == "Error: give one COMMIT_ID to revert, or --to N"
+
+
+def test_a_revert_to_commit_verifies_clean(cli, cache_file, registry_db: str) -> None:
+    from ficache.verify import verify
+
+    assert cli("import", cache_file("a.json", {K16: ["Runner", 1]}, META)).exit_code == 0
+    assert cli("import", cache_file("b.json", {K16: ["Runner", 2]}, META)).exit_code == 0
+    assert cli("revert", "--to", "1", "--yes").exit_code == 0
+
+    report = verify(registry_db)
+
+    assert report.ok, report.problems
+    assert commit(registry_db, 3).provenance == {"revert_to": 1}
