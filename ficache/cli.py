@@ -486,6 +486,12 @@ def fingerprint_cmd(fmt: str) -> None:
     help="Also fingerprints that hold no entries and no records (pruned to nothing).",
 )
 @click.option("--wide", is_flag=True, help="Show every field and the digest (a wide table).")
+@click.option(
+    "--here",
+    is_flag=True,
+    help="Mark the fingerprint that serves this environment and those that fill in keys it "
+    "lacks (reads the environment: imports torch and FlashInfer).",
+)
 @FORMAT
 @pass_ctx
 def fingerprints_cmd(
@@ -494,6 +500,7 @@ def fingerprints_cmd(
     flashinfer_version: str | None,
     include_empty: bool,
     wide: bool,
+    here: bool,
     fmt: str,
 ) -> None:
     """List stored fingerprints with their entry and record counts and when a start last served each.
@@ -501,17 +508,29 @@ def fingerprints_cmd(
     The table shows the fields that tell fingerprints apart; --wide or
     --format json gives every field. A missing field (the file's _metadata
     lacked it) shows as `-` (null in JSON) and is left out of exports.
+
+    When several match one environment, the one with the most exact fields
+    (fewest `*`), then the newest, serves it; the others fill in only keys
+    it lacks. `--here` marks them for this environment; `ficache fold`
+    merges one into another.
     """
     from ficache.catalog import fingerprint_listing
 
+    current = None
+    if here:
+        from ficache.fingerprint import collect
+
+        current = collect()
     field_filters = {"gpu": gpu, "flashinfer_version": flashinfer_version}
     with obj.registry(create=False, write=False) as reg:
-        listing = fingerprint_listing(reg, filters=field_filters, include_empty=include_empty)
+        listing = fingerprint_listing(
+            reg, filters=field_filters, include_empty=include_empty, here=current
+        )
     notes = _filter_miss_notes(listing.misses, None)
     if fmt == "json":
         _dump_json([s.as_json() for s in listing.shown])
     else:
-        click.echo(_fingerprints_table(listing.shown, wide=wide))
+        click.echo(_fingerprints_table(listing.shown, wide=wide, here=here))
     if listing.hidden_empty:
         notes.append(
             f"note: {listing.hidden_empty} fingerprint(s) without entries or records not shown; "
@@ -533,7 +552,7 @@ _FINGERPRINT_COLUMNS = (
 _FINGERPRINT_CELL = 24
 
 
-def _fingerprints_table(summaries: Sequence[Any], *, wide: bool) -> str:
+def _fingerprints_table(summaries: Sequence[Any], *, wide: bool, here: bool = False) -> str:
     """The table of ``fingerprints``: the telling fields (about 100 columns), or all with ``wide``."""
     from ficache.fingerprint import ALL_FIELDS, shown
 
@@ -557,7 +576,9 @@ def _fingerprints_table(summaries: Sequence[Any], *, wide: bool) -> str:
             rows.append([s.info.id, *counts, s.info.fingerprint.short_digest, *values])
         else:
             rows.append([s.info.id, *values, *counts])
-    return _table(headers, rows)
+        if here:
+            rows[-1].append(s.here or "")
+    return _table([*headers, "here"] if here else headers, rows)
 
 
 # -- import / export -----------------------------------------------------------
@@ -2293,6 +2314,72 @@ def _echo_revert_plan(plan: Any) -> None:
     )
     if len(plan.conflicts) > len(shown):
         click.echo(f"... and {len(plan.conflicts) - len(shown)} more (--format json lists all)")
+
+
+@cli.command("fold")
+@click.argument("source", metavar="SOURCE")
+@click.option(
+    "--into",
+    "into",
+    required=True,
+    metavar="ID",
+    help="The stored fingerprint (id or digest prefix) that takes SOURCE's entries and records.",
+)
+@click.option(
+    "--keep-target",
+    is_flag=True,
+    help="Where both hold a key with different values, keep the target's [default: SOURCE's].",
+)
+@click.option("--dry-run", is_flag=True, help="Show the plan and change nothing.")
+@click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
+@FORMAT
+@pass_ctx
+def fold_cmd(
+    obj: _Context, source: str, into: str, keep_target: bool, dry_run: bool, yes: bool, fmt: str
+) -> None:
+    """Fold fingerprint SOURCE into another of the same environment, as one commit.
+
+    Every entry, record and protocol record of SOURCE moves to the
+    fingerprint --into names (same scope and key), and SOURCE is left empty.
+    Only fingerprints that can describe one environment fold (each field
+    equal, or `*` on one side). `ficache revert` undoes it.
+    """
+    from ficache.fold import plan_fold
+    from ficache.kinds import kind_named
+
+    with obj.registry(create=False) as reg:
+        reg.require_writable()
+        plan = plan_fold(reg, source, into, keep_target=keep_target)
+        question = f"Fold fingerprint {plan.source.id} into {plan.into.id}?"
+        if fmt == "json":
+            if not plan.is_empty and not dry_run:
+                _confirm_or_stop(question, dry_run=False, yes=yes, err=True)
+            result = None if plan.is_empty or dry_run else plan.execute(reg)
+            _dump_json(
+                {
+                    **plan.as_json(),
+                    "dry_run": dry_run,
+                    "commit": result.commit_id if result is not None else None,
+                }
+            )
+            return
+        click.echo(
+            f"fold plan: fingerprint {plan.source.id} into {plan.into.id}: "
+            + "; ".join(
+                f"{kind_named(c.kind).plural}: move "
+                f"{c.moved}, replace {c.replaced}, keep {c.kept}, same {c.same}"
+                for c in plan.counts
+                if c.total or c.kind == "entry"
+            )
+        )
+        if plan.is_empty:
+            click.echo(f"nothing to fold: fingerprint {plan.source.id} holds nothing")
+            return
+        _confirm_or_stop(question, dry_run=dry_run, yes=yes)
+        result = plan.execute(reg)
+    click.echo(
+        f"folded fingerprint {plan.source.id} into {plan.into.id} as commit {result.commit_id}"
+    )
 
 
 #: ``verify`` shows this many problems of each kind (``--format json`` shows all).
