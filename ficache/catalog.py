@@ -47,6 +47,10 @@ class FingerprintSummary:
 
     info: FingerprintInfo
     records: int
+    #: Where the environment asked about (``fingerprint_listing(here=...)``) is served from:
+    #: ``"serves"`` (the first in ``fingerprint.serving_order``: its values win),
+    #: ``"fills in"`` (it matches too, and serves only keys the first lacks) or None.
+    here: str | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -63,6 +67,7 @@ class FingerprintSummary:
             "records": self.records,
             "created_at": self.info.created_at,
             "last_served_at": self.info.last_served_at,
+            **({"here": self.here} if self.here is not None else {}),
         }
 
 
@@ -120,13 +125,23 @@ def stored_filter_misses(
 
 
 def fingerprint_listing(
-    registry: Any, *, filters: FieldFilters, include_empty: bool = False
+    registry: Any,
+    *,
+    filters: FieldFilters,
+    include_empty: bool = False,
+    here: Fingerprint | None = None,
 ) -> FingerprintListing:
-    """The stored fingerprints ``fingerprints`` lists: filtered, empty ones hidden unless asked."""
+    """The stored fingerprints ``fingerprints`` lists: filtered, empty ones hidden unless
+    asked; with ``here`` (an environment), each marked by how it serves it
+    (``FingerprintSummary.here``)."""
     infos = registry.fingerprints()
     counts = _record_counts(registry)
+    marks: dict[int, str] = {}
+    if here is not None:
+        order = [i.id for i in registry.serving(here) if i.entries or counts.get(i.id)]
+        marks = {fid: "serves" if n == 0 else "fills in" for n, fid in enumerate(order)}
     matching = [i for i in infos if _matches(i.fingerprint, filters)]
-    summaries = [FingerprintSummary(i, counts.get(i.id, 0)) for i in matching]
+    summaries = [FingerprintSummary(i, counts.get(i.id, 0), marks.get(i.id)) for i in matching]
     shown = tuple(s for s in summaries if include_empty or not s.is_empty)
     return FingerprintListing(
         shown,

@@ -509,6 +509,12 @@ def fingerprint_cmd(fmt: str) -> None:
     help="Also fingerprints that hold no entries and no records (pruned to nothing).",
 )
 @click.option("--wide", is_flag=True, help="Show every field and the digest (a wide table).")
+@click.option(
+    "--here",
+    is_flag=True,
+    help="Mark the fingerprint that serves this environment and those that fill in keys it "
+    "lacks (reads the environment: imports torch and FlashInfer).",
+)
 @FORMAT
 @pass_ctx
 def fingerprints_cmd(
@@ -517,6 +523,7 @@ def fingerprints_cmd(
     flashinfer_version: str | None,
     include_empty: bool,
     wide: bool,
+    here: bool,
     fmt: str,
 ) -> None:
     """List stored fingerprints with their entry and record counts and when a start last served each.
@@ -524,17 +531,29 @@ def fingerprints_cmd(
     The table shows the fields that tell fingerprints apart; --wide or
     --format json gives every field. A missing field (the file's _metadata
     lacked it) shows as `-` (null in JSON) and is left out of exports.
+
+    When several match one environment, the one with the most exact fields
+    (fewest `*`), then the newest, serves it; the others fill in only keys
+    it lacks. `--here` marks them for this environment; `ficache fold`
+    merges one into another.
     """
     from ficache.catalog import fingerprint_listing
 
+    current = None
+    if here:
+        from ficache.fingerprint import collect
+
+        current = collect()
     field_filters = {"gpu": gpu, "flashinfer_version": flashinfer_version}
     with obj.registry(create=False, write=False) as reg:
-        listing = fingerprint_listing(reg, filters=field_filters, include_empty=include_empty)
+        listing = fingerprint_listing(
+            reg, filters=field_filters, include_empty=include_empty, here=current
+        )
     notes = _filter_miss_notes(listing.misses, None)
     if fmt == "json":
         _dump_json([s.as_json() for s in listing.shown])
     else:
-        click.echo(_fingerprints_table(listing.shown, wide=wide))
+        click.echo(_fingerprints_table(listing.shown, wide=wide, here=here))
     if listing.hidden_empty:
         notes.append(
             f"note: {listing.hidden_empty} fingerprint(s) without entries or records not shown; "
@@ -556,7 +575,7 @@ _FINGERPRINT_COLUMNS = (
 _FINGERPRINT_CELL = 24
 
 
-def _fingerprints_table(summaries: Sequence[Any], *, wide: bool) -> str:
+def _fingerprints_table(summaries: Sequence[Any], *, wide: bool, here: bool = False) -> str:
     """The table of ``fingerprints``: the telling fields (about 100 columns), or all with ``wide``."""
     from ficache.fingerprint import ALL_FIELDS, shown
 
@@ -580,7 +599,9 @@ def _fingerprints_table(summaries: Sequence[Any], *, wide: bool) -> str:
             rows.append([s.info.id, *counts, s.info.fingerprint.short_digest, *values])
         else:
             rows.append([s.info.id, *values, *counts])
-    return _table(headers, rows)
+        if here:
+            rows[-1].append(s.here or "")
+    return _table([*headers, "here"] if here else headers, rows)
 
 
 # -- import / export -----------------------------------------------------------
@@ -591,7 +612,8 @@ IMPORT_HELP = """Import FlashInfer autotune cache files, or ficache bundles, all
 
 Every file is read and validated first: one invalid file imports nothing.
 A bundle (from `export --bundle`) is recognised by its content and keeps
-its own fingerprints, scopes and tuning times.
+its own fingerprints, scopes and tuning times. A FILE of `-` is standard
+input; a pipe (`<(cat f.json)`, /dev/stdin) is read once, as a file.
 
 A key two inputs hold is imported once: a duplicate when they agree, a
 conflict settled by --on-conflict (merge's rule) when they do not. The
@@ -691,9 +713,25 @@ def import_cmd(
     from ficache import import_request as ir
     from ficache import ingest
 
-    request = ir.ImportRequest(
-        files, fingerprint_ref, scope, from_vllm, from_sglang, layout, policy
-    )
+    with ingest.spooled(files) as spool:  # a pipe or `-` is read once, here
+        request = ir.ImportRequest(
+            spool.paths,
+            fingerprint_ref,
+            scope,
+            from_vllm,
+            from_sglang,
+            layout,
+            policy,
+            tuple(spool.names.items()),
+        )
+        _import_request(obj, request, dry_run, fmt)
+
+
+def _import_request(obj: _Context, request: Any, dry_run: bool, fmt: str) -> None:
+    """``import`` of a decided request: an adoption, v2 stores, bundles or FlashInfer files."""
+    from ficache import import_request as ir
+    from ficache import ingest
+
     with _import_usage():
         kind = request.kind()
         adoption = ir.prepare_adoption(request) if kind == ir.ADOPTION else None
@@ -1304,6 +1342,14 @@ def _export_v2_store(
         f"(measurement policy {measurement_label(export.measurement)}): "
         f"{result.written} written, {result.unchanged} unchanged{lazy}"
     )
+    if export.records_left_out:
+        n = export.records_left_out
+        click.echo(
+            f"warning: {n} namespaced record{'' if n == 1 else 's'} (_records) not exported: "
+            "a v2 store has no place for them; export a file (-o FILE) or a bundle (--bundle) "
+            "to carry them",
+            err=True,
+        )
     if scope_note:
         click.echo(scope_note, err=True)
 
@@ -2121,7 +2167,14 @@ REVERT_CONFLICTS_SHOWN = 10
 
 
 @cli.command("revert")
-@click.argument("commit_id", type=POSITIVE_ID)
+@click.argument("commit_id", type=POSITIVE_ID, required=False)
+@click.option(
+    "--to",
+    "to_commit",
+    type=POSITIVE_ID,
+    metavar="N",
+    help="Return the registry to its state after commit N, as one new commit.",
+)
 @click.option(
     "--dry-run",
     is_flag=True,
@@ -2130,15 +2183,27 @@ REVERT_CONFLICTS_SHOWN = 10
 @click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
 @FORMAT
 @pass_ctx
-def revert_cmd(obj: _Context, commit_id: int, dry_run: bool, yes: bool, fmt: str) -> None:
-    """Undo one commit as a new commit.
+def revert_cmd(
+    obj: _Context, commit_id: int | None, to_commit: int | None, dry_run: bool, yes: bool, fmt: str
+) -> None:
+    """Undo one commit, or every commit after N (--to N), as a new commit.
 
-    Refused (exit 1, with --dry-run too) when the commit is already reverted
-    or a later commit changed one of its entries or records; the plan lists
-    those conflicts and the commits that made them.
+    Reverting one commit is refused (exit 1, with --dry-run too) when the
+    commit is already reverted or a later commit changed one of its entries
+    or records and still holds it (a later change that was itself reverted
+    is no conflict); the plan lists those conflicts and the commits that
+    made them. --to N never refuses: every entry and record a later commit
+    changed gets back the value it held after commit N; the later commits
+    stay in the log, and the new commit can be reverted too.
     """
     from ficache.revert import plan_revert
 
+    if (commit_id is None) == (to_commit is None):
+        raise click.UsageError("give one COMMIT_ID to revert, or --to N")
+    if to_commit is not None:
+        _revert_to(obj, to_commit, dry_run, yes, fmt)
+        return
+    assert commit_id is not None
     with obj.registry(create=False) as reg:
         reg.require_writable()
         plan = plan_revert(reg, commit_id)
@@ -2173,6 +2238,60 @@ def revert_cmd(obj: _Context, commit_id: int, dry_run: bool, yes: bool, fmt: str
     click.echo(
         f"reverted commit {commit_id} as commit {result.commit_id}: {result.removed} removed, "
         f"{result.replaced} restored, {result.added} re-added{records}"
+    )
+
+
+def _revert_to(obj: _Context, commit_id: int, dry_run: bool, yes: bool, fmt: str) -> None:
+    """``revert --to N``: plan, show, stop on --dry-run, ask (or --yes), execute."""
+    from ficache.revert import plan_revert_to
+
+    with obj.registry(create=False) as reg:
+        reg.require_writable()
+        plan = plan_revert_to(reg, commit_id)
+        question = f"Return the registry to its state after commit {commit_id}?"
+        if fmt == "json":
+            if not plan.is_empty and not dry_run:
+                _confirm_or_stop(question, dry_run=False, yes=yes, err=True)
+            result = None if plan.is_empty or dry_run else plan.execute(reg)
+            _dump_json(
+                {
+                    **plan.as_json(),
+                    "dry_run": dry_run,
+                    "commit": result.commit_id if result is not None else None,
+                }
+            )
+            return
+        c = plan.commit
+        counts = [("entries", plan.entries), ("records", plan.records)]
+        counts += [("protocol records", plan.protocol)] if plan.protocol.total else []
+        click.echo(
+            f"revert plan: back to commit {c.id} ({c.kind}, {_when(c.created_at)}, {c.host}), "
+            f"undoing {len(plan.later)} later commit(s): "
+            + "; ".join(
+                f"{what}: remove {n.remove}, restore {n.restore}, re-add {n.re_add}"
+                for what, n in counts
+            )
+        )
+        if plan.is_empty:
+            click.echo(f"nothing to revert: the registry holds its state after commit {c.id}")
+            return
+        _confirm_or_stop(question, dry_run=dry_run, yes=yes)
+        result = plan.execute(reg)
+    click.echo(
+        f"reverted to commit {commit_id} as commit {result.commit_id}: {result.removed} removed, "
+        f"{result.replaced} restored, {result.added} re-added"
+        + (
+            f"; records {result.records_removed} removed, {result.records_replaced} restored, "
+            f"{result.records_added} re-added"
+            if result.records_changed
+            else ""
+        )
+        + (
+            f"; protocol records {result.protocol_removed} removed, "
+            f"{result.protocol_replaced} restored, {result.protocol_added} re-added"
+            if result.protocol_changed
+            else ""
+        )
     )
 
 
@@ -2220,6 +2339,72 @@ def _echo_revert_plan(plan: Any) -> None:
         click.echo(f"... and {len(plan.conflicts) - len(shown)} more (--format json lists all)")
 
 
+@cli.command("fold")
+@click.argument("source", metavar="SOURCE")
+@click.option(
+    "--into",
+    "into",
+    required=True,
+    metavar="ID",
+    help="The stored fingerprint (id or digest prefix) that takes SOURCE's entries and records.",
+)
+@click.option(
+    "--keep-target",
+    is_flag=True,
+    help="Where both hold a key with different values, keep the target's [default: SOURCE's].",
+)
+@click.option("--dry-run", is_flag=True, help="Show the plan and change nothing.")
+@click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
+@FORMAT
+@pass_ctx
+def fold_cmd(
+    obj: _Context, source: str, into: str, keep_target: bool, dry_run: bool, yes: bool, fmt: str
+) -> None:
+    """Fold fingerprint SOURCE into another of the same environment, as one commit.
+
+    Every entry, record and protocol record of SOURCE moves to the
+    fingerprint --into names (same scope and key), and SOURCE is left empty.
+    Only fingerprints that can describe one environment fold (each field
+    equal, or `*` on one side). `ficache revert` undoes it.
+    """
+    from ficache.fold import plan_fold
+    from ficache.kinds import kind_named
+
+    with obj.registry(create=False) as reg:
+        reg.require_writable()
+        plan = plan_fold(reg, source, into, keep_target=keep_target)
+        question = f"Fold fingerprint {plan.source.id} into {plan.into.id}?"
+        if fmt == "json":
+            if not plan.is_empty and not dry_run:
+                _confirm_or_stop(question, dry_run=False, yes=yes, err=True)
+            result = None if plan.is_empty or dry_run else plan.execute(reg)
+            _dump_json(
+                {
+                    **plan.as_json(),
+                    "dry_run": dry_run,
+                    "commit": result.commit_id if result is not None else None,
+                }
+            )
+            return
+        click.echo(
+            f"fold plan: fingerprint {plan.source.id} into {plan.into.id}: "
+            + "; ".join(
+                f"{kind_named(c.kind).plural}: move "
+                f"{c.moved}, replace {c.replaced}, keep {c.kept}, same {c.same}"
+                for c in plan.counts
+                if c.total or c.kind == "entry"
+            )
+        )
+        if plan.is_empty:
+            click.echo(f"nothing to fold: fingerprint {plan.source.id} holds nothing")
+            return
+        _confirm_or_stop(question, dry_run=dry_run, yes=yes)
+        result = plan.execute(reg)
+    click.echo(
+        f"folded fingerprint {plan.source.id} into {plan.into.id} as commit {result.commit_id}"
+    )
+
+
 #: ``verify`` shows this many problems of each kind (``--format json`` shows all).
 VERIFY_EXAMPLES = 3
 
@@ -2236,9 +2421,17 @@ VERIFY_EXAMPLES = 3
 @pass_ctx
 def verify_cmd(obj: _Context, fmt: str) -> None:
     """Check the registry (read-only): storage, schema, keys, history; exit 1 on problems."""
+    from ficache.errors import FicacheError
     from ficache.verify import verify
 
-    report = verify(obj.db)
+    try:
+        report = verify(obj.db)
+    except FicacheError as exc:
+        if fmt != "json":
+            raise
+        # JSON always: a registry verify cannot open is reported as what it is.
+        _dump_json({"registry": obj.db, "ok": False, "error": str(exc)})
+        sys.exit(1)
     if fmt == "json":
         _dump_json(report.as_json())
         sys.exit(0 if report.ok else 1)

@@ -191,7 +191,7 @@ def log_report(log: logging.Logger, report: Any, layout: str, *, unit: str) -> N
     the start's status (``cold``, ``warm``, ...), or ``replay`` for a replay start that used
     the registry (an uncached one says ``uncached``, as in tune mode), which also says
     ``missed N``."""
-    status = report.status.split(":")[0]
+    status = report.status
     replay = report.mode == "replay"
     log.info(
         "ficache: %s %s on rank %d/%d (%s): loaded %d, tuned %d, committed %d%s%s in %.2f s%s",

@@ -44,6 +44,11 @@ class RegistryUnavailableError(RegistryError):
     remedy: str = ""
 
 
+class RegistryDamagedError(RegistryError):
+    """SQLite reports the registry file damaged (``PRAGMA quick_check``); nothing is written
+    to it (``ficache.registry.damaged_error``)."""
+
+
 class RegistryBusyError(RegistryError):
     """Another writer held the registry longer than the busy timeout."""
 

@@ -26,6 +26,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from ficache.bundle import BundleSummary, Records, encode_bundle, publish_bundle
 from ficache.errors import NotFoundError
-from ficache.kind_read import stored_items, stored_rows
+from ficache.kind_read import slice_values, stored_items, stored_rows
 from ficache.kinds import PROTOCOL_KIND, RECORD_KIND
 from ficache.models import SHARED_SCOPE
 from ficache.registry import NewEntry, Registry, validate_scope
@@ -181,13 +182,15 @@ def plan_v2_export(
         measurement = export_measurement(
             recorded_measurements(registry), [i.fingerprint.digest for i in infos if i.entries]
         )
-    rows = registry.slice_rows([i.id for i in infos], scopes)
-    return store_export(
-        metadata,
-        measurement,
-        rows.values(),
-        _slice_protocol(registry, [i.id for i in infos], scopes),
+    ids = [i.id for i in infos]
+    rows = registry.slice_rows(ids, scopes)
+    export = store_export(
+        metadata, measurement, rows.values(), _slice_protocol(registry, ids, scopes)
     )
+    with registry.engine.connect() as conn:
+        records = slice_values(conn, RECORD_KIND, ids, scopes)
+    left_out = sum(len(keys) for keys in records.values())
+    return dataclasses.replace(export, records_left_out=left_out) if left_out else export
 
 
 def _slice_protocol(

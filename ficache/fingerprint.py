@@ -180,6 +180,27 @@ class Fingerprint:
         hard, soft = self.mismatches(current)
         return not hard and not soft
 
+    @property
+    def wildcards(self) -> int:
+        """How many fields are the wildcard (match any environment)."""
+        return sum(getattr(self, name) == WILDCARD for name in ALL_FIELDS)
+
+    @property
+    def flashinfer_fields(self) -> tuple[str, ...]:
+        """The fields FlashInfer records (``FLASHINFER_FIELDS``), as a FlashInfer file's
+        ``_metadata`` and an export of this fingerprint hold them."""
+        return tuple(getattr(self, name) for name in FLASHINFER_FIELDS)
+
+
+def serving_order(stored_id: int, stored: Fingerprint) -> tuple[int, int]:
+    """The sort key of the stored fingerprints that serve one environment: the one first
+    in this order serves it (its value of a key wins), the others fill in keys it lacks.
+
+    Exact fields over wildcards (fewer ``*`` first: an exact match has none), then the
+    newest (the larger id).
+    """
+    return (stored.wildcards, -stored_id)
+
 
 def shown(value: str) -> str:
     """A field's value as a table shows it: a missing field is ``-``."""

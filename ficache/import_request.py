@@ -101,6 +101,9 @@ class ImportRequest:
     from_sglang: str | None = None
     layout: str | None = None
     policy: str = "keep"
+    #: A path of ``files`` (as text) -> the name it was given, where they differ
+    #: (a stream read once into a temporary file: ``ingest.spooled``).
+    names: tuple[tuple[str, str], ...] = ()
 
     @property
     def engine(self) -> str | None:
@@ -309,7 +312,9 @@ def read_file_import(request: ImportRequest, files: Iterable[Path] | None = None
     """Read the FlashInfer files of ``request`` (``files``: the same paths, as the caller
     iterates them, a progress bar say); ``ImportUsageError`` where ``--fingerprint``
     is given and every file names its environment."""
-    parsed = tuple(ingest.read_files(request.files if files is None else files))
+    parsed = tuple(
+        ingest.read_files(request.files if files is None else files, dict(request.names))
+    )
     note = _fingerprint_note(parsed) if request.fingerprint_ref else None
     return FileImport(request, parsed, note)
 

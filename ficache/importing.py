@@ -38,6 +38,13 @@ Invariants:
 - Bundles enter here too: ``plan_bundle_import`` makes one input per verified
   bundle (``ficache.bundle`` reads and verifies; it plans no import), and
   ``import_bundles`` executes it with ``bundle_sources``.
+- One environment, one fingerprint: a FlashInfer file names only the fields
+  FlashInfer records, so its fingerprint has the wildcard for compute
+  capability and torch version. Where that fingerprint is not stored but
+  exactly one stored fingerprint has the same FlashInfer fields (the file is
+  an export of it, say), ``execute`` and ``preview`` land its entries and
+  records in that stored one (``landed``), which serves the environment,
+  rather than adding a second fingerprint that never would.
 - ``preview`` is the counts ``execute`` returns on the same registry state,
   computed as a one-source ``theirs`` merge plan (``ficache.merge``), which
   never writes.
@@ -45,16 +52,19 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ficache import ingest, tuned_time
+from sqlalchemy.exc import DatabaseError
+
+from ficache import ingest, schema, tuned_time
 from ficache._gcpause import paused_gc
 from ficache.bundle import Bundle, bundle_records
 from ficache.errors import MergeConflictError
-from ficache.fingerprint import Fingerprint
+from ficache.fingerprint import WILDCARD, Fingerprint
 from ficache.flashinfer_format import CacheFile
 from ficache.ingest_commit import ConflictCounts, IngestCommit, IngestSources
 from ficache.kind_merge import reconcile
@@ -72,6 +82,7 @@ from ficache.models import SHARED_SCOPE
 from ficache.protocol_records import NewProtocolRecord
 from ficache.records import NewRecord
 from ficache.registry_access import RegistryAccess
+from ficache.stored_fingerprints import fingerprint_ids
 from ficache.v2_store import (
     StoreContents,
     check_one_policy_per_fingerprint,
@@ -187,12 +198,44 @@ class ImportPlan:
         self.check()
         if sources is None:
             sources = IngestSources((message,), provenance=provenance)
+        landed = self.landed(registry)
         return IngestCommit.of("import", sources, self.counts).write(
             registry,
-            self.writes,
-            records=self.record_writes,
-            protocol_records=self.protocol_writes,
+            landed.writes,
+            records=landed.record_writes,
+            protocol_records=landed.protocol_writes,
         )
+
+    def landed(self, registry: RegistryAccess) -> ImportPlan:
+        """This plan with each fingerprint a FlashInfer file names (compute capability and
+        torch version the wildcard) that ``registry`` does not hold, but holds exactly one
+        stored fingerprint with the same FlashInfer fields of, replaced by that stored one."""
+        moves = landing(registry, self.fingerprints)
+        if not moves:
+            return self
+
+        def move(fp: Fingerprint) -> Fingerprint:
+            return moves.get(fp, fp)
+
+        return dataclasses.replace(
+            self,
+            writes=tuple(w._replace(fingerprint=move(w.fingerprint)) for w in self.writes),
+            record_writes=tuple(
+                dataclasses.replace(r, fingerprint=move(r.fingerprint)) for r in self.record_writes
+            ),
+            protocol_writes=tuple(
+                dataclasses.replace(p, fingerprint=move(p.fingerprint))
+                for p in self.protocol_writes
+            ),
+        )
+
+    @property
+    def fingerprints(self) -> set[Fingerprint]:
+        """Every fingerprint the plan writes under."""
+        found = {w.fingerprint for w in self.writes}
+        found.update(r.fingerprint for r in self.record_writes)
+        found.update(p.fingerprint for p in self.protocol_writes)
+        return found
 
     def preview(self, registry: RegistryAccess | None) -> WriteResult:
         """The counts ``execute`` would return on ``registry``'s current state; writes nothing.
@@ -207,8 +250,9 @@ class ImportPlan:
                 records_added=len(self.record_writes),
                 protocol_added=len(self.protocol_writes),
             )
+        landed = self.landed(registry)
         source = MergeSource(
-            "import", "flashinfer", "", self.writes, self.record_writes, self.protocol_writes
+            "import", "flashinfer", "", landed.writes, landed.record_writes, landed.protocol_writes
         )
         plan = plan_merge(registry, [source], "theirs")
         return WriteResult(
@@ -223,6 +267,36 @@ class ImportPlan:
             protocol_replaced=plan.protocol.replaced,
             protocol_unchanged=plan.protocol.identical,
         )
+
+
+def landing(
+    registry: RegistryAccess, fingerprints: Iterable[Fingerprint]
+) -> dict[Fingerprint, Fingerprint]:
+    """``{fingerprint: the stored one it lands in}`` of those of ``fingerprints`` that a
+    FlashInfer file names (compute capability and torch version the wildcard), are not
+    stored, and share their FlashInfer fields with exactly one stored fingerprint."""
+    wanted = [
+        fp
+        for fp in fingerprints
+        if fp.compute_capability == WILDCARD and fp.torch_version == WILDCARD
+    ]
+    if not wanted:
+        return {}
+    try:
+        with registry.engine.connect() as conn:
+            stored = [fp for _id, fp in fingerprint_ids(conn)]
+    except DatabaseError as exc:
+        raise schema.translate_operational_error(exc, registry.location) from None
+    held = set(stored)
+    by_fields: dict[tuple[str, ...], list[Fingerprint]] = {}
+    for fp in stored:
+        by_fields.setdefault(fp.flashinfer_fields, []).append(fp)
+    moves = {}
+    for fp in wanted:
+        same = by_fields.get(fp.flashinfer_fields, [])
+        if fp not in held and len(same) == 1:
+            moves[fp] = same[0]
+    return moves
 
 
 def plan_import(inputs: Sequence[ImportInput], policy: str = "keep") -> ImportPlan:

@@ -32,6 +32,10 @@ Invariants:
   is a ``MixedSourcesError`` (the CLI's usage error) before anything is read.
 - What is read is dated by ``tuned_time.tuned_at``, the one rule of every
   ingest path.
+- A stream (``-`` for standard input, a pipe such as ``<(cat f.json)``,
+  ``/dev/stdin``) is read exactly once (``spooled``), into a temporary file
+  that recognising and reading then read as often as they need; its name
+  stays the one given.
 - A FlashInfer file's entries and records all take the fingerprint its
   ``_metadata`` names (or the one the user gave, for a file without), one
   scope, and the file's modification time (``file_results``).
@@ -39,10 +43,14 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import stat
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -52,7 +60,12 @@ from ficache._gcpause import paused_gc
 from ficache.bundle import Bundle, looks_like_bundle, read_bundle
 from ficache.errors import FingerprintError
 from ficache.fingerprint import Fingerprint
-from ficache.flashinfer_format import CacheFile, read_cache_file
+from ficache.flashinfer_format import (
+    MAX_FILE_BYTES,
+    CacheFile,
+    parse_cache_bytes,
+    read_cache_bytes,
+)
 from ficache.records import records_of_file
 from ficache.scopes import SHARED_SCOPE
 from ficache.v2_store import (
@@ -124,9 +137,88 @@ def import_kind(paths: Sequence[str | os.PathLike[str]]) -> str:
     return FLASHINFER
 
 
-def read_files(paths: Iterable[Path]) -> list[tuple[str, CacheFile, Path]]:
-    """``(name, parsed file, path)`` of each FlashInfer file, in order (the path dates it)."""
-    return [(str(p), read_cache_file(p), p) for p in paths]
+def read_files(
+    paths: Iterable[Path], names: Mapping[str, str] | None = None
+) -> list[tuple[str, CacheFile, Path]]:
+    """``(name, parsed file, path)`` of each FlashInfer file, in order (the path dates it).
+
+    ``names``: the name to give a path in place of its own (``Spooled.names``).
+    """
+    out = []
+    for p in paths:
+        name = names.get(str(p), str(p)) if names else str(p)
+        out.append((name, parse_cache_bytes(read_cache_bytes(p), source=name), p))
+    return out
+
+
+#: The path that names standard input.
+STDIN = "-"
+
+
+class Spooled(NamedTuple):
+    """An import's paths, each readable as often as needed (``spooled``)."""
+
+    paths: tuple[Path, ...]
+    #: A spooled path (as text) -> the name it was given ("-", "/dev/fd/63").
+    names: dict[str, str]
+
+
+def is_stream(path: Path) -> bool:
+    """Whether ``path`` is ``-`` or neither a regular file nor a directory (a pipe, a
+    terminal, ``/dev/stdin``): something that can be read only once."""
+    if str(path) == STDIN:
+        return True
+    try:
+        mode = path.stat().st_mode
+    except (OSError, ValueError):
+        return False  # reading it says why
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
+@contextlib.contextmanager
+def spooled(paths: Sequence[Path]) -> Iterator[Spooled]:
+    """``paths`` with each stream (``is_stream``) read once into a temporary file,
+    removed on exit; other paths unchanged.
+
+    A stream is copied up to one byte past ``MAX_FILE_BYTES``, so its reading
+    refuses an oversized one as it refuses a file, and a stream that cannot be
+    read is left as given, so reading it reports why.
+    """
+    if not any(is_stream(p) for p in paths):
+        yield Spooled(tuple(paths), {})
+        return
+    with tempfile.TemporaryDirectory(prefix="ficache-import-") as tmp:
+        out: list[Path] = []
+        names: dict[str, str] = {}
+        for number, p in enumerate(paths):
+            if not is_stream(p):
+                out.append(p)
+                continue
+            copy = Path(tmp) / f"{number}.input"
+            try:
+                _copy_stream(p, copy)
+            except OSError:
+                out.append(p)
+                continue
+            out.append(copy)
+            names[str(copy)] = "<stdin>" if str(p) == STDIN else str(p)
+        yield Spooled(tuple(out), names)
+
+
+def _copy_stream(path: Path, to: Path) -> None:
+    """Copy the stream ``path`` (``-``: standard input) into ``to``, at most one byte
+    past ``MAX_FILE_BYTES``."""
+    with contextlib.ExitStack() as stack:
+        stdin = str(path) == STDIN
+        source = sys.stdin.buffer if stdin else stack.enter_context(path.open("rb"))
+        target = stack.enter_context(to.open("wb"))
+        left = MAX_FILE_BYTES + 1
+        while left > 0:
+            chunk = source.read(min(left, 1 << 20))
+            if not chunk:
+                break
+            target.write(chunk)
+            left -= len(chunk)
 
 
 #: What a FlashInfer file without ``_metadata`` is told to do (``file_fingerprint``):
@@ -362,6 +454,10 @@ __all__ = [
     "import_kind",
     "read_bundles",
     "read_files",
+    "STDIN",
+    "Spooled",
+    "is_stream",
+    "spooled",
     "read_stores",
     "recognise",
 ]

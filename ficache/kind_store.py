@@ -64,7 +64,10 @@ __all__ = [
     "Prepared",
     "Staged",
     "apply",
+    "changes_after",
     "commit_changes",
+    "replaced_value",
+    "written_value",
     "restored_item",
     "current_states",
     "new_commit",
@@ -643,6 +646,37 @@ def changed_values(kind: Kind, change: Any) -> tuple[Any, ...]:
     return tuple(
         getattr(change, _read_name(kind, column[c])) for c in kind.values for column in (old, new)
     )
+
+
+def changes_after(conn: Connection, kind: Kind, commit_id: int) -> list[Any]:
+    """The change rows of ``kind`` made after commit ``commit_id``, in the order they were
+    made, read as ``commit_changes`` reads them (policies as text)."""
+    changes = kind.changes
+    policies = _policy_change_columns(kind)
+    columns = [
+        policy_text(column).label(_read_name(kind, column.name))
+        if column.name in policies
+        else column
+        for column in changes.columns
+    ]
+    query = select(*columns).where(changes.c.commit_id > commit_id).order_by(changes.c.id)
+    return list(conn.execute(query))
+
+
+def written_value(kind: Kind, change: Any) -> tuple[Any, ...] | None:
+    """The value ``change`` (a ``commit_changes`` row) wrote, policies as text; None: removed."""
+    if change.action == "removed":
+        return None
+    new = dict(kind.new)
+    return tuple(getattr(change, _read_name(kind, new[c])) for c in kind.values)
+
+
+def replaced_value(kind: Kind, change: Any) -> tuple[Any, ...] | None:
+    """The value ``change`` (a ``commit_changes`` row) replaced, policies as text; None: added."""
+    if change.action == "added":
+        return None
+    old = dict(kind.old)
+    return tuple(getattr(change, _read_name(kind, old[c])) for c in kind.values)
 
 
 def restored_item(kind: Kind, change: Any, fingerprint: Fingerprint) -> Any:

@@ -33,6 +33,11 @@ Invariants:
   unchanged (the stored selection stays, as ``tuned_at`` does) and never a
   conflict; a written value writes its selection, a replaced or removed one
   keeps its selection in ``entry_changes``, and ``revert`` restores it.
+- A damaged registry is never written: every write transaction first asks
+  SQLite (``PRAGMA quick_check(1)``, under the write lock, about 0.5 ms at
+  1k entries and 5 ms at 10k) and refuses a file it reports damaged with a
+  ``RegistryDamagedError`` naming ``ficache verify``; nothing is written.
+  ``check_storage`` asks the same of a reader (a warm start's slice export).
 - A commit made is known: from the end of a write's body until every
   ``Registry.commit_listeners`` was told its id, SIGINT is held
   (``ficache._interrupts``), so a Ctrl-C never lands between the
@@ -92,6 +97,7 @@ from ficache._gcpause import paused_gc
 from ficache._interrupts import HeldInterrupts
 from ficache.errors import (
     RegistryBusyError,
+    RegistryDamagedError,
     RegistryReadOnlyError,
     SchemaTooNewError,
 )
@@ -216,6 +222,35 @@ def _stage_and_commit(
     return WriteResult(
         commit_id, shared_written=staged[0].shared_written, **kind_store.result_counts(staged)
     )
+
+
+def storage_problem(conn: Connection) -> str | None:
+    """SQLite's first complaint about the file behind ``conn`` (``PRAGMA quick_check(1)``,
+    one line), or None: none, or not SQLite (PostgreSQL reports damage as it reads)."""
+    if conn.dialect.name != "sqlite":
+        return None
+    try:
+        line = str(conn.exec_driver_sql("PRAGMA quick_check(1)").scalar())
+    except DatabaseError as exc:  # so damaged that the check itself cannot run
+        line = str(exc.orig)
+    if line == "ok":
+        return None
+    last = [part.strip() for part in line.splitlines() if part.strip() and "***" not in part]
+    return (last[-1] if last else line)[:160]
+
+
+def damaged_error(location: schema.Location, problem: str) -> RegistryDamagedError:
+    """The one line a write (or a warm start's read) on a damaged registry is refused with."""
+    return RegistryDamagedError(
+        f"registry {location.display} is damaged (SQLite: {problem}); nothing written; "
+        "run `ficache verify`, then restore the file from a copy or pass another --db"
+    )
+
+
+def _refuse_damaged(conn: Connection, location: schema.Location) -> None:
+    problem = storage_problem(conn)
+    if problem is not None:
+        raise damaged_error(location, problem)
 
 
 def _unchanged_result(staged: Sequence[kind_store.Staged]) -> WriteResult:
@@ -420,6 +455,14 @@ class Registry:
                 f"registry {self.location.display} is read-only; pass a writable --db"
             )
 
+    def check_storage(self) -> None:
+        """Raise ``RegistryDamagedError`` when SQLite reports the file damaged (``storage_problem``)."""
+        try:
+            with self._read() as conn:
+                _refuse_damaged(conn, self.location)
+        except DatabaseError as exc:
+            raise schema.translate_operational_error(exc, self.location) from None
+
     def require_planned_on(self, target: str) -> None:
         """Raise ``ValueError`` unless ``target`` (a plan's ``Location.display``) is this registry.
 
@@ -453,6 +496,7 @@ class Registry:
             try:
                 with HeldInterrupts() as held:
                     with schema.write_transaction(self.engine) as conn:
+                        _refuse_damaged(conn, self.location)
                         landed = self._landed(conn)
                         result = body(conn) if landed is None else cast(T, landed)
                         held.start()  # from here to the recorded commit id, SIGINT waits

@@ -12,7 +12,8 @@ Invariants:
   context manager), also when an operation raises.
 - Opening never checks or changes the schema: unlike ``Registry.open``, it
   opens a registry of any revision, so that ``db`` can report and move it.
-- Reading the revision never changes anything; a database error while reading
+- Reading the revision never changes anything, and a revision newer than this
+  ficache is reported (``RevisionState.newer``), not refused; a database error while reading
   it is one line (``schema.translate_operational_error``).
 """
 
@@ -24,6 +25,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DatabaseError
 
 from ficache import schema
+from ficache.errors import SchemaTooNewError
 from ficache.location import Location
 
 
@@ -33,10 +35,15 @@ class RevisionState:
 
     revision: str | None
     head: str
+    #: The revision is one this ficache does not know: a newer ficache made it.
+    newer: bool = False
 
     @property
     def state(self) -> str:
-        """``up to date``, ``empty`` (no schema) or ``needs upgrade``."""
+        """``up to date``, ``empty`` (no schema), ``needs upgrade`` or ``newer than this
+        ficache ...`` (what to do: upgrade ficache)."""
+        if self.newer:
+            return "newer than this ficache; upgrade ficache (pip install -U ficache)"
         if self.revision == self.head:
             return "up to date"
         return "empty" if self.revision is None else "needs upgrade"
@@ -70,11 +77,16 @@ class RegistrySchema:
         self.close()
 
     def revision(self) -> RevisionState:
-        """The registry's revision (``schema.check_revision``: a revision this ficache
-        cannot tell is refused) and the head; a database error is one line."""
+        """The registry's revision (``schema.check_revision``; one this ficache
+        does not know is ``newer``) and the head; a database error is one line."""
         try:
             with self.engine.connect() as conn:
-                revision = schema.check_revision(conn, self.location)
+                try:
+                    revision = schema.check_revision(conn, self.location)
+                except SchemaTooNewError:  # reported, never refused: reading it writes nothing
+                    return RevisionState(
+                        schema.current_revision(conn), schema.head_revision(), newer=True
+                    )
         except DatabaseError as exc:  # a server that cannot be reached, say
             raise schema.translate_operational_error(exc, self.location) from None
         return RevisionState(revision, schema.head_revision())

@@ -21,9 +21,17 @@ Invariants:
   held it when planned (``Registry.write``'s ``expected``, checked under the
   write lock, as ``MergePlan`` does); otherwise it raises ``ConflictError``
   ("plan it again") and the registry is exactly as it was.
-- Entries and records are two kinds of stored result with one description
-  each (``ficache.kinds``); reading changes, finding conflicts and building the
-  inverse write are written once for both.
+- A later change that a later revert undid again is no conflict: a change
+  is stale when the identity no longer holds the value the commit wrote (or,
+  for one it removed, is held again), whichever commit wrote it. So
+  ``import A; import B; revert B; revert A`` succeeds.
+- ``plan_revert_to(registry, n)`` (``revert --to``) returns every identity a
+  later commit changed to its state after commit ``n`` (the state the first
+  later change replaced) as one ``revert`` commit, with the same ``expected``
+  check; it never refuses, and the later commits stay in the log.
+- Entries, records and protocol records are kinds of stored result with one
+  description each (``ficache.kinds``); reading changes, finding conflicts
+  and building the inverse write are written once for all.
 - Undoing a change restores the value it replaced with its ``tuned_at`` and
   (for entries) its policy and selection, removes what it added, and
   re-adds what it removed.
@@ -42,16 +50,30 @@ from sqlalchemy.exc import DatabaseError
 from ficache import schema
 from ficache.errors import ConflictError, NotFoundError
 from ficache.fingerprint import Fingerprint
-from ficache.kind_store import commit_changes, restored_item
-from ficache.kinds import ENTRY_KIND, PROTOCOL_KIND, RECORD_KIND, Kind
+from ficache.kind_store import (
+    changes_after,
+    commit_changes,
+    replaced_value,
+    restored_item,
+    written_value,
+)
+from ficache.kinds import ENTRY_KIND, KINDS, PROTOCOL_KIND, RECORD_KIND, Kind
 from ficache.models import COMMITS as C
 from ficache.models import FINGERPRINTS as F
+from ficache.models import policy_text
 from ficache.protocol_records import ProtocolWrite
 from ficache.records import RecordWrite
 from ficache.registry_access import RegistryAccess
 from ficache.values import CommitInfo, NewEntry, WriteResult, fingerprint_from_row
 
-__all__ = ["RevertConflict", "RevertCounts", "RevertPlan", "plan_revert"]
+__all__ = [
+    "RevertConflict",
+    "RevertCounts",
+    "RevertPlan",
+    "RevertToPlan",
+    "plan_revert",
+    "plan_revert_to",
+]
 
 _CHUNK = 500  # keys per IN (...) list
 
@@ -219,6 +241,149 @@ def plan_revert(registry: RegistryAccess, commit_id: int) -> RevertPlan:
     )
 
 
+@dataclass(frozen=True)
+class RevertToPlan:
+    """What returning the registry to its state after ``commit`` would do (``revert --to``);
+    compare plans with ``==``, apply with ``execute``."""
+
+    target: str  # the registry planned on (``Location.display``)
+    commit: CommitInfo
+    #: The commits after ``commit`` whose changes are undone, oldest first.
+    later: tuple[int, ...]
+    entries: RevertCounts
+    records: RevertCounts
+    protocol: RevertCounts
+    writes: tuple[NewEntry, ...] = field(default=(), repr=False)
+    removals: tuple[tuple[Fingerprint, str, str], ...] = field(default=(), repr=False)
+    expected: tuple[tuple[tuple[Fingerprint, str, str], int | None], ...] = field(
+        default=(), repr=False
+    )
+    record_write: RecordWrite = field(default_factory=RecordWrite, repr=False)
+    protocol_write: ProtocolWrite = field(default_factory=ProtocolWrite, repr=False)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when the registry already holds what it held after ``commit``."""
+        return not (self.entries.total or self.records.total or self.protocol.total)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "to": self.commit.as_json(),
+            "undoes": list(self.later),
+            "entries": self.entries.as_json(),
+            "records": self.records.as_json(),
+            "protocol_records": self.protocol.as_json(),
+        }
+
+    def execute(self, registry: RegistryAccess) -> WriteResult:
+        """Apply the plan as one ``revert`` commit (none when ``is_empty``).
+
+        Raises ``ConflictError`` (writing nothing) when anything the plan
+        touches changed since it was made.
+        """
+        registry.require_planned_on(self.target)
+        cid = self.commit.id
+        try:
+            return registry.write(
+                self.writes,
+                kind="revert",
+                message=f"revert to commit {cid} (undoes {_later_commits(self.later)})",
+                provenance={"revert_to": cid},
+                removals=self.removals,
+                expected=self.expected,
+                records=self.record_write,
+                protocol_records=self.protocol_write,
+            )
+        except ConflictError:
+            raise ConflictError(
+                f"registry {self.target} changed since the revert to commit {cid} was planned; "
+                f"nothing changed, plan it again (ficache revert --to {cid})"
+            ) from None
+
+
+def _later_commits(ids: Sequence[int]) -> str:
+    """``commit 7``, ``commits 7-9`` or ``4 commits from 7 to 12`` (ids may skip)."""
+    if len(ids) == 1:
+        return f"commit {ids[0]}"
+    if ids[-1] - ids[0] == len(ids) - 1:
+        return f"commits {ids[0]}-{ids[-1]}"
+    return f"{len(ids)} commits from {ids[0]} to {ids[-1]}"
+
+
+def plan_revert_to(registry: RegistryAccess, commit_id: int) -> RevertToPlan:
+    """Plan returning ``registry`` to its state right after commit ``commit_id``, as one
+    new commit; ``NotFoundError`` if there is no such commit.
+
+    For every identity (of every kind) a later commit changed, the state it
+    had after ``commit_id`` is the state the first later change replaced
+    (absent where that change added it); an identity that holds another state
+    now is restored, re-added or removed. History stays: the later commits
+    remain in the log, and the new commit can itself be reverted.
+    """
+    found = registry.log(None, commit_id=commit_id)
+    if not found:
+        raise NotFoundError(f"no commit {commit_id}; see `ficache log`")
+    try:
+        with registry.engine.connect() as conn:
+            fingerprints: dict[int, Fingerprint] = {}
+            later: set[int] = set()
+            undone = [_back_to(conn, k, commit_id, fingerprints, later) for k in KINDS]
+    except DatabaseError as exc:
+        raise schema.translate_operational_error(exc, registry.location) from None
+    entries, records, protocol = undone
+    return RevertToPlan(
+        registry.location.display,
+        found[0],
+        tuple(sorted(later)),
+        entries.counts,
+        records.counts,
+        protocol.counts,
+        tuple(entries.writes),
+        tuple(entries.removals),
+        tuple(entries.expected),
+        RecordWrite(tuple(records.writes), tuple(records.removals), tuple(records.expected)),
+        ProtocolWrite(tuple(protocol.writes), tuple(protocol.removals), tuple(protocol.expected)),
+    )
+
+
+def _back_to(
+    conn: Connection,
+    kind: Kind,
+    commit_id: int,
+    fingerprints: dict[int, Fingerprint],
+    later: set[int],
+) -> _Undo:
+    """The write that returns ``kind``'s rows to their state after ``commit_id``."""
+    first: dict[tuple[Any, ...], Any] = {}
+    for ch in changes_after(conn, kind, commit_id):
+        later.add(int(ch.commit_id))
+        first.setdefault(kind.identity_of(ch), ch)
+    undo = _Undo()
+    if not first:
+        return undo
+    _load_fingerprints(conn, {ident[0] for ident in first}, fingerprints)
+    current = _current(conn, kind, list(first))
+    remove = restore = re_add = 0
+    for ident, ch in first.items():
+        holder, value = current.get(ident, (None, None))
+        wanted = replaced_value(kind, ch)
+        if value == wanted:
+            continue
+        fp = fingerprints[ch.fingerprint_id]
+        identity = (fp, *ident[1:])
+        undo.expected.append((identity, holder))
+        if wanted is None:
+            undo.removals.append(identity)
+            remove += 1
+        else:
+            undo.writes.append(restored_item(kind, ch, fp))
+            restore += value is not None
+            re_add += value is None
+    undo.counts = RevertCounts(remove, restore, re_add)
+    return undo
+
+
 def _undone_by(conn: Connection, commit_id: int) -> int | None:
     """The revert commit that undoes ``commit_id`` now: the last of an odd chain of reverts."""
     depth, at = 0, commit_id
@@ -254,12 +419,13 @@ def _undo(
         return undo
     _load_fingerprints(conn, {ch.fingerprint_id for ch in changes}, fingerprints)
     idents = [kind.identity_of(ch) for ch in changes]
-    held = _holders(conn, kind, kind.rows, idents)
+    current = _current(conn, kind, idents)
     conflicting = []
     for ch, ident in zip(changes, idents, strict=True):
-        holder = held.get(ident)
-        stale = holder is not None if ch.action == "removed" else holder != commit_id
-        if stale:
+        holder, value = current.get(ident, (None, None))
+        # Stale: it no longer holds what the commit left, whoever wrote it (a later
+        # change that a later revert undid again leaves it as the commit left it).
+        if value != written_value(kind, ch):
             conflicting.append((ch, ident, holder))
         fp = fingerprints[ch.fingerprint_id]
         identity = (fp, *ident[1:])
@@ -269,7 +435,14 @@ def _undo(
         else:
             undo.writes.append(restored_item(kind, ch, fp))
     absent = [ident for _ch, ident, holder in conflicting if holder is None]
-    removed_by = _holders(conn, kind, kind.changes, absent, after=commit_id) if absent else {}
+    removed_by = (
+        {
+            i: int(row.holder)
+            for i, row in _holders(conn, kind, kind.changes, absent, after=commit_id).items()
+        }
+        if absent
+        else {}
+    )
     undo.conflicts = tuple(
         RevertConflict(
             kind.name,
@@ -289,15 +462,32 @@ def _undo(
     return undo
 
 
+def _current(
+    conn: Connection, kind: Kind, idents: Sequence[tuple[Any, ...]]
+) -> dict[tuple[Any, ...], tuple[int, tuple[Any, ...]]]:
+    """``(commit holding it, value with policies as text)`` of each of ``idents`` held
+    now (absent ones are left out)."""
+    rows = kind.rows
+    value_columns = [
+        policy_text(rows.c[c]).label(c) if c in kind.policy_columns else rows.c[c]
+        for c in kind.values
+    ]
+    n = len(kind.values)
+    found = _holders(conn, kind, rows, idents, value_columns)
+    return {ident: (int(row[-1]), tuple(row[-1 - n : -1])) for ident, row in found.items()}
+
+
 def _holders(
     conn: Connection,
     kind: Kind,
     table: Table,
     idents: Sequence[tuple[Any, ...]],
+    extra: Sequence[Any] = (),
     *,
     after: int | None = None,
-) -> dict[tuple[Any, ...], int]:
-    """The commit holding each of ``idents`` in ``table`` (absent ones are left out).
+) -> dict[tuple[Any, ...], Any]:
+    """The row naming each of ``idents`` in ``table`` (absent ones are left out), its
+    last column ``holder``: the commit holding it, after the ``extra`` columns.
 
     ``table`` is the kind's rows (the commit that wrote each current value),
     or, with ``after``, its change log (the last commit after ``after`` that
@@ -313,11 +503,11 @@ def _holders(
         fid, key = fingerprint_and_key(ident)
         keys_by_fp.setdefault(fid, set()).add(key)
     wanted = set(idents)
-    found: dict[tuple[Any, ...], int] = {}
+    found: dict[tuple[Any, ...], Any] = {}
     for fid, keys in keys_by_fp.items():
         ordered = sorted(keys)
         for start in range(0, len(ordered), _CHUNK):
-            query = select(*columns, holder).where(
+            query = select(*columns, *extra, holder).where(
                 table.c.fingerprint_id == fid, table.c.key.in_(ordered[start : start + _CHUNK])
             )
             if after is not None:
@@ -325,7 +515,7 @@ def _holders(
             for row in conn.execute(query):
                 ident = kind.identity_of(row)
                 if ident in wanted:
-                    found[ident] = int(row.holder)
+                    found[ident] = row
     return found
 
 

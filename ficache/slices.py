@@ -35,6 +35,9 @@ Invariants:
   truncated or tampered cache file is a miss (every segment carries its
   SHA-256), never an error. It is written atomically and best-effort: a
   read-only cache dir only costs speed.
+- A slice is rendered from the registry only after SQLite reported the file
+  undamaged (``Registry.check_storage``, a ``PRAGMA quick_check``, cheap next
+  to the rendering); a damaged file raises, and the start tunes uncached.
 - Importing this module loads no SQLAlchemy (rendering from SQL imports the
   registry when it runs), so a warm start that hits the slice cache pays for
   no engine.
@@ -288,6 +291,7 @@ def export_slices(
         cached = _read_cache(path, header_want) if for_tuning else None
         if cached is not None:
             return cached
+    reg.check_storage()  # a damaged file serves nothing (a cache hit was checked when built)
     slices = _export(reg, current, layout, world, state, symmetric=for_tuning)
     if path is not None and len(set(slices.counts)) <= 1:
         _write_cache(path, header_want, slices)

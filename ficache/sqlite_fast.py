@@ -134,6 +134,9 @@ def write_served_marks(
     conn = sqlite3.connect(path, timeout=timeout, isolation_level=None)
     try:
         conn.execute("PRAGMA synchronous = NORMAL")  # WAL: no fsync for this small write
+        [(check,)] = conn.execute("PRAGMA quick_check(1)").fetchall()
+        if check != "ok":  # a damaged file is never written (``ficache.registry``)
+            return "the registry is damaged; run `ficache verify`"
         [(revision,)] = conn.execute("SELECT max(version_num) FROM alembic_version").fetchall()
         counts = isinstance(revision, str) and revision >= COUNTS_REVISION
         params: list[Any] = [stale_before, when]

@@ -16,7 +16,10 @@ Invariants:
   of at least 6 characters of exactly one digest; anything else is
   ``NotFoundError`` (or ``FingerprintError`` for an ambiguous prefix), one
   line saying what to run next.
-- ``serving`` lists the exact match first, then the newest.
+- ``serving`` lists them in ``fingerprint.serving_order``: exact fields over
+  wildcards (fewer ``*`` first), then the newest. The first serves the
+  environment: a key it holds is loaded from it; the others fill in only
+  keys it lacks (``Registry.slice_rows``: earlier fingerprints win).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 from sqlalchemy import Connection, func, select
 
 from ficache.errors import FingerprintError, NotFoundError
-from ficache.fingerprint import Fingerprint
+from ficache.fingerprint import Fingerprint, serving_order
 from ficache.models import ENTRIES as E
 from ficache.models import FINGERPRINTS as F
 from ficache.values import fingerprint_from_row
@@ -101,8 +104,9 @@ def fingerprint(conn: Connection, ref: int | str) -> FingerprintInfo:
 
 
 def serving(conn: Connection, current: Fingerprint) -> list[FingerprintInfo]:
-    """Stored fingerprints whose entries ``current`` may use, exact match first."""
+    """Stored fingerprints whose entries ``current`` may use, the one that serves it first
+    (``fingerprint.serving_order``)."""
     ids = [fid for fid, fp in fingerprint_ids(conn) if fp.serves(current)]
     infos = fingerprints(conn, ids) if ids else []
-    infos.sort(key=lambda i: (i.fingerprint != current, -i.id))
+    infos.sort(key=lambda i: serving_order(i.id, i.fingerprint))
     return infos

@@ -287,6 +287,13 @@ def _collective_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {cause.group(0).strip()}" if cause else _one_line(exc)
 
 
+#: ``WarmStartReport.status``, a fixed set: "starting" (the start has not ended), "warm"
+#: (every rank loaded its slice and tuned nothing), "partial" (loaded, and some rank tuned
+#: more), "cold" (nothing to load; tuned), "uncached" (the registry was not used; the
+#: start tuned from an empty cache and ``reason`` says why).
+STATUSES = ("starting", "warm", "partial", "cold", "uncached")
+
+
 @dataclass
 class WarmStartReport:
     """What one warm start did, as seen by one rank (``as_json`` for machines)."""
@@ -296,7 +303,7 @@ class WarmStartReport:
     layout: str = "world1"
     fingerprint: str | None = None  # digest of this rank's fingerprint
     registry: str | None = None  # where rank 0 read (and wrote) entries
-    status: str = "starting"  # "warm", "partial", "cold" or "uncached: <reason>"
+    status: str = "starting"  # one of STATUSES; why, when anything went wrong: ``reason``
     reason: str | None = None  # why nothing was loaded, or nothing committed
     loaded: int = 0  # entries this rank loaded
     tuned: int = 0  # new entries this rank produced
@@ -1917,7 +1924,7 @@ class WarmStart:
             or report.protocol_tuned > 0
         )
         if verdict.uncached is not None:
-            report.status = f"uncached: {verdict.uncached}"
+            report.status = "uncached"
             report.reason = verdict.uncached
             return
         if not (any(report.loaded_by_rank) or report.records_loaded or report.protocol_loaded):
@@ -1950,7 +1957,7 @@ class WarmStart:
             report.rank,
             report.world_size,
             report.layout,
-            report.status.split(":")[0],
+            report.status,
             report.loaded,
             report.tuned,
             report.committed,

@@ -776,6 +776,9 @@ class StoreExport:
     files: tuple[tuple[str, str], ...]  # (entry file name, text), sorted by name
     not_preloadable: int  # entries without key_fields (served by lookup only)
     protocol_records: int = 0  # of ``files``, protocol records
+    #: Namespaced records (``_records``) of the slice that a v2 store has no place for:
+    #: left out (``ficache.exporting.plan_v2_export`` counts them, the CLI warns).
+    records_left_out: int = 0
 
     @property
     def measurement(self) -> dict[str, str]:

@@ -72,7 +72,9 @@ Rows (SQL joins for orphans, the rest in Python over the bulk reads)
 - ``bad_commit``: a commit's kind is one of ``registry.COMMIT_KINDS``; its
   provenance is NULL or a JSON object; it reverts a commit exactly when its
   kind is ``revert``, and then an earlier one (a revert refers to an
-  existing commit by id, and ids grow in commit order).
+  existing commit by id, and ids grow in commit order), except a ``revert
+  --to`` commit, whose provenance names the earlier commit it returns to
+  (``revert_to``) and which reverts no one commit.
 - ``empty_commit``: every commit has changes (a write that changes nothing
   makes no commit; a prune or revert of nothing makes none either).
 - ``commit_counts``: a commit's ``added``/``replaced``/``removed`` equal the
@@ -179,7 +181,7 @@ from sqlalchemy.pool import NullPool
 from ficache import protocol_records as proto
 from ficache import records as rec
 from ficache import schema
-from ficache.errors import FingerprintError, RecordError, RegistryError
+from ficache.errors import FingerprintError, RecordError, RegistryError, SchemaTooNewError
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
 from ficache.flashinfer_format import canonical_json, check_namespace, parse_key, selection_json
 from ficache.kinds import ACTIONS, ENTRY_KIND, PROTOCOL_KIND, RECORD_KIND, Kind
@@ -654,7 +656,11 @@ class _Verifier:
         )
 
     def run(self) -> VerifyReport:
-        revision = schema.check_revision(self.conn, self.location)  # foreign, too new: raise
+        try:
+            revision = schema.check_revision(self.conn, self.location)  # foreign: raise
+            newer = False
+        except SchemaTooNewError:  # reported, with what storage checks can still say
+            revision, newer = schema.current_revision(self.conn), True
         if revision is None and not inspect(self.conn).get_table_names():
             raise RegistryError(
                 f"no registry in {self.location.display}; import a cache file first "
@@ -668,6 +674,14 @@ class _Verifier:
             self.notes.append("data checks skipped: the database is damaged")
             return self.report(revision)
         head = schema.head_revision()
+        if newer:
+            self.problem(
+                "schema_revision",
+                f"schema is at {revision}, newer than this ficache knows (head {head}); "
+                "upgrade ficache (pip install -U ficache) to check its data",
+            )
+            self.notes.append("data checks skipped: the schema is newer than this ficache")
+            return self.report(revision)
         if revision != head:
             self.problem(
                 "schema_revision",
@@ -688,6 +702,8 @@ class _Verifier:
         for (line,) in self.conn.exec_driver_sql("PRAGMA integrity_check"):
             if line != "ok":
                 self.problem("integrity", f"integrity_check: {line}")
+        if self.problems:  # reading foreign keys through damaged pages raises
+            return
         for table, rowid, parent, _fkid in self.conn.exec_driver_sql("PRAGMA foreign_key_check"):
             if (table, parent) not in _ORPHAN_CHECKED:
                 self.problem(
@@ -1025,16 +1041,26 @@ class _Verifier:
             where = ("commits", cid)
             if kind not in COMMIT_KINDS:
                 self.problem("bad_commit", f"commit {cid}: unknown kind {_short(kind)}", *where)
+            reverts_to = None
             if provenance is not None:
                 try:
-                    is_object = isinstance(json.loads(provenance), dict)
+                    loaded = json.loads(provenance)
                 except (ValueError, RecursionError):
-                    is_object = False
-                if not is_object:
+                    loaded = None
+                if not isinstance(loaded, dict):
                     self.problem(
                         "bad_commit", f"commit {cid}: provenance is not a JSON object", *where
                     )
-            if kind == "revert" and target is None:
+                else:
+                    reverts_to = loaded.get("revert_to")
+            if kind == "revert" and target is None and isinstance(reverts_to, int):
+                if not 0 < reverts_to < cid:
+                    self.problem(
+                        "bad_commit",
+                        f"commit {cid} reverts to commit {reverts_to}, not an earlier one",
+                        *where,
+                    )
+            elif kind == "revert" and target is None:
                 self.problem("bad_commit", f"commit {cid}: a revert without its target", *where)
             elif kind != "revert" and target is not None:
                 self.problem(

@@ -90,6 +90,7 @@ def test_the_command_set() -> None:
             "export",
             "fingerprint",
             "fingerprints",
+            "fold",
             "import",
             "list",
             "log",
@@ -1084,10 +1085,8 @@ def test_revert_dry_run_and_run_agree_along_a_chain_of_reverts(
         "bring it back)",
     )
     done("2", "reverted commit 2 as commit 3: 0 removed, 0 restored, 2 re-added")
-    refused(
-        "1",
-        "2 of 2 entries of commit 1 changed in later commits; revert those first (ficache log)",
-    )
+    # 1 is back in effect, holding what it wrote: it could be reverted again (issue 35)
+    assert cli("revert", "1", "--dry-run").stdout.splitlines()[-1] == "dry run: nothing changed"
     refused(
         "2",
         "commit 2 is already reverted by commit 3; nothing to revert (revert commit 3 to "
@@ -1932,3 +1931,227 @@ def test_env_names_a_registry_it_cannot_read_and_still_exits_0(cli, tmp_path: Pa
     assert report["registry_revision"] is None
     assert "is not a SQLite database" in report["registry_problem"]
     assert notes.read_text() == "not a database\n"
+
+
+# -- a fleet's operator, second trial (issue 35) -------------------------------------------
+
+
+def test_import_reads_a_pipe_once(tmp_path: Path, cache_file) -> None:
+    """Bug 5: a pipe (`<(cat f)`, `cat f | ... /dev/stdin`) and `-` were read twice
+    (recognising, then reading), so the second read saw a truncated file."""
+    f = cache_file("h200.json", {K16: ["Runner", 1], K32: ["Runner", 2]}, metadata=META)
+    db = tmp_path / "reg.db"
+    env = {k: v for k, v in os.environ.items() if k != "FICACHE_DB"}
+    run = [sys.executable, "-m", "ficache", "--db", str(db)]
+    substituted = subprocess.run(
+        ["bash", "-c", f'exec "$@" import <(cat {f})', "bash", *run],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    piped = subprocess.run(
+        [*run, "import", "/dev/stdin", "--format", "json"],
+        input=cache_file("changed.json", {K32: ["Runner", 5]}, metadata=META).read_text(),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert (substituted.returncode, substituted.stdout) == (
+        0,
+        "imported 2 entries from 1 file(s): 2 added, 0 replaced, 0 unchanged (commit 1)\n",
+    ), substituted.stderr
+    assert piped.returncode == 0, piped.stderr
+    assert json.loads(piped.stdout)["replaced"] == 1
+    with Registry.open(str(db)) as reg:
+        messages = sorted(c.message for c in reg.log())
+    assert messages[1] == "/dev/stdin"
+    assert messages[0].startswith("/dev/fd/")  # the name given, not the spooled copy
+
+
+def test_import_dash_is_standard_input(cli, cache_file, registry_path: Path) -> None:
+    f = cache_file("h200.json", {K16: ["Runner", 1]}, metadata=META)
+
+    result = cli("import", "-", input=f.read_text())
+    bad = cli("import", "-", input='{"_metadata": {')
+
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.startswith("imported 1 entries from 1 file(s): 1 added")
+    assert bad.exit_code == 1
+    assert bad.stderr.startswith("error: <stdin>: ")
+    with Registry.open(str(registry_path)) as reg:
+        assert [c.message for c in reg.log()] == ["<stdin>"]
+
+
+def test_export_v2_store_says_it_leaves_namespaced_records_out(
+    cli, cache_file, tmp_path: Path
+) -> None:
+    """Bug 8: a v2 store has no place for ``_records``; the export dropped them silently."""
+    path = cache_file(
+        "r.json",
+        {"_records": {"trtllm_moe_da": {"a": 1, "b": [2]}}, K16: ["Runner", 1]},
+        metadata=META,
+    )
+    cli("import", path)
+
+    store = cli("export", "--v2-store", tmp_path / "v2", "--fingerprint", "1")
+
+    assert store.exit_code == 0
+    assert store.stdout.startswith("exported 1 entries to ")
+    assert store.stderr == (
+        "warning: 2 namespaced records (_records) not exported: a v2 store has no place for "
+        "them; export a file (-o FILE) or a bundle (--bundle) to carry them\n"
+    )
+
+
+#: The environment a warm start on an H200 records: FlashInfer's fields, compute capability
+#: and torch version (a FlashInfer file, and an export of it, hold only the first).
+STARTED = Fingerprint.from_dict({**META, "compute_capability": "9.0", "torch_version": "2.13.0"})
+AS_A_FILE = Fingerprint.from_flashinfer_metadata(META)  # cc and torch the wildcard
+
+
+def _write(db: str | Path, fp: Fingerprint, values: dict[str, int]) -> None:
+    from ficache.values import NewEntry
+
+    with Registry.open(str(db)) as reg:
+        reg.write([NewEntry(fp, k, "Runner", str(v)) for k, v in values.items()], kind="startup")
+
+
+def _served(db: str | Path, env: Fingerprint) -> dict[str, str]:
+    with Registry.open(str(db)) as reg:
+        ids = [i.id for i in reg.serving(env)]
+        return {k: row[2] for k, row in reg.slice_rows(ids, ["shared"]).items()}
+
+
+def test_reimporting_an_export_lands_in_the_fingerprint_it_came_from(
+    cli, registry_path: Path, tmp_path: Path
+) -> None:
+    """Bug 2: `export --fingerprint 1 -o rt.json; import rt.json` made a second fingerprint
+    (cc `*`, torch `*`) that never served; importing a changed copy "replaced" its values
+    while starts kept serving fingerprint 1's."""
+    _write(registry_path, STARTED, {K16: 1, K32: 2})
+    rt = tmp_path / "rt.json"
+    assert cli("export", "--fingerprint", "1", "-o", rt).exit_code == 0
+
+    again = cli("import", rt)
+    changed = json.loads(rt.read_text())
+    changed[K16][1] = 7
+    rt.write_text(json.dumps(changed))
+    dry = cli("import", rt, "--dry-run")
+    result = cli("import", rt)
+
+    assert again.stdout.startswith(
+        "imported 2 entries from 1 file(s): 0 added, 0 replaced, 2 unchanged"
+    )
+    assert dry.stdout.startswith(
+        "would import 2 entries from 1 file(s): 0 added, 1 replaced, 1 unchanged"
+    )
+    assert result.stdout.startswith(
+        "imported 2 entries from 1 file(s): 0 added, 1 replaced, 1 unchanged"
+    )
+    with Registry.open(str(registry_path)) as reg:
+        assert [i.id for i in reg.fingerprints()] == [1]
+    assert _served(registry_path, STARTED) == {K16: "7", K32: "2"}
+
+
+def test_the_fingerprint_with_more_exact_fields_serves_then_the_newest(registry_path: Path) -> None:
+    """Which of several matching fingerprints serves: fewest wildcards, then the newest."""
+    env = Fingerprint.from_dict({**META, "compute_capability": "9.0", "torch_version": "2.14.0"})
+    cc_only = Fingerprint.from_dict({**META, "compute_capability": "9.0"})  # torch `*`
+    _write(registry_path, cc_only, {K16: 1})  # fingerprint 1
+    _write(registry_path, AS_A_FILE, {K16: 2, K32: 2})  # 2: newer, but two wildcards
+    _write(
+        registry_path,
+        AS_A_FILE.__class__(**{**AS_A_FILE.as_dict(), "torch_version": "2.14.0"}),
+        {K64: 3},
+    )  # 3
+
+    with Registry.open(str(registry_path)) as reg:
+        order = [i.id for i in reg.serving(env)]
+
+    assert order == [3, 1, 2]  # one wildcard each (3 newer than 1), then two
+    assert _served(registry_path, env) == {K16: "1", K32: "2", K64: "3"}
+
+
+def test_fold_moves_one_fingerprint_into_another_as_one_revertible_commit(
+    cli, registry_path: Path, dump_db
+) -> None:
+    _write(registry_path, STARTED, {K16: 1, K32: 2})  # fingerprint 1, commit 1
+    _write(registry_path, AS_A_FILE, {K16: 7, K64: 3})  # fingerprint 2, commit 2
+    before = dump_db(registry_path)
+
+    dry = cli("fold", "2", "--into", "1", "--dry-run")
+    as_json = cli("fold", "2", "--into", "1", "--dry-run", "--format", "json")
+    assert dump_db(registry_path) == before
+    run = cli("fold", "2", "--into", "1", "--yes")
+
+    assert dry.stdout.splitlines() == [
+        "fold plan: fingerprint 2 into 1: entries: move 1, replace 1, keep 0, same 0",
+        "dry run: nothing changed",
+    ]
+    assert json.loads(as_json.stdout) | {"target": None} == {
+        "target": None,
+        "source": 2,
+        "into": 1,
+        "keep_target": False,
+        "entries": {"moved": 1, "replaced": 1, "kept": 0, "same": 0},
+        "records": {"moved": 0, "replaced": 0, "kept": 0, "same": 0},
+        "protocol_records": {"moved": 0, "replaced": 0, "kept": 0, "same": 0},
+        "dry_run": True,
+        "commit": None,
+    }
+    assert run.stdout.splitlines()[-1] == "folded fingerprint 2 into 1 as commit 3"
+    assert _served(registry_path, STARTED) == {K16: "7", K32: "2", K64: "3"}
+    with Registry.open(str(registry_path)) as reg:
+        assert {i.id: i.entries for i in reg.fingerprints()} == {1: 3, 2: 0}
+    assert cli("revert", "3", "--yes").exit_code == 0
+    assert _served(registry_path, STARTED) == {K16: "1", K32: "2", K64: "3"}
+    with Registry.open(str(registry_path)) as reg:
+        assert {i.id: i.entries for i in reg.fingerprints()} == {1: 2, 2: 2}
+
+
+def test_fold_keeps_the_target_when_asked_and_refuses_two_environments(
+    cli, registry_path: Path, dump_db
+) -> None:
+    _write(registry_path, STARTED, {K16: 1})
+    _write(registry_path, AS_A_FILE, {K16: 7})
+    _write(registry_path, Fingerprint.from_flashinfer_metadata(B200), {K16: 9})
+    kept = cli("fold", "2", "--into", "1", "--keep-target", "--yes")
+    before = dump_db(registry_path)
+
+    other = cli("fold", "3", "--into", "1", "--yes")
+    itself = cli("fold", "1", "--into", "1", "--yes")
+
+    assert kept.stdout.splitlines()[0] == (
+        "fold plan: fingerprint 2 into 1: entries: move 0, replace 0, keep 1, same 0"
+    )
+    assert _served(registry_path, STARTED) == {K16: "1"}
+    one_error_line(
+        other,
+        "fingerprints 3 and 1 differ in gpu ('NVIDIA B200' vs 'NVIDIA H200'), so no environment "
+        "is described by both; fold only fingerprints of one environment",
+    )
+    one_error_line(itself, "fingerprint 1 cannot fold into itself; name another")
+    assert dump_db(registry_path) == before
+
+
+def test_fingerprints_here_marks_the_one_that_serves(cli, registry_path: Path) -> None:
+    from conftest import current_metadata
+
+    from ficache.fingerprint import collect
+
+    here = collect()
+    _write(registry_path, here, {K16: 1})  # 1: exact
+    _write(registry_path, Fingerprint.from_flashinfer_metadata(current_metadata()), {K32: 2})
+    _write(registry_path, Fingerprint.from_flashinfer_metadata(B200), {K16: 9})
+
+    shown = json.loads(cli("fingerprints", "--here", "--format", "json").stdout)
+    table = cli("fingerprints", "--here").stdout.splitlines()
+    plain = json.loads(cli("fingerprints", "--format", "json").stdout)
+
+    assert [(f["id"], f.get("here")) for f in shown] == [(1, "serves"), (2, "fills in"), (3, None)]
+    assert table[0].split()[-1] == "here"
+    assert [line.split()[-1] for line in table[1:3]] == ["serves", "in"]
+    assert all("here" not in f for f in plain)

@@ -824,6 +824,7 @@ WRITE_COMMANDS = {
     ("merge",),
     ("prune",),
     ("revert",),
+    ("fold",),
     ("db", "upgrade"),
     ("db", "downgrade"),
 }
@@ -1197,6 +1198,7 @@ def test_the_cli_fuzzer_reaches_every_command() -> None:
         "revert",
         "verify",
         "fingerprints",
+        "fold",
         "db",
     }
     assert all(c.params is not None for c in COMMANDS.values())

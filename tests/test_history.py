@@ -373,3 +373,115 @@ def test_revert_conflict_names_the_commit_that_removed_an_entry(
         )
     )
     assert dump_db(registry_db) == before
+
+
+# -- history can always be undone (issue 35) ------------------------------------------------
+
+
+def _state(cli) -> tuple[list, list]:
+    entries = json.loads(cli("list", "--format", "json").stdout)
+    records = json.loads(cli("list", "--records", "--format", "json").stdout)
+    return (
+        [(r["key"], r["tactic"]) for r in entries],
+        [(r["namespace"], r["key"], r["value"]) for r in records],
+    )
+
+
+@pytest.mark.usefixtures("backend")
+def test_revert_of_a_commit_whose_later_changer_was_reverted(
+    cli, cache_file, registry_db: str
+) -> None:
+    """Bug 4: import A (1); import B (2); revert 2 (3); revert 1 was refused ("changed in
+    later commits") and no order of reverts got past it. Entries and records alike."""
+    a = cache_file("a.json", {K16: ["Runner", 1], "_records": {"ns": {"r": 1}}}, META)
+    b = cache_file("b.json", {K16: ["Runner", 2], "_records": {"ns": {"r": 2}}}, META)
+    assert cli("import", a).exit_code == 0
+    assert cli("import", b).exit_code == 0
+    assert cli("revert", "2", "--yes").exit_code == 0
+
+    result = cli("revert", "1", "--yes")
+
+    assert (result.exit_code, result.stderr) == (0, "")
+    assert result.stdout.splitlines()[-1] == (
+        "reverted commit 1 as commit 4: 1 removed, 0 restored, 0 re-added; "
+        "records 1 removed, 0 restored, 0 re-added"
+    )
+    assert _state(cli) == ([], [])
+    # and back again: each revert can be reverted in turn
+    assert cli("revert", "4", "--yes").exit_code == 0
+    assert _state(cli) == ([(K16, 1)], [("ns", "r", 1)])
+
+
+@pytest.mark.usefixtures("backend")
+def test_revert_to_returns_the_registry_to_its_state_after_a_commit(
+    cli, cache_file, registry_db: str, dump_db
+) -> None:
+    a = cache_file("a.json", {K16: ["Runner", 1], K32: ["Runner", 2]}, META)
+    b = cache_file("b.json", {K16: ["Runner", 3], K64: ["Runner", 4]}, META)
+    c = cache_file("c.json", {"_records": {"ns": {"r": 5}}, K32: ["Runner", 6]}, META)
+    for path in (a, b, c):
+        assert cli("import", path).exit_code == 0
+    assert (
+        cli(
+            "merge", cache_file("d.json", {K32: ["Runner", 9]}, META), "--on-conflict", "drop"
+        ).exit_code
+        == 0
+    )
+    after_1 = ([(K16, 1), (K32, 2)], [])
+    after_4 = _state(cli)
+    before = dump_db(registry_db)
+
+    dry = cli("revert", "--to", "1", "--dry-run", "--format", "json")
+    text = cli("revert", "--to", "1", "--dry-run")
+    assert dump_db(registry_db) == before
+    run = cli("revert", "--to", "1", "--yes")
+
+    assert json.loads(dry.stdout) | {"to": None, "target": None} == {
+        "target": None,
+        "to": None,
+        "undoes": [2, 3, 4],
+        "entries": {"remove": 1, "restore": 1, "re_add": 1},
+        "records": {"remove": 1, "restore": 0, "re_add": 0},
+        "protocol_records": {"remove": 0, "restore": 0, "re_add": 0},
+        "dry_run": True,
+        "commit": None,
+    }
+    assert text.stdout.splitlines()[0].endswith(
+        "undoing 3 later commit(s): entries: remove 1, restore 1, re-add 1; "
+        "records: remove 1, restore 0, re-add 0"
+    )
+    assert text.stdout.splitlines()[-1] == "dry run: nothing changed"
+    assert run.stdout.splitlines()[-1] == (
+        "reverted to commit 1 as commit 5: 1 removed, 1 restored, 1 re-added; "
+        "records 1 removed, 0 restored, 0 re-added"
+    )
+    assert _state(cli) == after_1
+    assert commit(registry_db, 5).message == "revert to commit 1 (undoes commits 2-4)"
+    again = cli("revert", "--to", "1", "--yes")
+    assert again.stdout.splitlines()[-1] == (
+        "nothing to revert: the registry holds its state after commit 1"
+    )
+    # one revertible commit: reverting it is where the registry was
+    assert cli("revert", "5", "--yes").exit_code == 0
+    assert _state(cli) == after_4
+
+
+def test_revert_needs_a_commit_or_to(cli, imported: Path) -> None:
+    both = cli("revert", "1", "--to", "1")
+    neither = cli("revert")
+
+    assert both.exit_code == neither.exit_code == 2
+    assert both.stderr.splitlines()[-1] == "Error: give one COMMIT_ID to revert, or --to N"
+
+
+def test_a_revert_to_commit_verifies_clean(cli, cache_file, registry_db: str) -> None:
+    from ficache.verify import verify
+
+    assert cli("import", cache_file("a.json", {K16: ["Runner", 1]}, META)).exit_code == 0
+    assert cli("import", cache_file("b.json", {K16: ["Runner", 2]}, META)).exit_code == 0
+    assert cli("revert", "--to", "1", "--yes").exit_code == 0
+
+    report = verify(registry_db)
+
+    assert report.ok, report.problems
+    assert commit(registry_db, 3).provenance == {"revert_to": 1}

@@ -439,7 +439,7 @@ def test_a_warm_start_whose_registry_cannot_be_reached_tunes_uncached(autotuner:
 
     report = ws.report
     assert (report.loaded, report.tuned, report.committed, tuned.profiled) == (0, 18, 0, 18)
-    assert report.status == f"uncached: {report.reason}"
+    assert (report.status, bool(report.reason)) == ("uncached", True)
     assert report.reason.startswith(f"cannot reach registry {display(url)} (")
     assert "the connection was refused" in report.reason
     assert "\n" not in report.reason
@@ -733,7 +733,7 @@ def test_gloo_a_server_frozen_in_the_export_costs_the_limit_and_every_rank_tunes
     for start in starts:  # tuned from the same empty cache
         reason = start["report"]["reason"]
         cut_within(reason, what, gloo_scenarios.FROZEN_LIMIT)
-        assert start["report"]["status"] == f"uncached: {reason}"
+        assert (start["report"]["status"], start["report"]["reason"]) == ("uncached", reason)
     assert frozen_ranks["after"]["frozen_export"] == {"commits": 0, "scopes": {}}
 
 
@@ -832,7 +832,7 @@ def test_a_start_refused_past_the_registry_timeout_tunes_uncached_and_names_the_
 
     report = ws.report
     assert (report.loaded, tuned.profiled, report.committed) == (0, 18, 0)
-    assert report.status == f"uncached: {report.reason}"
+    assert (report.status, bool(report.reason)) == ("uncached", True)
     assert report.reason.startswith(f"cannot reach registry {display(url)} (")
     assert "too many connections" in report.reason
     assert "raise max_connections on the server or put a pooler such as PgBouncer" in (

@@ -192,14 +192,15 @@ def test_reverting_an_import_restores_the_protocol_records(
     )
     assert [r[:5] for r in protocol_rows(registry_db)] == [r[:5] for r in before]
     assert verify(registry_db).ok
-    # the first import's t1 was changed since (by commits 2 and 3): refused, nothing changed
-    refused = cli("revert", "1", "--yes")
-    assert (refused.exit_code, refused.stderr) == (
-        1,
-        "error: 1 of 2 protocol records of commit 1 changed in later commits; revert those "
-        "first (ficache log)\n",
+    # the first import's t1 was changed by commit 2 and changed back by its revert (3):
+    # no conflict, reverting the first import goes through (issue 35, bug 4)
+    first = cli("revert", "1", "--yes")
+    assert (first.exit_code, first.stderr) == (0, "")
+    assert first.stdout.endswith(
+        "reverted commit 1 as commit 4: 0 removed, 0 restored, 0 re-added; protocol records "
+        "2 removed, 0 restored, 0 re-added\n"
     )
-    assert [r[:5] for r in protocol_rows(registry_db)] == [r[:5] for r in before]
+    assert protocol_rows(registry_db) == []
 
 
 def test_prune_removes_them_with_their_fingerprint_and_revert_restores(

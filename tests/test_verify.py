@@ -35,6 +35,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.pool import NullPool
 
 from ficache import schema
+from ficache.errors import RegistryDamagedError
 from ficache.fingerprint import Fingerprint
 from ficache.merge import open_source, plan_merge
 from ficache.protocol_records import NewProtocolRecord
@@ -1044,10 +1045,11 @@ def test_a_foreign_or_newer_database_is_one_error_line(cli, registry_path: Path)
 
     result = cli("verify")
 
-    assert (result.exit_code, result.stdout) == (1, "")
-    assert result.stderr == (
-        f"error: registry {registry_path} has schema revision '9999_future', newer than this "
-        f"ficache knows (head {HEAD!r}); upgrade ficache (pip install -U ficache)\n"
+    # a newer schema is reported, not refused (issue 35)
+    assert (result.exit_code, result.stderr) == (1, "")
+    assert result.stdout.splitlines()[-1] == (
+        f"  schema is at 9999_future, newer than this ficache knows (head {HEAD}); "
+        "upgrade ficache (pip install -U ficache) to check its data"
     )
     assert files_of(registry_path) == before
 
@@ -1326,3 +1328,100 @@ def test_every_kind_is_found_by_a_damage_case_on_each_backend() -> None:
         (kind, backend) for kind in KINDS for backend in both if (kind, backend) not in found
     ] == []
     assert [test for test in OTHER_DAMAGE_CASES.values() if not callable(globals().get(test))] == []
+
+
+# -- a damaged registry is never written; verify always reports (issue 35) -----------------
+
+
+def test_a_damaged_registry_is_never_written(cli, registry_path: Path, cache_file) -> None:
+    """Bug 3: on a file SQLite reports malformed, `import` committed."""
+    from damage import damage_history
+
+    build(str(registry_path))
+    damage_history(registry_path)
+    before = files_of(registry_path)
+    f = cache_file("f.json", {key(99): ["CutlassRunner", 1]}, metadata={**FIELDS, "gpu": "X"})
+
+    result = cli("import", f)
+    with pytest.raises(RegistryDamagedError) as raised, Registry.open(str(registry_path)) as reg:
+        reg.write([new(H200, 99, "1")], kind="import")
+
+    assert (result.exit_code, result.stdout) == (1, "")
+    assert result.stderr.startswith(f"error: registry {registry_path} is damaged (SQLite: ")
+    assert result.stderr.endswith(
+        "); nothing written; run `ficache verify`, then restore the file from a copy or pass "
+        "another --db\n"
+    )
+    assert len(result.stderr.splitlines()) == 1
+    assert str(raised.value) == result.stderr.removeprefix("error: ").rstrip("\n")
+    assert files_of(registry_path) == before
+
+
+def test_verify_json_is_json_on_a_damaged_file_and_on_an_error(
+    cli, registry_path: Path, tmp_path: Path
+) -> None:
+    """Bug 3: `verify --format json` printed no JSON on a damaged file."""
+    from damage import damage_history
+
+    build(str(registry_path))
+    whole = registry_path.read_bytes()
+    damaged = tmp_path / "damaged.db"
+    damaged.write_bytes(whole)
+    damage_history(damaged)
+    truncated = tmp_path / "truncated.db"
+    truncated.write_bytes(whole[: len(whole) // 2])
+
+    on_damaged = cli("verify", "--format", "json", db=damaged)
+    on_truncated = cli("verify", "--format", "json", db=truncated)
+    on_missing = cli("verify", "--format", "json", db=tmp_path / "none.db")
+
+    report = json.loads(on_damaged.stdout)
+    assert (on_damaged.exit_code, report["ok"], list(report["counts"])) == (1, False, ["integrity"])
+    assert report["notes"] == ["data checks skipped: the database is damaged"]
+    assert json.loads(on_truncated.stdout) == {
+        "registry": str(truncated),
+        "ok": False,
+        "error": f"registry {truncated} is corrupt (database disk image is malformed); "
+        "restore it or pass another --db",
+    }
+    assert json.loads(on_missing.stdout)["ok"] is False
+    assert json.loads(on_missing.stdout)["error"].startswith("no registry at ")
+    assert on_truncated.exit_code == on_missing.exit_code == 1
+    assert on_truncated.stderr == on_missing.stderr == ""
+
+
+def test_db_current_and_verify_report_a_newer_schema(
+    cli, registry_path: Path, tmp_path: Path
+) -> None:
+    """Bug 3: on a schema a newer ficache made, `db current` and `verify` failed."""
+    from future_schema import REVISION, upgrade_to_future, write_future_migrations
+
+    build(str(registry_path))
+    upgrade_to_future(registry_path, write_future_migrations(tmp_path))
+    before = files_of(registry_path)
+
+    current = cli("db", "current")
+    text = cli("verify")
+    as_json = cli("verify", "--format", "json")
+
+    assert (current.exit_code, current.stderr) == (0, "")
+    assert current.stdout == (
+        f"{REVISION} (head {HEAD}: newer than this ficache; upgrade ficache "
+        "(pip install -U ficache))\n"
+    )
+    assert (text.exit_code, text.stderr) == (1, "")
+    assert text.stdout.splitlines() == [
+        f"registry {registry_path} (sqlite, schema {REVISION}), checked read-only",
+        "note: data checks skipped: the schema is newer than this ficache",
+        "1 problem:",
+        "schema_revision: 1",
+        f"  schema is at {REVISION}, newer than this ficache knows (head {HEAD}); upgrade "
+        "ficache (pip install -U ficache) to check its data",
+    ]
+    report = json.loads(as_json.stdout)
+    assert (report["revision"], report["counts"], report["checked"]) == (
+        REVISION,
+        {"schema_revision": 1},
+        None,
+    )
+    assert files_of(registry_path) == before

@@ -112,11 +112,18 @@ def test_an_exception_in_the_block_propagates_and_commits_nothing(
         assert reg.log() == []
 
 
-@pytest.mark.parametrize("fault", ["corrupt", "newer-schema", "not-a-dir"])
+@pytest.mark.parametrize("fault", ["corrupt", "damaged", "newer-schema", "not-a-dir"])
 def test_registry_faults_become_tune_uncached(tmp_path: Path, autotuner: Any, fault: str) -> None:
+    """``damaged`` (issue 35, bug 3): a file SQLite reports malformed in pages the start
+    does not read was served from, and could be written."""
     db = tmp_path / "registry.db"
     if fault == "corrupt":
         db.write_bytes(b"\x00garbage" * 64)
+    elif fault == "damaged":
+        from damage import damage_history
+
+        start(db)
+        damage_history(db)
     elif fault == "newer-schema":
         start(db)
         import sqlite3
@@ -130,7 +137,10 @@ def test_registry_faults_become_tune_uncached(tmp_path: Path, autotuner: Any, fa
         db = tmp_path / "file" / "registry.db"
     before = db.read_bytes() if db.is_file() else None
     report, tuned = start(db)
-    assert report.status.startswith("uncached: ") and report.reason
+    assert report.status == "uncached" and report.reason
+    if fault == "damaged":
+        assert "is damaged (SQLite: " in report.reason
+        assert "run `ficache verify`" in report.reason
     assert (report.loaded, report.tuned, report.committed) == (0, 18, 0)
     assert tuned.profiled == 18  # the block ran and tuned
     if before is not None:
@@ -158,7 +168,7 @@ def test_an_older_schema_is_upgraded_in_a_sqlite_file_but_a_shared_one_tunes_unc
         with Registry.open(db) as reg:
             assert reg.stats().revision == schema.head_revision()
     else:  # a server other ficache versions share: never upgraded by a start
-        assert report.status.startswith("uncached: ")
+        assert report.status == "uncached"
         assert (report.loaded, report.tuned, report.committed, tuned.profiled) == (0, 18, 0, 18)
         assert report.reason is not None
         assert report.reason.endswith(
@@ -179,7 +189,8 @@ def test_load_failure_tunes_from_empty(registry_db: str, autotuner: Any) -> None
     start(db)
     autotuner.clear_cache()  # else the tuner holds the slice already and keeps it (no load)
     report, tuned = start(db, tuner=FailingLoadTuner())
-    assert report.status.startswith("uncached: rank 0 could not load its slice")
+    assert report.status == "uncached"
+    assert report.reason.startswith("rank 0 could not load its slice")
     assert (report.loaded, report.tuned, report.committed, tuned.profiled) == (0, 18, 0, 18)
 
 
