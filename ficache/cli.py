@@ -34,7 +34,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
-from ficache import __version__
+from ficache import __version__, values
 from ficache.errors import FicacheError
 
 T = TypeVar("T")
@@ -1688,15 +1688,60 @@ def stats_cmd(obj: _Context, fmt: str) -> None:
     show_default=True,
     help="Show at most this many commits, newest first.",
 )
+@click.option(
+    "--since",
+    type=AgeType(),
+    default=None,
+    help="Only commits made within this age (30d, 12h, 90min, 2w).",
+)
+@click.option(
+    "--kind",
+    "kinds",
+    multiple=True,
+    type=click.Choice(values.COMMIT_KINDS),
+    help="Only commits of this kind (repeatable).",
+)
+@click.option("--host", "hosts", multiple=True, help="Only commits made on this host (repeatable).")
+@click.option(
+    "--before",
+    type=POSITIVE_ID,
+    default=None,
+    help="Only commits older than this id: the next page (the text output names it).",
+)
 @FORMAT
 @pass_ctx
-def log_cmd(obj: _Context, limit: int, fmt: str) -> None:
-    """Show the newest commits with their provenance."""
+def log_cmd(
+    obj: _Context,
+    limit: int,
+    since: float | None,
+    kinds: tuple[str, ...],
+    hosts: tuple[str, ...],
+    before: int | None,
+    fmt: str,
+) -> None:
+    """Show the newest commits with their provenance, filtered and paged."""
+    from ficache.commit_log import LogFilter
+
+    where = LogFilter(
+        since=None if since is None else time.time() - since,
+        kinds=kinds,
+        hosts=hosts,
+        before=before,
+    )
     with obj.registry(create=False, write=False) as reg:
-        commits = reg.log(limit)
+        # One more than shown: whether a next page exists.
+        commits = reg.log(limit + 1, where=where)
+    more, commits = len(commits) > limit, commits[:limit]
     if fmt == "json":
         _dump_json([c.as_json() for c in commits])
         return
+    _echo_log_table(commits)
+    if more:
+        click.echo(f"(more: ficache log --before {commits[-1].id} with the same filters)")
+
+
+def _echo_log_table(commits: Sequence[Any]) -> None:
+    """``log``'s table; a records or protocol column only where a shown commit changed some."""
     # A records column (added/replaced/removed) only where a shown commit changed records.
     with_records = any(c.records_added or c.records_replaced or c.records_removed for c in commits)
     with_protocol = any(

@@ -20,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from sqlalchemy import Connection, func, select
 
@@ -32,11 +33,37 @@ from ficache.values import CommitInfo, WriteResult
 TOKEN_FIELD = "start_token"
 
 
-def log(conn: Connection, limit: int | None, commit_id: int | None) -> list[CommitInfo]:
-    """The newest commits first (at most ``limit``; only ``commit_id`` when given)."""
+@dataclass(frozen=True)
+class LogFilter:
+    """Which commits ``log`` shows: every condition given must hold.
+
+    ``since``: made at or after this time (epoch seconds); ``kinds`` / ``hosts``:
+    one of these (empty: any); ``before``: ids below this one, the next page
+    after a page whose oldest commit was ``before``.
+    """
+
+    since: float | None = None
+    kinds: tuple[str, ...] = ()
+    hosts: tuple[str, ...] = ()
+    before: int | None = None
+
+
+def log(
+    conn: Connection, limit: int | None, commit_id: int | None, where: LogFilter = LogFilter()
+) -> list[CommitInfo]:
+    """The newest commits first (at most ``limit``; only ``commit_id`` when given), those
+    ``where`` lets through."""
     query = select(C).order_by(C.c.id.desc())
     if commit_id is not None:
         query = query.where(C.c.id == commit_id)
+    if where.since is not None:
+        query = query.where(C.c.created_at >= where.since)
+    if where.kinds:
+        query = query.where(C.c.kind.in_(where.kinds))
+    if where.hosts:
+        query = query.where(C.c.host.in_(where.hosts))
+    if where.before is not None:
+        query = query.where(C.c.id < where.before)
     if limit is not None:
         query = query.limit(limit)
     return [

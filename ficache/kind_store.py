@@ -57,6 +57,7 @@ from ficache.models import FINGERPRINTS as F
 from ficache.models import policy_text
 from ficache.policies import policy_ids
 from ficache.scopes import SHARED_SCOPE, validate_scope
+from ficache.values import COMMIT_KINDS as _COMMIT_KINDS
 
 __all__ = [
     "COMMIT_KINDS",
@@ -78,7 +79,7 @@ __all__ = [
     "stage_planned_removals",
 ]
 
-COMMIT_KINDS = ("import", "startup", "merge", "revert", "prune")
+COMMIT_KINDS = _COMMIT_KINDS
 _CHUNK = 500  # rows per IN (...) list
 
 #: A row's identity in the database: ``(fingerprint id, scope, *Kind.identity)``.

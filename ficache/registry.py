@@ -429,10 +429,16 @@ class Registry:
         """
         return self._reading(file_export.export_for, current, scope)
 
-    def log(self, limit: int | None = 20, *, commit_id: int | None = None) -> list[CommitInfo]:
-        """The newest commits first (``ficache.commit_log``)."""
+    def log(
+        self,
+        limit: int | None = 20,
+        *,
+        commit_id: int | None = None,
+        where: commit_log.LogFilter | None = None,
+    ) -> list[CommitInfo]:
+        """The newest commits first, those ``where`` lets through (``ficache.commit_log``)."""
 
-        return self._reading(commit_log.log, limit, commit_id)
+        return self._reading(commit_log.log, limit, commit_id, where or commit_log.LogFilter())
 
     def commit_with_token(self, token: str, *, kind: str = "startup") -> WriteResult | None:
         """The commit of ``kind`` a write given ``once_token=token`` made, as its result, or None

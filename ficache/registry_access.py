@@ -18,7 +18,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy import Engine
 
@@ -28,6 +28,9 @@ from ficache.records import NewRecord, RecordWrite
 from ficache.schema import Location
 from ficache.values import CommitInfo, Expected, NewEntry, WriteResult
 
+if TYPE_CHECKING:
+    from ficache.commit_log import LogFilter
+
 
 class RegistryAccess(Protocol):
     """What ``merge``, ``importing``, ``revert`` and ``history`` need of a ``Registry``."""
@@ -35,8 +38,14 @@ class RegistryAccess(Protocol):
     location: Location
     engine: Engine
 
-    def log(self, limit: int | None = 20, *, commit_id: int | None = None) -> list[CommitInfo]:
-        """The newest commits first (``Registry.log``)."""
+    def log(
+        self,
+        limit: int | None = 20,
+        *,
+        commit_id: int | None = None,
+        where: LogFilter | None = None,
+    ) -> list[CommitInfo]:
+        """The newest commits first, those ``where`` lets through (``Registry.log``)."""
         ...
 
     def require_planned_on(self, target: str) -> None:

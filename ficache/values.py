@@ -99,6 +99,10 @@ def bulk_new_entry(
     )
 
 
+#: What a commit can be: the ``kind`` of every ``commits`` row.
+COMMIT_KINDS = ("import", "startup", "merge", "revert", "prune")
+
+
 @dataclass(frozen=True)
 class CommitInfo:
     id: int

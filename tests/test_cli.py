@@ -20,6 +20,7 @@ from pathlib import Path
 
 import click
 import pytest
+import sqlalchemy
 from samples import NO_DUPLICATES, SHORT_H200_METADATA
 from terminal import run_in_a_terminal
 
@@ -640,6 +641,53 @@ def test_log(cli, populated: str, cache_file, tmp_path: Path) -> None:
     assert [c["id"] for c in json.loads(cli("log", "--limit", "1", "--format", "json").stdout)] == [
         2
     ]
+
+
+@both_backends
+def test_log_filters_by_kind_host_and_age_and_pages(
+    cli, populated: str, cache_file, registry_db: str
+) -> None:
+    """``--kind``, ``--host`` and ``--since`` each narrow the log (every one given must
+    hold); ``--limit`` with ``--before`` pages through it, the text naming the next page."""
+    for tactic in (5, 6, 7):
+        cli("import", cache_file(f"t{tactic}.json", {K16: ["Runner", tactic]}, metadata=META))
+    assert cli("revert", "4", "--yes").exit_code == 0  # commit 5
+    # Commit 1 made long ago, on another host (as a fleet's registry holds them).
+    engine = sqlalchemy.create_engine(
+        registry_db if "://" in registry_db else f"sqlite:///{registry_db}"
+    )
+    with engine.begin() as conn:
+        conn.execute(
+            sqlalchemy.text(
+                "UPDATE commits SET host = 'far', created_at = created_at - 86400 * 10 WHERE id = 1"
+            )
+        )
+    engine.dispose()
+
+    def ids(*args: str) -> list[int]:
+        shown = cli("log", *args, "--format", "json")
+        assert shown.exit_code == 0, shown.stderr
+        return [c["id"] for c in json.loads(shown.stdout)]
+
+    here = socket.gethostname()
+    assert ids() == [5, 4, 3, 2, 1]
+    assert ids("--kind", "revert") == [5]
+    assert ids("--kind", "revert", "--kind", "import") == [5, 4, 3, 2, 1]
+    assert ids("--host", "far") == [1]
+    assert ids("--host", here) == [5, 4, 3, 2]
+    assert ids("--since", "1d") == [5, 4, 3, 2]
+    assert ids("--since", "30d", "--host", "far") == [1]
+    assert ids("--kind", "revert", "--host", "far") == []
+    assert ids("--limit", "2") == [5, 4]
+    assert ids("--limit", "2", "--before", "4") == [3, 2]
+    assert ids("--limit", "2", "--before", "2") == [1]
+
+    page = cli("log", "--limit", "2", "--kind", "import")
+    assert page.stdout.splitlines()[-1] == "(more: ficache log --before 3 with the same filters)"
+    last = cli("log", "--limit", "2", "--kind", "import", "--before", "3")
+    assert "(more:" not in last.stdout
+    assert [line.split()[0] for line in last.stdout.splitlines()[1:]] == ["2", "1"]
+    assert cli("log", "--kind", "tuned").exit_code == 2
 
 
 # -- export ------------------------------------------------------------------------------------
