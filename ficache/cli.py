@@ -1799,21 +1799,51 @@ def _change_value(value: Any, *, known: bool = True) -> str:
     return "-" if known else "?"
 
 
+#: ``show``'s text lists at most this many changes of each kind unless ``--limit`` says.
+SHOW_LIMIT = 100
+
+
 @cli.command("show")
 @click.argument("commit_id", type=POSITIVE_ID)
+@click.option(
+    "--stat",
+    is_flag=True,
+    help="Count the changes per op (entries) and namespace (records) instead of listing them.",
+)
+@click.option(
+    "--limit",
+    type=click.IntRange(min=0),
+    default=SHOW_LIMIT,
+    show_default=True,
+    help="List at most this many changes of each kind in the text output; 0 lists all "
+    "(JSON always lists all).",
+)
 @FORMAT
 @pass_ctx
-def show_cmd(obj: _Context, commit_id: int, fmt: str) -> None:
+def show_cmd(obj: _Context, commit_id: int, stat: bool, limit: int, fmt: str) -> None:
     """Show one commit: its provenance and every entry it added, replaced or removed."""
-    from ficache.history import commit_details
+    from ficache.history import change_stat, commit_details
 
     with obj.registry(create=False, write=False) as reg:
         details = commit_details(reg, commit_id)
+    if stat:
+        stats = change_stat(details)
+        if fmt == "json":
+            _dump_json({"commit": details.commit.as_json(), "stat": [s.as_json() for s in stats]})
+            return
+        _echo_commit_summary(details)
+        click.echo(
+            _table(
+                ["kind", "op or namespace", "added", "replaced", "removed"],
+                ((s.kind, s.group, s.added, s.replaced, s.removed) for s in stats),
+            )
+        )
+        return
     if fmt == "json":
         _dump_json(details.as_json())
         return
     _echo_commit_summary(details)
-    _echo_commit_changes(details)
+    _echo_commit_changes(details, limit or None)
 
 
 def _echo_commit_summary(details: Any) -> None:
@@ -1846,10 +1876,11 @@ def _echo_commit_summary(details: Any) -> None:
             click.echo(f"  {line}")
 
 
-def _echo_commit_changes(details: Any) -> None:
-    """``show``'s tables: the entries changed, then the records and protocol records, if any."""
+def _echo_commit_changes(details: Any, limit: int | None) -> None:
+    """``show``'s tables: the entries changed, then the records and protocol records, if
+    any; at most ``limit`` rows of each, and a line saying how many more there are."""
     rows = []
-    for ch in details.changes:
+    for ch in details.changes[:limit]:
         kf = ch.key_fields
         rows.append(
             (
@@ -1870,10 +1901,20 @@ def _echo_commit_changes(details: Any) -> None:
             rows,
         )
     )
+    _say_more(len(details.changes), limit, "entry changes")
     if details.record_changes:
-        click.echo(_record_changes_table(details.record_changes))
+        click.echo(_record_changes_table(details.record_changes[:limit]))
+        _say_more(len(details.record_changes), limit, "record changes")
     if details.protocol_changes:
-        click.echo(_record_changes_table(details.protocol_changes))
+        click.echo(_record_changes_table(details.protocol_changes[:limit]))
+        _say_more(len(details.protocol_changes), limit, "protocol record changes")
+
+
+def _say_more(total: int, limit: int | None, what: str) -> None:
+    if limit is not None and total > limit:
+        click.echo(
+            f"... {total - limit} more {what} of {total}: --limit 0 lists all, --stat counts them"
+        )
 
 
 def _record_changes_table(changes: Any) -> str:

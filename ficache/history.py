@@ -23,7 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sqlalchemy.exc import DatabaseError
@@ -131,6 +131,45 @@ class CommitDetails:
         if self.protocol_changes:
             out["protocol_changes"] = [c.as_json() for c in self.protocol_changes]
         return out
+
+
+@dataclass(frozen=True)
+class ChangeStat:
+    """How many changes of one kind one commit made to one op (entries) or namespace."""
+
+    kind: str  # "entry", "record" or "protocol record"
+    group: str  # the op of an entry's key (the key itself when it does not parse), a namespace
+    added: int = 0
+    replaced: int = 0
+    removed: int = 0
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def change_stat(details: CommitDetails) -> list[ChangeStat]:
+    """``show --stat``: a commit's changes counted per kind and op or namespace, in that order."""
+    counts: dict[tuple[str, str], dict[str, int]] = {}
+
+    def count(kind: str, group: str, action: str) -> None:
+        counts.setdefault((kind, group), {"added": 0, "replaced": 0, "removed": 0})[action] += 1
+
+    for change in details.changes:
+        fields = change.key_fields
+        count("entry", fields.op if fields is not None else change.key, change.action)
+    for kind, changes in (
+        ("record", details.record_changes),
+        ("protocol record", details.protocol_changes),
+    ):
+        for namespaced in changes:
+            count(kind, namespaced.namespace, namespaced.action)
+    order = {"entry": 0, "record": 1, "protocol record": 2}
+    return [
+        ChangeStat(kind, group, **actions)
+        for (kind, group), actions in sorted(
+            counts.items(), key=lambda i: (order[i[0][0]], i[0][1])
+        )
+    ]
 
 
 def _value(

@@ -127,6 +127,47 @@ def test_show_a_merge_with_old_and_new_values_and_provenance(
     ]
 
 
+def test_show_stat_counts_per_op_and_limit_bounds_the_listing(
+    cli, cache_file, merged: Path, registry_db: str
+) -> None:
+    """A large commit is read by its counts (``--stat``) or a bounded listing: the text
+    lists at most ``--limit`` changes of each kind and says how many it left out; JSON
+    and ``--limit 0`` list every one."""
+    other = "('attn', 'Runner', ((8,),), ())"
+    cli(
+        "import",
+        cache_file(
+            "c.json", {K16: ["Runner", 11], K64: ["Runner", 12], other: ["Runner", 1]}, META
+        ),
+    )  # commit 3: 2 replaced (mm), 1 added (attn)
+    c = commit(registry_db, 3)
+
+    stat = cli("show", "3", "--stat")
+    as_json = json.loads(cli("show", "3", "--stat", "--format", "json").stdout)
+    limited = cli("show", "3", "--limit", "2")
+    every = cli("show", "3", "--limit", "0")
+
+    assert stat.exit_code == 0
+    assert stat.stdout.splitlines()[-3:] == [
+        "kind   op or namespace  added  replaced  removed",
+        "entry  attn             1      0         0",
+        "entry  mm               0      2         0",
+    ]
+    assert stat.stdout.splitlines()[0] == first_line(c)
+    assert as_json["stat"] == [
+        {"kind": "entry", "group": "attn", "added": 1, "replaced": 0, "removed": 0},
+        {"kind": "entry", "group": "mm", "added": 0, "replaced": 2, "removed": 0},
+    ]
+    assert limited.stdout.splitlines()[-1] == (
+        "... 1 more entry changes of 3: --limit 0 lists all, --stat counts them"
+    )
+    assert len(limited.stdout.splitlines()) == len(every.stdout.splitlines())
+    assert "more entry changes" not in every.stdout
+    assert (
+        len(json.loads(cli("show", "3", "--format", "json", "--limit", "1").stdout)["changes"]) == 3
+    )
+
+
 def test_show_a_merge_as_json(cli, merged: Path, registry_db: str) -> None:
     result = cli("show", "2", "--format", "json")
 
