@@ -1815,3 +1815,40 @@ def test_fingerprints_fits_100_columns_filters_and_hides_empty_ones(cli, cache_f
         "warning: no stored fingerprint matches --gpu 'NVIDIA B200' and "
         "--flashinfer-version '0.7.2.post1' together\n"
     )
+
+
+OLD_KEY = (
+    "('old_op', 'FakeRunnerA', ((1, 1),))"  # 0.6.7-0.6.12's save_configs; FlashInfer's _OLD_KEY
+)
+OPAQUE_KEY = "('mm', 'Runner', ((8, 64),), (device(type='cuda', index=0), torch.bfloat16))"
+
+
+def test_every_key_form_goes_through_every_path_as_written(cli, cache_file, tmp_path: Path) -> None:
+    """Issue 34 item 1: a 3-element key and a key whose extras are no literal are imported,
+    listed and filtered by op, bundled, merged, verified and exported exactly as
+    written (before: "a key is a 4-tuple ... nothing imported")."""
+    values = {OLD_KEY: ["FakeRunnerA", 3], OPAQUE_KEY: ["Runner", [1, 2]], K16: ["Runner", 4]}
+    original = cache_file("old.json", values, metadata=META)
+
+    assert cli("import", original).exit_code == 0
+    listed = json.loads(cli("list", "--op", "old_op", "--format", "json").stdout)
+    assert [(e["key"], e["runner"], e["shapes"], e["extras"]) for e in listed] == [
+        (OLD_KEY, "FakeRunnerA", [[1, 1]], "")
+    ]
+    every = json.loads(cli("list", "--op", "mm", "--format", "json").stdout)
+    assert sorted((e["key"], e["runner"], e["extras"]) for e in every) == [
+        (K16, "Runner", "(torch.bfloat16,)"),
+        (OPAQUE_KEY, "Runner", "(device(type='cuda', index=0), torch.bfloat16)"),
+    ]
+    exported = tmp_path / "exported.json"
+    assert cli("export", "--fingerprint", "1", "-o", exported).exit_code == 0
+    assert {k: v for k, v in json.loads(exported.read_text()).items() if k[0] != "_"} == values
+    bundle = tmp_path / "all.bundle"
+    assert cli("export", "--all", "--bundle", bundle).exit_code == 0
+    other = tmp_path / "other.db"
+    assert cli("merge", bundle, original, db=other).exit_code == 0
+    again = tmp_path / "again.json"
+    assert cli("export", "--fingerprint", "1", "-o", again, db=other).exit_code == 0
+    assert again.read_bytes() == exported.read_bytes()
+    verified = cli("verify")
+    assert (verified.exit_code, verified.stdout.splitlines()[-1]) == (0, "ok: no problems")
