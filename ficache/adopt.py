@@ -141,7 +141,7 @@ from ficache import schema, sqlite_fast, tuned_time
 from ficache.deadline import DEFAULT_REGISTRY_TIMEOUT_S, registry_deadline
 from ficache.errors import CacheFileError, FingerprintError, V2StoreError, VllmCacheError
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
-from ficache.flashinfer_format import read_cache_file
+from ficache.flashinfer_format import read_cache_file, unreadable_note
 from ficache.ingest import (
     AUTOTUNE_DIR,
     RANK_FILE_PATTERN,
@@ -539,6 +539,9 @@ def _read(path: Path, found: _Collector, *, refuse_unknown: bool = False) -> _Re
     except OSError as exc:
         found.skip(path, f"cannot read ({exc.strerror})")
         return None
+    if cache.unreadable_keys:
+        n = len(cache.unreadable_keys)
+        found.skip(path, f"{unreadable_note(cache.unreadable_keys)}", count=n)
     values = {
         e.key: (e.runner, e.tactic_json, e.policy_json, e.fields, e.selection_json)
         for e in cache.entries

@@ -769,6 +769,10 @@ def _import_files(obj: _Context, request: Any, dry_run: bool, fmt: str) -> None:
             "is not an object; imported without a selection, as FlashInfer ignores it",
             err=True,
         )
+    if read.unreadable_keys:
+        from ficache.flashinfer_format import unreadable_note
+
+        click.echo(f"warning: {unreadable_note(read.unreadable_keys)}", err=True)
 
 
 @contextlib.contextmanager
@@ -1111,7 +1115,7 @@ def _store_import_json(read: Any, result: Any, dry_run: bool) -> dict[str, Any]:
         "environments": [
             {
                 "env_hash": e.env_hash,
-                "fingerprint": e.fingerprint.digest,
+                "fingerprint": _digest_or_none(e.stored_fingerprint),
                 "measurement": e.measurement_fields,
                 "entries": len(e.entries),
                 "skipped_entries": e.skipped,
@@ -1140,6 +1144,10 @@ def _store_import_json(read: Any, result: Any, dry_run: bool) -> dict[str, Any]:
     }
 
 
+def _digest_or_none(fingerprint: Any) -> str | None:
+    return None if fingerprint is None else str(fingerprint.digest)
+
+
 def _echo_store_import(read: Any, result: Any, dry_run: bool) -> None:
     """``import STORE...`` as text: a table of the environments, then one summary line."""
     from ficache.v2_store import measurement_label
@@ -1153,7 +1161,7 @@ def _echo_store_import(read: Any, result: Any, dry_run: bool) -> None:
                 (
                     (
                         e.env_hash,
-                        e.fingerprint.short_digest,
+                        "-" if e.stored_fingerprint is None else e.stored_fingerprint.short_digest,
                         measurement_label(e.measurement_fields),
                         len(e.entries),
                         e.skipped,
@@ -2099,6 +2107,13 @@ def merge_cmd(
 
     with _progress(sources, "reading sources") as items:
         opened = read_sources(items)
+    for source in opened:
+        if source.unreadable_keys:
+            from ficache.flashinfer_format import unreadable_note
+
+            click.echo(
+                f"warning: {source.name}: {unreadable_note(source.unreadable_keys)}", err=True
+            )
     with obj.registry(create=not dry_run, write=not dry_run) as reg:
         if dry_run:
             plan, result = plan_merge(reg, opened, policy), None

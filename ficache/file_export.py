@@ -4,7 +4,8 @@ and the one an environment should load (``Registry.export_for``).
 This module owns choosing what such a file holds: the stored fingerprints,
 the scopes layered (shared, plus one rank's scope when asked) and the
 ``_metadata`` it names. It does not own rendering the file
-(``ficache.flashinfer_format.render_cache``), per-rank slices of a warm start
+(``ficache.flashinfer_format.render_file``: save_configs' own layout and
+``_generation``), per-rank slices of a warm start
 and their cache (``ficache.slices``), bundles or v2 stores
 (``ficache.exporting``), connections or error translation: every function
 takes an open ``Connection`` from ``Registry``.
@@ -12,6 +13,8 @@ takes an open ``Connection`` from ``Registry``.
 Invariants:
 - Read-only: an export never writes to the registry.
 - A stored key is exported verbatim; records go out as ``_records``.
+- The file is what FlashInfer's ``save_configs`` writes for that content, byte
+  for byte, ``_generation`` included (``render_file``).
 - ``export_for``'s ``_metadata`` is the environment's own, so FlashInfer
   accepts the file; no stored fingerprint serving it is ``NotFoundError``.
 """
@@ -23,7 +26,7 @@ from sqlalchemy import Connection
 from ficache import kind_read, stored_entries, stored_fingerprints
 from ficache.errors import NotFoundError
 from ficache.fingerprint import Fingerprint
-from ficache.flashinfer_format import render_cache
+from ficache.flashinfer_format import render_file
 from ficache.kinds import RECORD_KIND
 from ficache.models import SHARED_SCOPE
 
@@ -35,7 +38,7 @@ def _scopes(scope: str) -> list[str]:
 def _render(conn: Connection, current: Fingerprint, ids: list[int], scope: str) -> tuple[str, int]:
     rows = stored_entries.slice_rows(conn, ids, _scopes(scope))
     records = kind_read.slice_values(conn, RECORD_KIND, ids, _scopes(scope))
-    return render_cache(current.flashinfer_metadata(), rows.values(), records), len(rows)
+    return render_file(current.flashinfer_metadata(), rows.values(), records), len(rows)
 
 
 def export_text(conn: Connection, fingerprint_id: int, scope: str) -> tuple[str, int]:

@@ -16,10 +16,16 @@ fourth element that is not an object, and 0.7.2 ignores any fourth element.
 Invariants:
 - Keys and tactics are data, never code. Keys are read by a tokenizer that
   accepts only Python literal syntax for strings, numbers and tuples plus
-  bare dotted names (``torch.bfloat16``), kept as text. Nothing is evaluated.
-- Parsing is strict and all-or-nothing: a file with any invalid entry raises
-  ``CacheFileError`` naming the count and the first problem; no partial
-  result escapes. (The startup path, which must be forgiving, catches it.)
+  bare dotted names (``torch.bfloat16``), kept as text; extras that are not
+  literal syntax are kept as opaque text. Nothing is evaluated.
+- Every key form FlashInfer wrote from 0.6.7 on is read (``parse_key``): the
+  3-element keys of 0.6.7-0.6.12, the 4-element keys since, and keys whose
+  extras are no literal (kept as text). An entry whose key ficache cannot
+  read is skipped and counted (``CacheFile.unreadable_keys``), never a
+  reason to refuse the rest of its file.
+- Otherwise parsing is strict and all-or-nothing: a file with any invalid
+  entry raises ``CacheFileError`` naming the count and the first problem; no
+  partial result escapes. (The startup path, which must be forgiving, catches it.)
 - The key string is kept verbatim and tactics and policies are stored as
   canonical JSON text, so rendering reproduces exactly what FlashInfer will
   look up. Rendering never parses stored JSON again.
@@ -51,6 +57,7 @@ Invariants:
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import operator
 import os
@@ -163,6 +170,9 @@ class CacheFile:
     record_rows: tuple[tuple[str, str, str], ...] = ()
     #: Entries whose fourth element was not an object: kept without a selection.
     ignored_selections: int = 0
+    #: Entries skipped because ficache cannot read their key (``UnreadableKeyError``),
+    #: each as ``'<key>': <why>``; the rest of the file is read.
+    unreadable_keys: tuple[str, ...] = ()
 
 
 def canonical_json(value: Any) -> str:
@@ -359,24 +369,48 @@ def _common_key(key: str) -> KeyFields | None:
 def parse_key(key: str) -> KeyFields:
     """Read op, runner, shapes and extras from a ``file_key`` without eval.
 
-    Raises ``ValueError`` with the reason when the key is not a 4-tuple of
-    (str, str, tuple of int tuples, tuple). ``extras`` is the key's own text
-    of the fourth element.
+    Reads every form of key FlashInfer wrote from 0.6.7 on:
+
+    - ``(op, runner, shapes, extras)`` (0.6.13 and later); ``extras`` is the
+      key's own text of the fourth element. Where the extras are not Python
+      literal syntax (an object whose ``repr`` is a call or ``<...>``, which
+      FlashInfer's v2 ``lookup`` still serves by the key's text), they are
+      kept as opaque text: the parenthesised rest of the key, with balanced
+      brackets, never evaluated.
+    - ``(op, runner, shapes)`` (0.6.7 to 0.6.12's ``save_configs``);
+      ``extras`` is ``""``, which no 4-element key has.
+
+    Raises ``ValueError`` with the reason for anything else (an
+    ``UnreadableKeyError``).
     """
     if len(key) > MAX_KEY_CHARS:
-        raise ValueError(f"key longer than {MAX_KEY_CHARS} characters")
+        raise UnreadableKeyError(f"key longer than {MAX_KEY_CHARS} characters")
     fast = _common_key(key)
     if fast is not None:
         return fast
-    return _parse_key_general(key)
+    try:
+        return _parse_key_general(key)
+    except ValueError as exc:
+        opaque = _opaque_extras_key(key)
+        if opaque is None:
+            raise UnreadableKeyError(str(exc)) from None
+        return opaque
+
+
+class UnreadableKeyError(ValueError):
+    """A ``file_key`` of no form FlashInfer writes (``parse_key``): its entry is skipped
+    and counted, never a reason to refuse the rest of its file."""
 
 
 def _parse_key_general(key: str) -> KeyFields:
     """``parse_key`` for any key shape (the literal parser over the whole key)."""
     value, spans = _parse_literal(key)
-    if not isinstance(value, tuple) or len(value) != 4:
-        raise ValueError("a key is a 4-tuple (op, runner, shapes, extras)")
-    op, runner, shapes, extras = value
+    if not isinstance(value, tuple) or len(value) not in (3, 4):
+        raise ValueError(
+            "a key is a 4-tuple (op, runner, shapes, extras) or, before FlashInfer 0.6.13, "
+            "a 3-tuple (op, runner, shapes)"
+        )
+    op, runner, shapes = value[:3]
     if not isinstance(op, str) or isinstance(op, _Name) or not op:
         raise ValueError("key op must be a non-empty string")
     if not isinstance(runner, str) or isinstance(runner, _Name) or not runner:
@@ -385,10 +419,60 @@ def _parse_key_general(key: str) -> KeyFields:
         isinstance(s, tuple) and all(type(d) is int for d in s) for s in shapes
     ):
         raise ValueError("key shapes must be a tuple of integer tuples")
-    if not isinstance(extras, tuple):
+    if len(value) == 3:
+        return KeyFields(op, runner, shapes, "")
+    if not isinstance(value[3], tuple):
         raise ValueError("key extras must be a tuple")
     start, end = spans[3]
     return KeyFields(op, runner, shapes, key[start:end])
+
+
+# A key whose op, runner and shapes are read as literals and whose extras are
+# not: ``('op', 'R', ((1,),), (device(type='cuda', index=0),))``.
+_STR = r"'(?:[^'\\\n]|\\.)*'|\"(?:[^\"\\\n]|\\.)*\""
+_OPAQUE_KEY = re.compile(
+    rf"\(({_STR}), ({_STR}), ({_repr_tuple(_repr_tuple(_REPR_INT))}), (\(.*\))\)", re.DOTALL
+)
+_OPENERS, _CLOSERS = "([{", ")]}"
+
+
+def _balanced(text: str) -> bool:
+    """Whether ``text`` is one bracketed group: brackets outside string literals
+    balance, and the first one closes only at the end."""
+    depth = 0
+    quote = ""
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if quote:
+            if c == "\\":
+                i += 1
+            elif c == quote:
+                quote = ""
+        elif c in "'\"":
+            quote = c
+        elif c in _OPENERS:
+            depth += 1
+        elif c in _CLOSERS:
+            depth -= 1
+            if depth < 0 or (depth == 0 and i != n - 1):
+                return False
+        i += 1
+    return depth == 0 and not quote
+
+
+def _opaque_extras_key(key: str) -> KeyFields | None:
+    """``KeyFields`` of a 4-element key whose extras are not literal syntax (kept as
+    text), or None where op, runner or shapes cannot be read or the extras are not
+    one parenthesised group."""
+    m = _OPAQUE_KEY.fullmatch(key)
+    if m is None:
+        return None
+    op_text, runner_text, shapes_text, extras = m.groups()
+    op, runner = _unquote(op_text), _unquote(runner_text)
+    if not op or not runner or not _balanced(extras):
+        return None
+    return _key_fields(op, runner, shapes_text, extras)
 
 
 # --------------------------------------------------------------------------
@@ -534,7 +618,12 @@ def _check_tactic(value: Any, depth: int = 0) -> None:
 
 
 def _check_entry(key: str, value: Any) -> FileEntry:
-    """One entry, checked; a fourth element that is not an object is dropped."""
+    """One entry, checked; a fourth element that is not an object is dropped.
+
+    The key is read first: one ficache cannot read raises ``UnreadableKeyError``
+    whatever its value holds.
+    """
+    fields = parse_key(key)
     if not isinstance(value, list) or len(value) not in (2, 3, 4):
         raise ValueError(
             "value must be [runner, tactic], [runner, tactic, policy] "
@@ -544,7 +633,6 @@ def _check_entry(key: str, value: Any) -> FileEntry:
     if not isinstance(runner, str) or not runner:
         raise ValueError("runner must be a non-empty string")
     _check_tactic(tactic)
-    fields = parse_key(key)
     if fields.runner != runner:
         raise ValueError(f"runner {runner!r} differs from the key's {fields.runner!r}")
     policy_json = selection = None
@@ -612,12 +700,29 @@ def _parse_text(text: str, source: str) -> CacheFile:
             generation = g
 
     entries, problems, ignored = _read_entries(top)
-    if problems:
+    unreadable = tuple(p for p in problems if isinstance(p, _Unreadable))
+    if len(unreadable) < len(problems):
+        invalid = [p for p in problems if not isinstance(p, _Unreadable)]
         raise CacheFileError(
-            f"{source}: {len(problems)} of {len(top)} entries invalid, nothing imported; "
-            f"first: {problems[0]}"
+            f"{source}: {len(invalid)} of {len(top)} entries invalid, nothing imported; "
+            f"first: {invalid[0]}"
         )
-    return CacheFile(metadata, tuple(entries), records, generation, rows, ignored)
+    return CacheFile(
+        metadata, tuple(entries), records, generation, rows, ignored, tuple(map(str, unreadable))
+    )
+
+
+def unreadable_note(unreadable: tuple[str, ...]) -> str:
+    """What every reader says of entries skipped for their key (``CacheFile.unreadable_keys``)."""
+    n = len(unreadable)
+    return (
+        f"{n} entr{'y' if n == 1 else 'ies'} skipped: a key of no form FlashInfer writes "
+        f"(first: {unreadable[0]})"
+    )
+
+
+class _Unreadable(str):
+    """A problem of ``_read_entries`` that is an unreadable key (skipped, not refused)."""
 
 
 def _read_entries(top: dict[str, Any]) -> tuple[list[FileEntry], list[str], int]:
@@ -695,6 +800,8 @@ def _read_entries(top: dict[str, Any]) -> tuple[list[FileEntry], list[str], int]
                         continue
         try:
             append(_check_entry(key, value))
+        except UnreadableKeyError as exc:
+            problems.append(_Unreadable(f"{key[:80]!r}: {exc}"))
         except ValueError as exc:
             problems.append(f"{key[:80]!r}: {exc}")
         else:
@@ -782,6 +889,80 @@ def render_cache(
     if not parts:
         return "{}\n"
     return "{\n" + ",\n".join(parts) + "\n}\n"
+
+
+def render_file(
+    metadata: Mapping[str, str] | None,
+    entries: Iterable[CacheRow],
+    records: Mapping[str, Mapping[str, str]] | None = None,
+) -> str:
+    """The cache file FlashInfer's ``save_configs`` writes for these rows, byte for byte.
+
+    What ``export`` writes (``render_cache`` is the warm start's compact form).
+    Its layout is save_configs' own, ``json.dump(ordered, indent=2)``, whatever
+    form the imported files had: a registry merges many files, so no one
+    input's form is the export's to keep, and a file FlashInfer saved comes
+    back exactly as it saved it (``_records`` values and selections with
+    their object members sorted, as ficache stores them).
+
+    ``_generation``, FlashInfer's single-writer guard, is derived from the
+    content as FlashInfer 0.7.2 and 0.7.4 derive it: the sha256 of the
+    canonical JSON (sorted keys, no spaces) of ``_metadata``, ``_records``
+    (when not empty) and the entries. Their guard compares only this text:
+    ``load_configs`` remembers the one it read per path, and ``save_configs``
+    with records published since raises where the file on disk now holds
+    another. So a server that loaded an export and finds a different export
+    (or FlashInfer file) on its path at its next save raises, as with
+    FlashInfer's own files, and an export of what a file held gives that
+    file's own ``_generation`` (it does not trip the guard).
+
+    Stored canonical JSON is spliced in: the canonical text hashed is built
+    from it, and each distinct tactic, policy and selection is laid out once
+    (``_indented``), so exporting 100k entries stays well under a second.
+    """
+    quote = _json_string
+    canonical: list[tuple[str, str]] = []  # (top-level key, canonical JSON of its value)
+    parts: list[str] = []
+    if metadata is not None:
+        meta = dict(metadata)
+        canonical.append((METADATA_KEY, canonical_json(meta)))
+        parts.append(f'"{METADATA_KEY}": ' + _indent_value(json.dumps(meta, indent=2), 1))
+    if records:
+        loaded = {
+            ns: {key: json.loads(value) for key, value in sorted(by_key.items())}
+            for ns, by_key in sorted(records.items())
+        }
+        canonical.append((RECORDS_KEY, canonical_json(loaded)))
+        parts.append(f'"{RECORDS_KEY}": ' + _indent_value(json.dumps(loaded, indent=2), 1))
+    for row in sorted(entries, key=lambda row: row[0]):
+        key, runner, tactic_json, policy_json = row[:4]
+        selection = row[4] if len(row) == 5 and policy_json is not None else None
+        fragments = [quote(runner), tactic_json]
+        if policy_json is not None:
+            fragments.append(policy_json)
+            if selection is not None:
+                fragments.append(selection)
+        quoted = quote(key)
+        canonical.append((key, "[" + ",".join(fragments) + "]"))
+        items = ",\n    ".join(_indented(f) for f in fragments)
+        parts.append(f"{quoted}: [\n    {items}\n  ]")
+    canonical.sort()
+    source = "{" + ",".join(f"{quote(k)}:{v}" for k, v in canonical) + "}"
+    generation = hashlib.sha256(source.encode()).hexdigest()
+    parts.append(f'"{GENERATION_KEYS[0]}": "{generation}"')
+    return "{\n  " + ",\n  ".join(parts) + "\n}"
+
+
+def _indent_value(text: str, level: int) -> str:
+    """``json.dumps(v, indent=2)`` text as it sits ``level`` levels deep."""
+    return text.replace("\n", "\n" + "  " * level)
+
+
+@functools.lru_cache(maxsize=65536)
+def _indented(fragment: str) -> str:
+    """A canonical JSON fragment as ``json.dump(indent=2)`` writes it two levels deep
+    (an element of an entry's value)."""
+    return _indent_value(json.dumps(json.loads(fragment), indent=2), 2)
 
 
 def write_atomic(path: str | os.PathLike[str], text: str) -> None:

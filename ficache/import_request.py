@@ -272,6 +272,11 @@ class FileImport:
         """Entries whose fourth element is not an object (imported without a selection)."""
         return sum(c.ignored_selections for _, c, _ in self.parsed)
 
+    @property
+    def unreadable_keys(self) -> tuple[str, ...]:
+        """Entries skipped for a key ficache cannot read, as ``'<key>': <why>``."""
+        return tuple(p for _, c, _ in self.parsed for p in c.unreadable_keys)
+
     def plan(self, fingerprint: Any) -> PreparedImport:
         """The import, with ``fingerprint`` for the files without ``_metadata``."""
         inputs = file_inputs(

@@ -167,6 +167,8 @@ class MergeSource:
     entries: tuple[NewEntry, ...] = field(repr=False)  # tuned_at set where known
     records: tuple[NewRecord, ...] = field(default=(), repr=False)
     protocol_records: tuple[NewProtocolRecord, ...] = field(default=(), repr=False)
+    #: A FlashInfer file's entries skipped for a key of no form FlashInfer writes.
+    unreadable_keys: tuple[str, ...] = field(default=(), repr=False)
 
     @property
     def summary(self) -> SourceSummary:
@@ -241,7 +243,12 @@ def _flashinfer_source(path: Path) -> MergeSource:
         raise FingerprintError(f"{path}: {exc}") from None
     read = ingest.file_results(cache, _interned(fp), scope=SHARED_SCOPE, path=path)
     return MergeSource(
-        str(path), "flashinfer", hashlib.sha256(data).hexdigest(), read.entries, read.records
+        str(path),
+        "flashinfer",
+        hashlib.sha256(data).hexdigest(),
+        read.entries,
+        read.records,
+        unreadable_keys=cache.unreadable_keys,
     )
 
 

@@ -388,6 +388,13 @@ class StoreEnvironment:
     def measurement_fields(self) -> dict[str, str]:
         return dict(self.measurement)
 
+    @property
+    def stored_fingerprint(self) -> Fingerprint | None:
+        """The fingerprint an import stores this environment under, or None where it holds
+        nothing to store (no entry or protocol record, say only malformed entries): no
+        fingerprint is then created, so none is reported for ``export --fingerprint``."""
+        return self.fingerprint if self.entries or self.records else None
+
 
 @dataclass(frozen=True)
 class StoreContents:

@@ -225,23 +225,57 @@ def test_parse_key_raises_only_value_error_on_key_like_text(text: str) -> None:
 
 
 @pytest.mark.parametrize(
+    "extras",
+    [
+        "(__import__('os').system('touch PWNED'),)",
+        "(torch.bfloat16.__class__('x'),)",
+        "(x[0],)",
+        "(lambda: 0,)",
+        "(1 + 1,)",
+        "(f'{x}',)",
+        "(device(type='cuda', index=0), torch.bfloat16)",
+        "(<ActivationType.Swiglu: 3>,)",
+    ],
+)
+def test_extras_that_are_no_literal_are_kept_as_text_never_run(
+    extras: str, tmp_path: Path, monkeypatch
+) -> None:
+    """FlashInfer's v2 ``lookup`` serves such a key by its text, and ``load_configs``
+    keeps it: ficache reads op, runner and shapes, and keeps the extras verbatim."""
+    monkeypatch.chdir(tmp_path)
+    key = f"('op', 'R', ((1,),), {extras})"
+
+    fields = parse_key(key)
+
+    assert fields == KeyFields("op", "R", ((1,),), extras)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_a_three_element_key_of_flashinfer_0_6_12_is_read() -> None:
+    """0.6.7-0.6.12's ``save_configs`` wrote ``str((op, runner, profile))`` (FlashInfer's
+    tests keep one as ``_OLD_KEY``); its extras are empty text, which no 4-element key has."""
+    fields = parse_key("('old_op', 'FakeRunnerA', ((1, 1),))")
+
+    assert fields == KeyFields("old_op", "FakeRunnerA", ((1, 1),), "")
+    assert (fields.shapes_json, fields.extras) == ("[[1, 1]]", "")
+    assert parse_key("('op', 'R', ((1, 1),), ())").extras == "()"
+
+
+@pytest.mark.parametrize(
     "key",
     [
         "__import__('os').system('touch PWNED')",
-        "('op', 'R', ((1,),), (__import__('os').system('touch PWNED'),))",
-        "('op', 'R', ((1,),), (torch.bfloat16.__class__('x'),))",
-        "('op', 'R', ((1,),), (x[0],))",
-        "('op', 'R', ((1,),), (lambda: 0,))",
-        "('op', 'R', ((1,),), (1 + 1,))",
-        "('op', 'R', ((1,),), (f'{x}',))",
         "('op', 'R', ((1,),), ()) or print(1)",
+        "('op', 'R', ((1,),), ()) or print((1))",
+        "('op', 'R', ((1,),), (x(), 'unclosed)",
+        "(__import__('os'), 'R', ((1,),), ())",
         "('op', 'R', ((1,),), ()); import os",
         "('op', 'R', ((1.5,),), ())",
         "('op', 'R', ((True,),), ())",
         "(op, 'R', ((1,),), ())",
         "('op', 'R', ((1,),), torch.bfloat16)",
         "('', 'R', ((1,),), ())",
-        "('op', 'R', ((1,),))",
+        "('op', 'R')",
         "('op', 'R', ((1,),), (), ())",
         "('op', 'R', ((1,),), (1,)",
         "('op' 'R', ((1,),), ())",
@@ -329,7 +363,6 @@ def test_an_empty_object_is_an_empty_cache() -> None:
         (_file({KEY: ["OtherRunner", 1]}), "differs from the key's"),
         (_file({KEY: ["CutlassFp4Runner", 1, "hot"]}), "policy must be a list"),
         (_file({KEY: ["CutlassFp4Runner", [[[[[[[[[[1]]]]]]]]]]]}), "nested too deeply"),
-        (_file({"__import__('os').system('touch PWNED')": ["R", 1]}), "entries invalid"),
         (b"[" * 100_000 + b"]" * 100_000, "invalid JSON"),
     ],
 )
@@ -349,12 +382,44 @@ def test_rejects_bad_files_with_one_clear_error(
 
 
 def test_one_bad_entry_rejects_the_whole_file_with_a_count() -> None:
-    data = _file({KEY: ["CutlassFp4Runner", 1], KEY2: ["Wrong", 1], "junk": ["R", 1]})
+    data = _file({KEY: ["CutlassFp4Runner", 1], KEY2: ["Wrong", 1], "junk": ["R", {}]})
 
     with pytest.raises(
-        CacheFileError, match=r"^x: 2 of 3 entries invalid, nothing imported; first: "
+        CacheFileError, match=r"^x: 1 of 3 entries invalid, nothing imported; first: .*'Wrong'"
     ):
         parse_cache_bytes(data, source="x")
+
+
+OLD_KEY = "('old_op', 'FakeRunnerA', ((1, 1),))"  # FlashInfer's tests' _OLD_KEY
+
+
+def test_a_key_no_release_wrote_is_skipped_and_counted_the_rest_read(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Before: "a key is a 4-tuple ... nothing imported" for the whole file, whose
+    3-element key FlashInfer 0.7.4's load_configs loads."""
+    monkeypatch.chdir(tmp_path)
+    hostile = "__import__('os').system('touch PWNED')"
+    data = _file(
+        {
+            "_metadata": METADATA,
+            "_records": {"ns": {"k": 1}},
+            OLD_KEY: ["FakeRunnerA", 3],
+            KEY: ["CutlassFp4Runner", 1, POLICY],
+            hostile: ["R", {"not": "even a tactic"}],
+            "('op', 'R')": ["R", 1],
+        }
+    )
+
+    cache = parse_cache_bytes(data, source="x")
+
+    assert [(e.key, e.tactic_json, e.fields.extras) for e in cache.entries] == [
+        (OLD_KEY, "3", ""),
+        (KEY, "1", "(torch.bfloat16, 1)"),
+    ]
+    assert [p.split(":")[0] for p in cache.unreadable_keys] == [repr(hostile), "\"('op', 'R')\""]
+    assert cache.record_rows == (("ns", "k", "1"),)
+    assert not (tmp_path / "PWNED").exists()
 
 
 def test_read_cache_file_errors(tmp_path: Path) -> None:

@@ -221,3 +221,89 @@ def _as_json(tactic: Any) -> Any:
     from flashinfer.autotuner import _tactic_to_json
 
     return _tactic_to_json(tactic)
+
+
+def test_the_export_of_a_saved_file_is_what_save_configs_wrote_byte_for_byte(
+    autotuner, cli, tmp_path: Path
+) -> None:
+    """Item 4 of issue 34: the export is save_configs' own layout (indent=2, its
+    ``_generation``), not ficache's compact one, whatever form the import had."""
+    fill_like_tuning(autotuner)
+    autotuner.publish_namespaced_records("ns", {"a": {"k": [1, 2.5]}, "b": "x"})
+    saved = tmp_path / "saved.json"
+    autotuner.save_configs(str(saved))
+    compact = tmp_path / "compact.json"
+    compact.write_text(json.dumps(json.loads(saved.read_text())))  # no indent, as tests write
+
+    assert cli("import", compact).exit_code == 0
+    out = tmp_path / "exported.json"
+    assert cli("export", "--fingerprint", "current", "-o", out).exit_code == 0
+
+    assert out.read_bytes() == saved.read_bytes()
+
+
+def _publish_and_save(tuner: Any, path: Path) -> str | None:
+    """Publish a record (what arms FlashInfer's single-writer guard) and save to ``path``;
+    the guard's message, or None where the save went through."""
+    tuner.publish_namespaced_records("ns", {"late": 1})
+    try:
+        tuner.save_configs(str(path))
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+GUARD = "Autotuner cache changed after it was loaded; namespaced records require one writer"
+
+
+def test_a_newer_export_on_the_path_trips_save_configs_guard_as_flashinfer_files_do(
+    autotuner, cli, cache_file, tmp_path: Path
+) -> None:
+    """Item 3 of issue 34: an export carries ``_generation``, derived from its content
+    as FlashInfer derives it, so a server that loaded export A and finds export B on
+    its path refuses to save over it. Before: no ``_generation``, the save went through
+    and B's records were lost."""
+    expected = fill_like_tuning(autotuner)
+    rows = {key: [runner, _as_json(tactic)] for key, (runner, tactic) in expected.items()}
+    first = dict(list(rows.items())[:2])
+    # With FlashInfer's own files: B saved by another writer, A saved and loaded here,
+    # then B lands on A's path.
+    autotuner.clear_cache()
+    autotuner.load_configs(str(cache_file("b.json", rows)))
+    landing = tmp_path / "landing.json"
+    autotuner.save_configs(str(landing))
+    own = tmp_path / "own.json"
+    autotuner.clear_cache()
+    autotuner.load_configs(str(cache_file("a.json", first)))
+    autotuner.save_configs(str(own))
+    autotuner.clear_cache()
+    assert autotuner.load_configs(str(own)) is True
+    landing.replace(own)
+    assert GUARD in str(_publish_and_save(autotuner, own))
+
+    # With ficache's exports: the same sequence.
+    path = tmp_path / "served.json"
+    assert cli("import", cache_file("a3.json", first)).exit_code == 0
+    assert cli("export", "--fingerprint", "current", "-o", path).exit_code == 0
+    autotuner.clear_cache()
+    assert autotuner.load_configs(str(path)) is True
+    assert cli("import", cache_file("b3.json", rows)).exit_code == 0
+    assert cli("export", "--fingerprint", "current", "-o", path).exit_code == 0
+
+    assert GUARD in str(_publish_and_save(autotuner, path))
+
+
+def test_the_same_export_again_does_not_trip_the_guard(autotuner, cli, cache_file, tmp_path):
+    """An export of unchanged content has the same ``_generation``: exporting again over a
+    file a server loaded is no other writer's change, as FlashInfer rewriting it would not be."""
+    expected = fill_like_tuning(autotuner)
+    rows = {key: [runner, _as_json(tactic)] for key, (runner, tactic) in expected.items()}
+    assert cli("import", cache_file("a.json", rows)).exit_code == 0
+    path = tmp_path / "served.json"
+    assert cli("export", "--fingerprint", "current", "-o", path).exit_code == 0
+    autotuner.clear_cache()
+    assert autotuner.load_configs(str(path)) is True
+    assert cli("export", "--fingerprint", "current", "-o", path).exit_code == 0
+
+    assert _publish_and_save(autotuner, path) is None
+    assert json.loads(path.read_text())["_records"] == {"ns": {"late": 1}}

@@ -1062,3 +1062,51 @@ def test_key_fields_are_flashinfers_own_encoding(extras: tuple) -> None:
 )
 def test_keys_without_an_exact_encoding_get_none(key: str) -> None:
     assert encode_key_fields(key) is None
+
+
+def test_a_store_of_only_malformed_entries_reports_no_fingerprint_export_cannot_find(
+    cli, tmp_path: Path
+) -> None:
+    """Issue 34 item 4: before, the import's table named the environment's fingerprint
+    although nothing was stored under it, and ``export --fingerprint`` then said it does
+    not exist. Every fingerprint an import reports is one ``export`` finds."""
+    root = tmp_path / "autotune"
+    store = store_of(root)
+    name, content = MALFORMED["no tactic"]()
+    store._ensure_dirs()
+    (store.entries_dir / name).write_text(content)
+    good = tmp_path / "good"
+    publish_like_tuning(good, metadata=H200_METADATA, tuned=TUNED[:1])
+
+    result = cli("import", root, good, "--format", "json")
+
+    assert result.exit_code == 0, result.output
+    reported = [e["fingerprint"] for e in json.loads(result.stdout)["environments"]]
+    assert reported == [None, digest(H200_METADATA)]
+    for fingerprint in filter(None, reported):
+        assert cli("export", "--fingerprint", fingerprint[:12]).exit_code == 0
+    table = cli("import", root).stdout.splitlines()
+    assert table[1].split()[:2] == [store.env_hash, "-"]
+
+
+def test_an_entry_whose_key_is_no_literal_is_kept_and_served_by_lookup(
+    cli, autotuner, tmp_path: Path
+) -> None:
+    """Issue 34 item 4: FlashInfer writes a key whose extras hold a ``torch.device`` (its
+    repr a call) without ``key_fields``, and its lazy ``lookup`` serves it; ficache skipped
+    it as malformed. Now it is imported, and exported where ``lookup`` serves it again."""
+    odd = [("flashinfer::op", "Runner", ((16, 64),), (torch.device("cpu"), torch.bfloat16), 5, HOT)]
+    [key] = cache_keys(odd)
+    publish_like_tuning(tmp_path / "tuned", tuned=odd)
+    written = json.loads(next((tmp_path / "tuned").rglob("entries/*.json")).read_text())
+    assert "key_fields" not in written  # FlashInfer could not encode it
+
+    imported = cli("import", tmp_path / "tuned")
+    exported = cli("export", "--v2-store", tmp_path / "out", "--fingerprint", "current")
+
+    assert imported.exit_code == 0, imported.output
+    assert "malformed" not in imported.stderr
+    assert exported.exit_code == 0, exported.output
+    served = store_of(tmp_path / "out").lookup(key.file_key)
+    assert served == ManagedCacheEntry("Runner", 5, HOT)
+    assert files_of(tmp_path / "out") == files_of(tmp_path / "tuned")
