@@ -2530,9 +2530,10 @@ def verify_cmd(obj: _Context, fmt: str) -> None:
     except FicacheError as exc:
         if fmt != "json":
             raise
-        # JSON always: a registry verify cannot open is reported as what it is.
+        # JSON always: a registry verify cannot open is reported as what it is, on
+        # stdout; stderr still carries the one error line every failing command prints.
         _dump_json({"registry": obj.db, "ok": False, "error": str(exc)})
-        sys.exit(1)
+        _fail(str(exc))
     if fmt == "json":
         _dump_json(report.as_json())
         sys.exit(0 if report.ok else 1)

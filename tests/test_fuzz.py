@@ -1115,7 +1115,8 @@ RANGE = "is not in the range 1<=x<=9223372036854775807."
 @pytest.mark.parametrize(
     ("argv", "code", "stderr"),
     [
-        (["revert", TOO_BIG], 2, f"Error: Invalid value for 'COMMIT_ID': {TOO_BIG} {RANGE}"),
+        # Optional since ``revert --to N``: click names it in brackets.
+        (["revert", TOO_BIG], 2, f"Error: Invalid value for '[COMMIT_ID]': {TOO_BIG} {RANGE}"),
         (["show", TOO_BIG], 2, f"Error: Invalid value for 'COMMIT_ID': {TOO_BIG} {RANGE}"),
         (["list", "--limit", TOO_BIG], 2, f"Error: Invalid value for '--limit': {TOO_BIG} {RANGE}"),
         (

@@ -1387,7 +1387,9 @@ def test_verify_json_is_json_on_a_damaged_file_and_on_an_error(
     assert json.loads(on_missing.stdout)["ok"] is False
     assert json.loads(on_missing.stdout)["error"].startswith("no registry at ")
     assert on_truncated.exit_code == on_missing.exit_code == 1
-    assert on_truncated.stderr == on_missing.stderr == ""
+    # ... and the one error line every failing command prints, on stderr.
+    assert on_truncated.stderr == f"error: {json.loads(on_truncated.stdout)['error']}\n"
+    assert on_missing.stderr == f"error: {json.loads(on_missing.stdout)['error']}\n"
 
 
 def test_db_current_and_verify_report_a_newer_schema(
