@@ -34,7 +34,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from ficache import __version__
-from ficache.errors import FicacheError
+from ficache.errors import FicacheError, SchemaTooOldError
 
 T = TypeVar("T")
 CommandT = TypeVar("CommandT", bound=Callable[..., Any])
@@ -74,6 +74,22 @@ def on_conflict_option(
     )
 
 
+def _upgraded_note(location: Any, revision: str) -> str:
+    """The note of a write that upgraded a local SQLite file older than this ficache reads."""
+    from ficache import schema
+
+    return (
+        f"note: upgraded registry {location.display} from schema {revision!r} to "
+        f"{schema.head_revision()!r} (a local file older than {schema.oldest_readable()!r}, "
+        "which this ficache cannot use as it is)"
+    )
+
+
+def _say_skipped(warning: str) -> None:
+    """A write left out what the registry's older schema cannot hold: one line on stderr."""
+    click.echo(f"warning: {warning}", err=True)
+
+
 class _Context:
     def __init__(self, db: str | None, debug: bool) -> None:
         self.db = db
@@ -97,6 +113,9 @@ class _Context:
         if reg.created:
             self.note_created(reg.location, new_dirs)
         reg.commit_listeners.append(self._made)
+        reg.skip_listeners.append(_say_skipped)
+        if reg.upgraded_from is not None:
+            click.echo(_upgraded_note(reg.location, reg.upgraded_from), err=True)
         return reg
 
     def registry_schema(self, *, create: bool) -> Any:
@@ -698,6 +717,8 @@ def _import_files(obj: _Context, request: Any, dry_run: bool, fmt: str) -> None:
         if prepared is None:
             prepared = read.plan_in(reg, obj.db or "the default path")
         result = prepared.preview(reg) if dry_run else prepared.execute(reg)
+        if dry_run and result.skipped:  # what the real run leaves out
+            _say_skipped(result.skipped)
     _report_import(fmt, prepared.plan, result, "file", dry_run=dry_run)
     if read.note:
         click.echo(read.note, err=True)
@@ -727,6 +748,8 @@ def _run_import(obj: _Context, fmt: str, prepared: Any, source_noun: str, dry_ru
     """Preview (``dry_run``) or execute one prepared import, and report it."""
     with _import_registry(obj, dry_run) as reg:
         result = prepared.preview(reg) if dry_run else prepared.execute(reg)
+        if dry_run and result.skipped:  # what the real run leaves out
+            _say_skipped(result.skipped)
     _report_import(fmt, prepared.plan, result, source_noun, dry_run=dry_run)
 
 
@@ -744,8 +767,38 @@ def _import_registry(obj: _Context, dry_run: bool) -> Iterator[Any]:
     if location.path is not None and not location.path.exists():
         yield None
         return
-    with obj.registry(create=False, write=False) as reg:
+    try:
+        reg = obj.registry(create=False, write=False)
+    except SchemaTooOldError:
+        if location.path is None or schema.is_read_only_file(location.path):
+            raise  # the real import refuses it too
+        # A local file the real import upgrades first: the dry run shows it on an upgraded copy.
+        with _upgraded_copy(location.path) as copy:
+            click.echo(
+                _upgraded_note(location, copy.upgraded_from).replace(
+                    "note: upgraded", "note: the import would first upgrade"
+                ),
+                err=True,
+            )
+            yield copy
+        return
+    with reg:
         yield reg
+
+
+@contextlib.contextmanager
+def _upgraded_copy(path: Path) -> Iterator[Any]:
+    """A ``Registry`` on a temporary copy of the SQLite file ``path``, upgraded to head."""
+    import tempfile
+
+    from ficache import schema
+    from ficache.registry import Registry
+
+    with tempfile.TemporaryDirectory(prefix="ficache-dry-run-") as tmp:
+        copy = Path(tmp) / path.name
+        schema.copy_sqlite_file(path, copy)
+        with Registry.open(str(copy), create=False) as reg:
+            yield reg
 
 
 def _among_inputs(duplicates: int, conflicts: int) -> str:
@@ -883,6 +936,8 @@ def _import_from_vllm(obj: _Context, plan: Any, dry_run: bool, fmt: str) -> None
     if not plan.is_empty:
         with _import_registry(obj, dry_run) as reg:
             result = plan.preview(reg) if dry_run else plan.execute(reg)
+            if dry_run and result.skipped:  # what the real run leaves out
+                _say_skipped(result.skipped)
     if fmt == "json":
         _dump_json(_adoption_json(plan, result, dry_run))
     else:
@@ -1013,6 +1068,8 @@ def _import_v2_stores(obj: _Context, read: Any, dry_run: bool, fmt: str) -> None
     """``import`` of FlashInfer v2 stores (``import_request.prepare_store_import``): one commit."""
     with _import_registry(obj, dry_run) as reg:
         result = read.prepared.preview(reg) if dry_run else read.prepared.execute(reg)
+        if dry_run and result.skipped:  # what the real run leaves out
+            _say_skipped(result.skipped)
     if fmt == "json":
         _dump_json(_store_import_json(read, result, dry_run))
     else:

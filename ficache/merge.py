@@ -328,7 +328,8 @@ def _registry_source(spec: str) -> MergeSource:
                 )
             # One snapshot, read here rather than through Registry.open, which
             # would upgrade (write) a source registry of an older schema.
-            fps = {row.id: _interned(fingerprint_from_row(row)) for row in conn.execute(select(F))}
+            fp_rows = conn.execute(select(*schema.features(conn).columns(F)))
+            fps = {row.id: _interned(fingerprint_from_row(row)) for row in fp_rows}
             rows = conn.execute(
                 select(*ENTRY_VALUE_COLUMNS).order_by(E.c.fingerprint_id, E.c.scope, E.c.key)
             ).all()

@@ -76,7 +76,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Table,
+    create_engine,
+    event,
+    inspect,
+    literal_column,
+    text,
+)
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import (
     ArgumentError,
@@ -185,6 +194,19 @@ def _read_only_query(path: Path) -> dict[str, str]:
             "it is writable (that folds the WAL in), or copy it with its -wal and -shm files"
         ) from None
     return {"mode": "ro", "uri": "true"}
+
+
+def copy_sqlite_file(path: Path, copy: Path) -> None:
+    """Copy the SQLite registry ``path`` (with what its WAL holds) to ``copy``, reading only."""
+    source = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)
+    try:
+        target = sqlite3.connect(copy)
+        try:
+            source.backup(target)
+        finally:
+            target.close()
+    finally:
+        source.close()
 
 
 def _install_sqlite_events(engine: Engine, *, readonly: bool) -> None:
@@ -702,6 +724,126 @@ def _stamp_compat(connection: Connection) -> None:
     )
 
 
+# --------------------------------------------------------------------------
+# What an older schema lacks (rolling upgrades: this code on the previous releases' schemas).
+
+
+@dataclass(frozen=True)
+class SchemaFeatures:
+    """What one registry's revision holds of what this code's later revisions add.
+
+    Resolved once when a registry opens (``ensure_schema``) from the revision
+    modules' ``adds_tables`` and ``adds_columns`` (every revision above the
+    registry's, up to this code's head), and attached to its engine
+    (``features``), so each query that touches an added table or column asks
+    here instead of failing: a missing table reads as empty and is not
+    written (``has_table``), a missing column reads as its default
+    (``column``, ``columns``) and is left out of writes (``writable``).
+    """
+
+    revision: str | None
+    #: ``(revision, what it adds in words)`` of each revision this registry lacks, oldest first.
+    lacking: tuple[tuple[str, str], ...] = ()
+    missing_tables: frozenset[str] = frozenset()
+    missing_columns: frozenset[tuple[str, str]] = frozenset()
+
+    @property
+    def complete(self) -> bool:
+        return not self.lacking
+
+    def has_table(self, name: str) -> bool:
+        return name not in self.missing_tables
+
+    def has_column(self, table: str, name: str) -> bool:
+        return (table, name) not in self.missing_columns
+
+    def column(self, table: Table, name: str) -> Any:
+        """``table``'s column ``name``, or, where this revision lacks it, its default (a
+        constant labelled ``name``), as a query selects it."""
+        col = table.c[name]
+        if self.has_column(table.name, name):
+            return col
+        default = col.server_default
+        value = getattr(default, "arg", None)
+        return literal_column(str(getattr(value, "text", value) or "NULL")).label(name)
+
+    def columns(self, table: Table) -> list[Any]:
+        """Every column of ``table`` (``column``: a missing one as its default), for ``select``."""
+        return [self.column(table, name) for name in table.c.keys()]  # noqa: SIM118 - names, not columns
+
+    def writable(self, table: str, values: dict[str, Any]) -> dict[str, Any]:
+        """``values`` without the columns of ``table`` this revision lacks."""
+        return {k: v for k, v in values.items() if self.has_column(table, k)}
+
+    def skipped(self, what: str, location: Location) -> str:
+        """The one warning of a write that skipped ``what`` (e.g. "3 protocol records")."""
+        needs = ", ".join(f"{rev} ({adds})" for rev, adds in self.lacking)
+        return (
+            f"registry {location.display} is at schema {self.revision!r}: {what} not stored "
+            f"(needs {needs}); run `ficache db upgrade` once every ficache that writes it "
+            "reads that revision"
+        )
+
+
+#: An engine execution option: the ``SchemaFeatures`` of the registry it opened.
+FEATURES_OPTION = "ficache_schema_features"
+#: A registry at this code's head, or newer (newer revisions only add): it lacks nothing.
+COMPLETE = SchemaFeatures(None)
+
+
+def features(conn: Connection | Engine) -> SchemaFeatures:
+    """The ``SchemaFeatures`` that ``Registry.open`` attached to ``conn``'s engine; a
+    connection of an engine opened otherwise (``db`` commands, migrations) lacks nothing."""
+    found = conn.get_execution_options().get(FEATURES_OPTION)
+    return found if isinstance(found, SchemaFeatures) else COMPLETE
+
+
+def attach_features(engine: Engine, found: SchemaFeatures) -> None:
+    engine.update_execution_options(**{FEATURES_OPTION: found})
+
+
+def features_of(revision: str | None) -> SchemaFeatures | None:
+    """What a registry at ``revision`` (a revision this code knows) lacks; None: this code
+    cannot use it as it is (older than ``oldest_readable``).
+
+    Walks down from head: each revision above ``revision`` must say what it adds
+    (``adds_tables``/``adds_columns``, possibly empty); one that does not (it reshapes
+    or removes, or predates this rule) is as far down as this code reads.
+    """
+    if revision is None:
+        return None
+    head = head_revision()
+    if revision == head:
+        return COMPLETE
+    lacking: list[tuple[str, str]] = []
+    tables: set[str] = set()
+    columns: set[tuple[str, str]] = set()
+    at: str | None = head
+    while at != revision:
+        if at is None:
+            return None
+        module = script_directory().get_revision(at).module
+        adds_tables = getattr(module, "adds_tables", None)
+        adds_columns = getattr(module, "adds_columns", None)
+        if adds_tables is None or adds_columns is None:
+            return None
+        tables.update(adds_tables)
+        columns.update((t, c) for t, cols in adds_columns.items() for c in cols)
+        lacking.append((at, str(getattr(module, "adds", at))))
+        down = script_directory().get_revision(at).down_revision
+        at = down if isinstance(down, str) or down is None else None
+    return SchemaFeatures(revision, tuple(reversed(lacking)), frozenset(tables), frozenset(columns))
+
+
+def oldest_readable() -> str:
+    """The oldest revision this code reads and writes as it is (``features_of``)."""
+    oldest = head_revision()
+    for rev, down, _title in reversed(history()):
+        if rev == oldest and down is not None and features_of(down) is not None:
+            oldest = down
+    return oldest
+
+
 def _older_schema_error(
     location: Location, revision: str | None, *, shared: bool
 ) -> SchemaTooOldError:
@@ -713,6 +855,18 @@ def _older_schema_error(
     )
 
 
+@dataclass(frozen=True)
+class SchemaCheck:
+    """What ``ensure_schema`` found and did."""
+
+    #: Why this code may not write the registry (``write_refusal``), else None.
+    refusal: str | None
+    #: What the registry's revision lacks of this code's head.
+    features: SchemaFeatures
+    #: The revision (``"base"``: none) a local file was upgraded from, else None.
+    upgraded_from: str | None = None
+
+
 def ensure_schema(
     engine: Engine,
     location: Location,
@@ -720,17 +874,20 @@ def ensure_schema(
     readonly: bool,
     create: bool = True,
     write: bool = True,
-) -> str | None:
+) -> SchemaCheck:
     """Check the registry's schema before use; create or upgrade it where that is allowed.
 
-    Returns why this code may not write the registry (a newer schema that
-    only older-compatible readers may use: ``write_refusal``), else None.
+    Returns what it found (``SchemaCheck``): why this code may not write the
+    registry, what its revision lacks (also attached to ``engine``), and the
+    revision it upgraded from, if it did.
 
     - A newer revision is used as its ``schema_compat`` row allows, never touched.
-    - ``write=False`` (a read) never changes the schema: an older one is
-      refused with ``SchemaTooOldError`` (this code's queries need head).
+    - An older revision from ``oldest_readable`` on is used as it is, read and
+      written, never upgraded: servers of the previous releases may share it.
+    - ``write=False`` (a read) never changes the schema: an even older one is
+      refused with ``SchemaTooOldError``.
     - A write creates a new registry at head (``create=False`` refuses a
-      database without any table). An older schema is upgraded under the
+      database without any table). An even older schema is upgraded under the
       lock only in a local SQLite file; a server-backed registry (PostgreSQL)
       is refused, because servers of another ficache share it: only
       ``ficache db upgrade`` (``upgrade``) moves it.
@@ -746,10 +903,15 @@ def ensure_schema(
                     "(ficache import FILE)"
                 )
             refusal = write_refusal(conn, location, revision)
-        if revision == head or (revision is not None and not _revision_exists(revision)):
+        if revision is not None and not _revision_exists(revision):
+            found: SchemaFeatures | None = COMPLETE  # newer: it only adds to this code's head
+        else:
+            found = features_of(revision)
+        if found is not None:
             if not readonly and refusal is None:
                 _enable_wal(engine)
-            return refusal
+            attach_features(engine, found)
+            return SchemaCheck(refusal, found)
         if not write:
             raise _older_schema_error(location, revision, shared=False)
         if readonly:
@@ -762,13 +924,16 @@ def ensure_schema(
             raise _older_schema_error(location, revision, shared=True)
         with write_transaction(engine) as conn:
             revision = check_revision(conn, location)  # again, inside the lock
+            upgraded = None
             if revision != head:
                 _alembic_command().upgrade(alembic_config(conn), "head")
                 _stamp_compat(conn)
+                upgraded = None if empty else (revision or "base")
         _enable_wal(engine)
     except DatabaseError as exc:
         raise translate_operational_error(exc, location, engine=engine) from None
-    return None
+    attach_features(engine, COMPLETE)
+    return SchemaCheck(None, COMPLETE, upgraded)
 
 
 def _enable_wal(engine: Engine) -> None:

@@ -28,6 +28,7 @@ from ficache.errors import (
 from ficache.fingerprint import Fingerprint
 from ficache.models import Base
 from ficache.registry import Registry
+from ficache.registry_schema import RegistrySchema
 
 HEAD = schema.head_revision()
 TABLES = {
@@ -278,6 +279,10 @@ def test_a_frozen_registry_upgrades_to_head_and_keeps_its_data(
     shutil.copyfile(frozen, path)
     h200 = Fingerprint.from_flashinfer_metadata({**_FROZEN_FIELDS, "gpu": "NVIDIA H200"})
     b200 = Fingerprint.from_flashinfer_metadata({**_FROZEN_FIELDS, "gpu": "NVIDIA B200"})
+    if schema.features_of(_frozen_revision(frozen)) is not None:
+        # A revision this code uses as it is (rolling upgrades) moves only by `db upgrade`.
+        with RegistrySchema.open(str(path), create=False) as target:
+            target.upgrade()
 
     with Registry.open(str(path)) as reg:
         assert reg.stats().revision == HEAD
@@ -618,6 +623,10 @@ _FROZEN_FIELDS = {
 }
 
 
+def _frozen_revision(frozen: Path) -> str:
+    return frozen.name.removeprefix("registry-").removesuffix(".db")
+
+
 def _frozen_key(m: int, extras: str = "(torch.bfloat16, 1)") -> str:
     return f"('flashinfer::mm_fp4', 'CutlassFp4Runner', (({m}, 4096), (4096, 2048)), {extras})"
 
@@ -627,6 +636,7 @@ def _frozen_key(m: int, extras: str = "(torch.bfloat16, 1)") -> str:
 _OPEN_AT = """
 import sys, time
 from ficache.registry import Registry
+from ficache.registry_schema import RegistrySchema
 start = float(sys.argv[2])
 while time.time() < start:
     time.sleep(0.001)
