@@ -2368,12 +2368,58 @@ def db_history() -> None:
 
 @db_group.command("upgrade")
 @click.argument("revision", default="head")
+@click.option("--dry-run", is_flag=True, help="Show the plan and change nothing.")
+@click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option(
+    "--sql",
+    is_flag=True,
+    help="Print the SQL the upgrade runs (Alembic's offline mode) and change nothing.",
+)
 @pass_ctx
-def db_upgrade(obj: _Context, revision: str) -> None:
-    """Upgrade (or create) the registry's schema to REVISION (default head)."""
-    with obj.registry_schema(create=True) as target:
-        now = target.upgrade(revision)
-    click.echo(f"registry {target.location.display} is at {now}")
+def db_upgrade(obj: _Context, revision: str, dry_run: bool, yes: bool, sql: bool) -> None:
+    """Upgrade (or create) the registry's schema to REVISION (default head).
+
+    The plan names each revision applied and the ficache releases that then
+    stop writing (and reading) the registry. On a registry servers share
+    (PostgreSQL) it asks before stopping any; upgrade once every server runs a
+    release that writes the new revision (see README, "Upgrading a fleet").
+    """
+    with obj.registry_schema(create=not (dry_run or sql)) as target:
+        plan = target.plan_upgrade(revision)
+        if sql:
+            click.echo(target.upgrade_sql(plan), nl=False)
+            return
+        if not plan.steps:
+            click.echo(f"registry {target.location.display} is at {plan.current}")
+            return
+        if plan.current is not None or dry_run:
+            _show_upgrade_plan(plan)
+        if plan.asks or dry_run:
+            _confirm_or_stop(f"Upgrade to {plan.target}?", dry_run=dry_run, yes=yes)
+        target.upgrade_planned(plan)
+    click.echo(f"registry {target.location.display} is at {plan.target}")
+
+
+def _show_upgrade_plan(plan: Any) -> None:
+    """An upgrade plan: each revision applied, then whom it stops (``schema.UpgradePlan``)."""
+    from ficache import schema
+
+    start = plan.current or "(no schema)"
+    click.echo(f"upgrade plan: {plan.location.display} from {start} to {plan.target}")
+    for revision, title in plan.steps:
+        click.echo(f"  {revision}: {title}")
+    for head in plan.stop_writing:
+        release = schema.release_of(head)
+        if head in plan.stop_reading:
+            effect = "stops reading and writing it: its warm starts tune uncached"
+        else:
+            effect = "stops writing it: its warm starts still serve, and commit nothing"
+        click.echo(f"{release} (schema {head}) {effect}")
+    if plan.stop_writing:
+        click.echo(
+            "upgrade once every server that shares this registry runs a ficache that "
+            f"writes {plan.target} ({schema.release_of(plan.target)} or newer)"
+        )
 
 
 @db_group.command("downgrade")

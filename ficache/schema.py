@@ -958,16 +958,155 @@ def _revision_exists(rev: str) -> bool:
         return False
 
 
-def upgrade(engine: Engine, location: Location, revision: str = "head") -> None:
+_ANY = object()
+
+
+def upgrade(
+    engine: Engine, location: Location, revision: str = "head", *, expected: object = _ANY
+) -> None:
+    """Upgrade to ``revision``; ``expected``: the revision a plan was made at (else refused)."""
     if revision not in ("head", "heads") and not _revision_exists(revision):
         raise SchemaError(f"unknown revision {revision!r}; see ficache db history")
     try:
         with write_transaction(engine) as conn:
-            check_revision(conn, location)
+            current = check_revision(conn, location)
+            if expected is not _ANY and current != expected:
+                raise ConflictError(
+                    f"registry {location.display} moved to revision {current!r} since the "
+                    f"upgrade was planned at {expected!r}; plan it again"
+                )
             _alembic_command().upgrade(alembic_config(conn), revision)
             _stamp_compat(conn)
     except (OperationalError, DatabaseError) as exc:
         raise translate_operational_error(exc, location, engine=engine) from None
+
+
+#: The first revision whose code reads ``schema_compat`` (older code refuses any newer schema).
+COMPAT_REVISION = "0007_compat"
+
+
+def _order(revision: str) -> int:
+    return [rev for rev, _down, _title in history()].index(revision)
+
+
+def release_of(revision: str) -> str:
+    """The ficache release whose schema head ``revision`` is, as its title names it."""
+    title = next(t for rev, _down, t in history() if rev == revision)
+    name = title.split(":", 1)[0]
+    return name if name.startswith("ficache ") else f"ficache at {revision}"
+
+
+def release_access(head: str, revision: str) -> tuple[bool, bool]:
+    """``(reads, writes)``: whether the release whose schema head is ``head`` (a revision
+    this code knows) uses a registry at ``revision`` as it is.
+
+    Older code than the registry decides by the registry's ``schema_compat`` row (from
+    ``COMPAT_REVISION`` on); this release by ``features_of``; a release between the two
+    (older than this one, newer than the registry) refused or upgraded older schemas.
+    """
+    if head == revision:
+        return True, True
+    if _order(head) < _order(revision):
+        if _order(head) < _order(COMPAT_REVISION):
+            return False, False
+        readable, writable = compat_constants(revision)
+        return _order(head) >= _order(readable), _order(head) >= _order(writable)
+    usable = head == head_revision() and features_of(revision) is not None
+    return usable, usable
+
+
+@dataclass(frozen=True)
+class UpgradePlan:
+    """What ``ficache db upgrade`` would do to one registry: the revisions it applies, and
+    which ficache releases then stop reading or writing it (named by their schema heads).
+
+    ``shared``: a server-backed registry (PostgreSQL), which servers of other releases
+    may use: the CLI asks before it stops any of them. ``execute`` applies the plan only
+    while the registry is still at ``current``.
+    """
+
+    location: Location
+    current: str | None
+    target: str
+    steps: tuple[tuple[str, str], ...]  # (revision, title), oldest first
+    stop_writing: tuple[str, ...]  # schema heads of releases that write it now, not after
+    stop_reading: tuple[str, ...]  # of those, the ones that also stop reading it
+    shared: bool
+
+    @property
+    def asks(self) -> bool:
+        """Whether the upgrade stops a release that may share the registry from using it."""
+        return self.shared and bool(self.stop_writing)
+
+    def execute(self, engine: Engine) -> None:
+        upgrade(engine, self.location, self.target, expected=self.current)
+
+
+def plan_upgrade(engine: Engine, location: Location, revision: str = "head") -> UpgradePlan:
+    """The revisions from the registry's up to ``revision``, and whom they stop."""
+    target = head_revision() if revision in ("head", "heads") else revision
+    if not _revision_exists(target):
+        raise SchemaError(f"unknown revision {revision!r}; see ficache db history")
+    try:
+        with engine.connect() as conn:
+            current = check_revision(conn, location)
+            empty = current is None and not inspect(conn).get_table_names()
+    except DatabaseError as exc:
+        raise translate_operational_error(exc, location, engine=engine) from None
+    order = [rev for rev, _down, _title in history()]
+    titles = {rev: title for rev, _down, title in history()}
+    start = 0 if current is None else order.index(current) + 1
+    if current is not None and order.index(target) < start - 1:
+        raise SchemaError(
+            f"revision {target!r} is below the registry's revision {current!r}; "
+            "use ficache db downgrade"
+        )
+    steps = tuple((rev, titles[rev]) for rev in order[start : order.index(target) + 1])
+    stop_writing: list[str] = []
+    stop_reading: list[str] = []
+    if current is not None and steps:
+        for head in order[: order.index(target) + 1]:
+            reads_now, writes_now = release_access(head, current)
+            reads_after, writes_after = release_access(head, target)
+            if writes_now and not writes_after:
+                stop_writing.append(head)
+            if reads_now and not reads_after:
+                stop_reading.append(head)
+    shared = engine.dialect.name != "sqlite" and not empty
+    return UpgradePlan(
+        location, current, target, steps, tuple(stop_writing), tuple(stop_reading), shared
+    )
+
+
+def upgrade_sql(plan: UpgradePlan, dialect: str) -> str:
+    """The SQL ``plan`` runs, as Alembic's offline mode writes it (``db upgrade --sql``),
+    with the ``schema_compat`` row it leaves; nothing is connected to or changed."""
+    import io
+
+    from alembic.config import Config
+
+    buffer = io.StringIO()
+    config = Config(output_buffer=buffer)
+    for option, value in alembic_config().get_section(config.config_ini_section, {}).items():
+        config.set_main_option(option, value)
+    config.attributes["offline_dialect"] = dialect
+    start = plan.current or "base"
+    _alembic_command().upgrade(config, f"{start}:{plan.target}", sql=True)
+    sql = buffer.getvalue()
+    if dialect == "postgresql":  # queue behind ficache's writers, as `db upgrade` does
+        lock = f"SELECT pg_advisory_xact_lock({PG_MIGRATION_LOCK_ID});\n\n"
+        sql = sql.replace("BEGIN;\n\n", "BEGIN;\n\n" + lock, 1)
+    if _order(plan.target) >= _order(COMPAT_REVISION):
+        readable, writable = compat_constants(plan.target)
+        compat = (
+            "-- ficache: which older ficache may read and write this revision\n\n"
+            f"DELETE FROM {COMPAT_TABLE};\n\n"
+            f"INSERT INTO {COMPAT_TABLE} (revision, readable_from, writable_from) "
+            f"VALUES ('{plan.target}', '{readable}', '{writable}');\n\n"
+        )
+        at = sql.rfind("COMMIT;")
+        sql = sql[:at] + compat + sql[at:]
+    return sql
 
 
 @dataclass(frozen=True)
@@ -1029,9 +1168,6 @@ def plan_downgrade(engine: Engine, location: Location, revision: str) -> Downgra
     except DatabaseError as exc:
         raise translate_operational_error(exc, location, engine=engine) from None
     return DowngradePlan(location, current, revision, tuple(steps))
-
-
-_ANY = object()
 
 
 def downgrade(
