@@ -37,13 +37,40 @@ Invariants:
   is never changed. Otherwise (no row: written before 0007, or by a tool
   that moved the revision) it is refused with ``SchemaTooNewError`` and
   never written.
-- Reads never change the schema (``ensure_schema(write=False)``): an older
-  one is refused with ``SchemaTooOldError``, "run `ficache db upgrade`".
-  A write creates a new registry at head; it upgrades an older schema only
-  in a local SQLite file. A server-backed registry (PostgreSQL, shared by a
-  fleet) is upgraded only by ``ficache db upgrade`` (``upgrade``): a warm
-  start or import against an older one is refused with that hint (a warm
-  start then tunes uncached and says why).
+- Older schemas (this code on a registry the previous releases share).
+  ``features_of`` resolves, when a registry opens (``ensure_schema``), what
+  its revision lacks of this code's head (``SchemaFeatures``), from the
+  revision modules above it: each declares ``adds`` (in words),
+  ``adds_tables`` and ``adds_columns``. The oldest revision this code uses
+  is the first one, walking down from head, that declares none: every
+  revision above it does (``oldest_readable``; ``0007_compat`` today). Such a registry is read and
+  written as it is, never upgraded: the engine carries the features
+  (``features``), so each query touching an added table or column asks them
+  (a missing table reads as empty, ``kind_store.present``; a missing column
+  as its default, ``SchemaFeatures.column``/``columns``; writes leave it
+  out, ``writable``), and a write that leaves something out says so once
+  (``SchemaFeatures.skipped``, ``WriteResult.skipped``).
+- Expand, then contract. A revision adds only (tables, columns with server
+  defaults, indexes), declares what it adds as above, and names in
+  ``readable_from``/``writable_from`` the oldest release that can read and
+  write it: one that only adds is readable by the release before it. A
+  change that removes or reshapes what a previous release reads (a column
+  dropped, renamed, retyped, made NOT NULL without a default; a table split)
+  ships in two releases: first the release that no longer needs the old
+  shape (adding the new one beside it and writing both), then a later
+  revision that drops the old shape, declaring no ``adds_*`` (so this code's
+  ``oldest_readable`` moves up to it) and a ``readable_from`` of that first
+  release. ``tests/test_rolling_upgrade.py`` checks every revision this code
+  reads against the previous two releases' frozen registries.
+- Reads never change the schema (``ensure_schema(write=False)``): a schema
+  older than ``oldest_readable`` is refused with ``SchemaTooOldError``, "run
+  `ficache db upgrade`". A write creates a new registry at head; it upgrades
+  such an older schema only in a local SQLite file (and says so:
+  ``SchemaCheck.upgraded_from``). A server-backed registry (PostgreSQL,
+  shared by a fleet) is upgraded only by ``ficache db upgrade``
+  (``plan_upgrade``: the revisions applied and the releases that then stop
+  writing or reading it, ``release_access``; ``upgrade_sql``: the same as
+  SQL, Alembic's offline mode).
 - A downgrade is planned first (``plan_downgrade``): each revision undone
   says what it drops, counted from the registry (its module's
   ``lost_on_downgrade``), and the plan executes only at the revision it was

@@ -32,10 +32,11 @@ Storage
   triggers are disabled, so PostgreSQL enforces the keys on every write.
 
 Schema
-- ``schema_revision``: the registry is at this code's head revision.
-  Ficache upgrades a registry when it opens it for writing, so an older
-  one is healthy but stale: verify says so, exits 1, and skips the data
-  checks (they read head's columns); ``ficache db upgrade`` fixes it.
+- ``schema_revision``: the registry is at a revision this code reads. One
+  older than ``schema.oldest_readable`` is healthy but stale: verify says
+  so, exits 1, and skips the data checks; ``ficache db upgrade`` fixes it.
+  One from there to head (a previous release's, during a rolling upgrade)
+  is checked as it is, what it lacks absent by design, with a note.
 - ``schema_drift``: the tables, columns, types and indexes match the models
   (Alembic's ``compare_metadata``, as ``tests/test_schema.py`` checks for a
   new registry): the schema changes only through migrations. When a table

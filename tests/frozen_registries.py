@@ -60,7 +60,9 @@ def frozen_postgres(revision: str, url: str) -> None:
                 quoted = ", ".join(f'"{name}"' for name in names)
                 rows = src.execute(f"SELECT {quoted} FROM {table.name} ORDER BY 1").fetchall()
                 if rows:
-                    conn.execute(table.insert(), [dict(zip(names, row, strict=True)) for row in rows])
+                    conn.execute(
+                        table.insert(), [dict(zip(names, row, strict=True)) for row in rows]
+                    )
                 if "id" in table.c:
                     conn.execute(
                         text(
