@@ -2004,6 +2004,14 @@ def merge_cmd(
     with obj.registry(create=not dry_run, write=not dry_run) as reg:
         if dry_run:
             plan, result = plan_merge(reg, opened, policy), None
+            from ficache.kinds import PROTOCOL_KIND
+
+            protocol = plan.protocol.write.records
+            if protocol and not reg.features.has_table(PROTOCOL_KIND.rows.name):
+                # What the real merge leaves out of an older schema, said alike.
+                _say_skipped(
+                    reg.features.skipped(f"{len(protocol)} protocol records", reg.location)
+                )
         else:
             reg.require_writable()
             plan, result = merge_sources(reg, opened, policy)

@@ -574,11 +574,12 @@ class Registry:
         ]
         skipped = self.features.skipped(" and ".join(left_out), self.location) if left_out else None
         if all(p.is_empty for p in held):
-            return WriteResult(None, skipped=skipped)
-        try:
-            result = self.transaction(partial(_stage_and_commit, held, header, keep_existing))
-        except _NothingToWrite as nothing:
-            result = nothing.result
+            result = WriteResult(None)
+        else:
+            try:
+                result = self.transaction(partial(_stage_and_commit, held, header, keep_existing))
+            except _NothingToWrite as nothing:
+                result = nothing.result
         if skipped is not None:
             result = dataclasses.replace(result, skipped=skipped)
             for listener in self.skip_listeners:

@@ -233,6 +233,27 @@ def test_import_dry_run_and_import_agree_on_a_previous_releases_schema(
     assert listed.exit_code == 0 and len(json.loads(listed.stdout)) == 5
 
 
+@pytest.mark.usefixtures("backend")
+def test_merge_dry_run_and_merge_agree_on_a_previous_releases_schema(
+    cli, previous: str, registry_db: str, tmp_path: Path
+) -> None:
+    """Merging this release's registry (protocol records included) into a previous release's:
+    the same plan and the same one warning, and the registry stays at its revision."""
+    source = tmp_path / "head.db"
+    shutil.copyfile(frozen_file(HEAD), source)
+
+    dry = cli("merge", source, "--dry-run")
+    real = cli("merge", source)
+
+    assert (dry.exit_code, real.exit_code) == (0, 0), (dry.stderr, real.stderr)
+    assert dry.stderr == real.stderr
+    assert "2 protocol records not stored" in real.stderr and real.stderr.count("\n") == 1
+    assert dry.stdout.replace("dry run: nothing changed\n", "") == real.stdout.replace(
+        "nothing to change, no commit\n", ""
+    )
+    assert _sql(registry_db, "SELECT version_num FROM alembic_version") == [(previous,)]
+
+
 def test_a_local_file_older_than_this_release_reads_is_upgraded_by_both_runs_and_said_so(
     cli, registry_path: Path, tmp_path: Path, dump_db
 ) -> None:

@@ -452,7 +452,7 @@ def test_downgrading_below_0003_drops_records_and_their_commits_only(
     # The import of entries and records keeps its entries; the records-only ones are gone.
     assert query(registry_path, "SELECT id, added FROM commits") == [(1, 1)]
     assert cli("verify").exit_code == 1  # stale (0002), and says so
-    assert cli("db", "upgrade").exit_code == 0
+    assert cli("db", "upgrade", "--yes").exit_code == 0
     assert cli("verify").stdout.endswith("ok: no problems\n")
     assert query(registry_path, "SELECT count(*) FROM records") == [(0,)]
     again = cli("import", both)
@@ -480,7 +480,7 @@ def test_downgrading_below_0004_drops_selections_and_keeps_values(
     assert query(registry_path, "SELECT runner, tactic, policy FROM entries") == [
         ("CutlassRunner", "3", '["cuda_graph_profile_replays",null]')
     ]
-    assert cli("db", "upgrade").exit_code == 0
+    assert cli("db", "upgrade", "--yes").exit_code == 0
     assert cli("verify").stdout.endswith("ok: no problems\n")
     assert query(registry_path, "SELECT selection FROM entries") == [(None,)]
     # The same value again is unchanged: the selection is not part of it.
@@ -531,7 +531,7 @@ def test_downgrading_below_0006_puts_policies_and_key_columns_back(
         ("added", key(64), None, None),
         ("replaced", key(16), hot_json, '["cold"]'),
     ]
-    assert cli("db", "upgrade").exit_code == 0
+    assert cli("db", "upgrade", "--yes").exit_code == 0
     assert cli("verify").stdout.endswith("ok: no problems\n")
     assert cli("export", "--fingerprint", "1").stdout == before
     assert cli("revert", "2", "--yes").exit_code == 0  # the old policy comes back by its id
@@ -562,7 +562,7 @@ def test_downgrading_below_0008_drops_the_start_counts_and_keeps_everything_else
     assert query(registry_path, "SELECT key, tactic, commit_id FROM entries ORDER BY key") == (
         entries_before
     )
-    assert cli("db", "upgrade").exit_code == 0
+    assert cli("db", "upgrade", "--yes").exit_code == 0
     assert cli("verify").stdout.endswith("ok: no problems\n")
     assert query(
         registry_path, "SELECT served_starts, replay_starts, replay_misses FROM fingerprints"
@@ -608,7 +608,7 @@ def test_downgrading_below_0009_drops_protocol_records_and_their_commits_only(
         entries_before
     )
     assert query(registry_path, "SELECT id FROM commits ORDER BY id") == commits_before[:1]
-    assert cli("db", "upgrade").exit_code == 0
+    assert cli("db", "upgrade", "--yes").exit_code == 0
     assert cli("verify").stdout.endswith("ok: no problems\n")
     assert query(registry_path, "SELECT count(*) FROM protocol_records") == [(0,)]
 
@@ -752,7 +752,7 @@ def test_a_write_upgrades_an_older_sqlite_file_but_never_a_shared_registry(
             "upgraded only by `ficache db upgrade`\n",
         )
         assert dump_db(registry_db) == before
-        assert cli("db", "upgrade").exit_code == 0
+        assert cli("db", "upgrade", "--yes").exit_code == 0
         assert cli("import", entry_file(cache_file, "b.json", m=32)).exit_code == 0
     assert len(json.loads(cli("list", "--format", "json").stdout)) == 2
 
@@ -796,7 +796,7 @@ def test_a_downgrade_plan_counts_what_each_step_drops(
     down = cli("db", "downgrade", "0003_records", "--yes")
     assert down.exit_code == 0, down.stderr
     assert "0004_selection -> 0003_records: the selections of 1 entries" in down.stdout
-    assert cli("db", "upgrade").exit_code == 0
+    assert cli("db", "upgrade", "--yes").exit_code == 0
     plan = cli("db", "downgrade", "0003_records", "--dry-run")  # nothing left to lose
     assert "0004_selection -> 0003_records: keeps every stored value\n" in plan.stdout
     assert "upgrading again" not in plan.stdout
