@@ -13,8 +13,9 @@ What it may do:
   ``commits``, ``entries``, ``records`` (``state``), ``fingerprints`` and
   ``entries`` (``fingerprints_with_entries``).
 - Write exactly one thing: the served mark of some fingerprints
-  (``write_served_marks``: ``last_served_at`` and, from ``0008_start_counts``,
-  the start counters), in one autocommit UPDATE. Never an entry, a record or a
+  (``write_served_marks``: ``last_served_at`` and the start counters where the
+  file's ``fingerprints`` has them, from ``0008_start_counts`` on), in one
+  autocommit UPDATE. Never an entry, a record or a
   commit; no history.
 
 Schema revisions it assumes, and how it stays in step with the models:
