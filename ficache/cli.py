@@ -35,7 +35,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from ficache import __version__, values
-from ficache.errors import FicacheError
+from ficache.errors import FicacheError, SchemaTooOldError
 
 T = TypeVar("T")
 CommandT = TypeVar("CommandT", bound=Callable[..., Any])
@@ -75,6 +75,22 @@ def on_conflict_option(
     )
 
 
+def _upgraded_note(location: Any, revision: str) -> str:
+    """The note of a write that upgraded a local SQLite file older than this ficache reads."""
+    from ficache import schema
+
+    return (
+        f"note: upgraded registry {location.display} from schema {revision!r} to "
+        f"{schema.head_revision()!r} (a local file older than {schema.oldest_readable()!r}, "
+        "which this ficache cannot use as it is)"
+    )
+
+
+def _say_skipped(warning: str) -> None:
+    """A write left out what the registry's older schema cannot hold: one line on stderr."""
+    click.echo(f"warning: {warning}", err=True)
+
+
 class _Context:
     def __init__(self, db: str | None, debug: bool) -> None:
         self.db = db
@@ -98,6 +114,9 @@ class _Context:
         if reg.created:
             self.note_created(reg.location, new_dirs)
         reg.commit_listeners.append(self._made)
+        reg.skip_listeners.append(_say_skipped)
+        if reg.upgraded_from is not None:
+            click.echo(_upgraded_note(reg.location, reg.upgraded_from), err=True)
         return reg
 
     def registry_schema(self, *, create: bool) -> Any:
@@ -759,6 +778,8 @@ def _import_files(obj: _Context, request: Any, dry_run: bool, fmt: str) -> None:
         if prepared is None:
             prepared = read.plan_in(reg, obj.db or "the default path")
         result = prepared.preview(reg) if dry_run else prepared.execute(reg)
+        if dry_run and result.skipped:  # what the real run leaves out
+            _say_skipped(result.skipped)
     _report_import(fmt, prepared.plan, result, "file", dry_run=dry_run)
     if read.note:
         click.echo(read.note, err=True)
@@ -792,6 +813,8 @@ def _run_import(obj: _Context, fmt: str, prepared: Any, source_noun: str, dry_ru
     """Preview (``dry_run``) or execute one prepared import, and report it."""
     with _import_registry(obj, dry_run) as reg:
         result = prepared.preview(reg) if dry_run else prepared.execute(reg)
+        if dry_run and result.skipped:  # what the real run leaves out
+            _say_skipped(result.skipped)
     _report_import(fmt, prepared.plan, result, source_noun, dry_run=dry_run)
 
 
@@ -809,8 +832,38 @@ def _import_registry(obj: _Context, dry_run: bool) -> Iterator[Any]:
     if location.path is not None and not location.path.exists():
         yield None
         return
-    with obj.registry(create=False, write=False) as reg:
+    try:
+        reg = obj.registry(create=False, write=False)
+    except SchemaTooOldError:
+        if location.path is None or schema.is_read_only_file(location.path):
+            raise  # the real import refuses it too
+        # A local file the real import upgrades first: the dry run shows it on an upgraded copy.
+        with _upgraded_copy(location.path) as copy:
+            click.echo(
+                _upgraded_note(location, copy.upgraded_from).replace(
+                    "note: upgraded", "note: the import would first upgrade"
+                ),
+                err=True,
+            )
+            yield copy
+        return
+    with reg:
         yield reg
+
+
+@contextlib.contextmanager
+def _upgraded_copy(path: Path) -> Iterator[Any]:
+    """A ``Registry`` on a temporary copy of the SQLite file ``path``, upgraded to head."""
+    import tempfile
+
+    from ficache import schema
+    from ficache.registry import Registry
+
+    with tempfile.TemporaryDirectory(prefix="ficache-dry-run-") as tmp:
+        copy = Path(tmp) / path.name
+        schema.copy_sqlite_file(path, copy)
+        with Registry.open(str(copy), create=False) as reg:
+            yield reg
 
 
 def _among_inputs(duplicates: int, conflicts: int) -> str:
@@ -948,6 +1001,8 @@ def _import_from_vllm(obj: _Context, plan: Any, dry_run: bool, fmt: str) -> None
     if not plan.is_empty:
         with _import_registry(obj, dry_run) as reg:
             result = plan.preview(reg) if dry_run else plan.execute(reg)
+            if dry_run and result.skipped:  # what the real run leaves out
+                _say_skipped(result.skipped)
     if fmt == "json":
         _dump_json(_adoption_json(plan, result, dry_run))
     else:
@@ -1078,6 +1133,8 @@ def _import_v2_stores(obj: _Context, read: Any, dry_run: bool, fmt: str) -> None
     """``import`` of FlashInfer v2 stores (``import_request.prepare_store_import``): one commit."""
     with _import_registry(obj, dry_run) as reg:
         result = read.prepared.preview(reg) if dry_run else read.prepared.execute(reg)
+        if dry_run and result.skipped:  # what the real run leaves out
+            _say_skipped(result.skipped)
     if fmt == "json":
         _dump_json(_store_import_json(read, result, dry_run))
     else:
@@ -2117,6 +2174,14 @@ def merge_cmd(
     with obj.registry(create=not dry_run, write=not dry_run) as reg:
         if dry_run:
             plan, result = plan_merge(reg, opened, policy), None
+            from ficache.kinds import PROTOCOL_KIND
+
+            protocol = plan.protocol.write.records
+            if protocol and not reg.features.has_table(PROTOCOL_KIND.rows.name):
+                # What the real merge leaves out of an older schema, said alike.
+                _say_skipped(
+                    reg.features.skipped(f"{len(protocol)} protocol records", reg.location)
+                )
         else:
             reg.require_writable()
             plan, result = merge_sources(reg, opened, policy)
@@ -2676,12 +2741,58 @@ def db_history() -> None:
 
 @db_group.command("upgrade")
 @click.argument("revision", default="head")
+@click.option("--dry-run", is_flag=True, help="Show the plan and change nothing.")
+@click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option(
+    "--sql",
+    is_flag=True,
+    help="Print the SQL the upgrade runs (Alembic's offline mode) and change nothing.",
+)
 @pass_ctx
-def db_upgrade(obj: _Context, revision: str) -> None:
-    """Upgrade (or create) the registry's schema to REVISION (default head)."""
-    with obj.registry_schema(create=True) as target:
-        now = target.upgrade(revision)
-    click.echo(f"registry {target.location.display} is at {now}")
+def db_upgrade(obj: _Context, revision: str, dry_run: bool, yes: bool, sql: bool) -> None:
+    """Upgrade (or create) the registry's schema to REVISION (default head).
+
+    The plan names each revision applied and the ficache releases that then
+    stop writing (and reading) the registry. On a registry servers share
+    (PostgreSQL) it asks before stopping any; upgrade once every server runs a
+    release that writes the new revision (see README, "Upgrading a fleet").
+    """
+    with obj.registry_schema(create=not (dry_run or sql)) as target:
+        plan = target.plan_upgrade(revision)
+        if sql:
+            click.echo(target.upgrade_sql(plan), nl=False)
+            return
+        if not plan.steps:
+            click.echo(f"registry {target.location.display} is at {plan.current}")
+            return
+        if plan.current is not None or dry_run:
+            _show_upgrade_plan(plan)
+        if plan.asks or dry_run:
+            _confirm_or_stop(f"Upgrade to {plan.target}?", dry_run=dry_run, yes=yes)
+        target.upgrade_planned(plan)
+    click.echo(f"registry {target.location.display} is at {plan.target}")
+
+
+def _show_upgrade_plan(plan: Any) -> None:
+    """An upgrade plan: each revision applied, then whom it stops (``schema.UpgradePlan``)."""
+    from ficache import schema
+
+    start = plan.current or "(no schema)"
+    click.echo(f"upgrade plan: {plan.location.display} from {start} to {plan.target}")
+    for revision, title in plan.steps:
+        click.echo(f"  {revision}: {title}")
+    for head in plan.stop_writing:
+        release = schema.release_of(head)
+        if head in plan.stop_reading:
+            effect = "stops reading and writing it: its warm starts tune uncached"
+        else:
+            effect = "stops writing it: its warm starts still serve, and commit nothing"
+        click.echo(f"{release} (schema {head}) {effect}")
+    if plan.stop_writing:
+        click.echo(
+            "upgrade once every server that shares this registry runs a ficache that "
+            f"writes {plan.target} ({schema.release_of(plan.target)} or newer)"
+        )
 
 
 @db_group.command("downgrade")

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import partial
 
 from sqlalchemy import Connection, func, select
 
+from ficache import schema
 from ficache.models import COMMITS as C
 from ficache.models import ENTRIES as E
 from ficache.models import SHARED_SCOPE
@@ -53,7 +55,7 @@ def log(
 ) -> list[CommitInfo]:
     """The newest commits first (at most ``limit``; only ``commit_id`` when given), those
     ``where`` lets through."""
-    query = select(C).order_by(C.c.id.desc())
+    query = select(*schema.features(conn).columns(C)).order_by(C.c.id.desc())
     if commit_id is not None:
         query = query.where(C.c.id == commit_id)
     if where.since is not None:
@@ -98,6 +100,7 @@ def commit_with_token(conn: Connection, token: str, kind: str) -> WriteResult | 
     The counts come from the commit row; ``shared_written`` counts the shared
     entries that commit still holds; ``kept`` is not stored (reported 0).
     """
+    column = partial(schema.features(conn).column, C)
     rows = conn.execute(
         select(
             C.c.id,
@@ -106,8 +109,8 @@ def commit_with_token(conn: Connection, token: str, kind: str) -> WriteResult | 
             C.c.replaced,
             C.c.records_added,
             C.c.records_replaced,
-            C.c.protocol_added,
-            C.c.protocol_replaced,
+            column("protocol_added"),
+            column("protocol_replaced"),
         ).where(C.c.kind == kind, C.c.provenance.contains(token))
     ).all()
     for (

@@ -68,6 +68,7 @@ from ficache.fingerprint import WILDCARD, Fingerprint
 from ficache.flashinfer_format import CacheFile
 from ficache.ingest_commit import ConflictCounts, IngestCommit, IngestSources
 from ficache.kind_merge import reconcile
+from ficache.kinds import PROTOCOL_KIND
 from ficache.merge import (
     ENTRY_MERGE,
     POLICIES,
@@ -255,6 +256,13 @@ class ImportPlan:
             "import", "flashinfer", "", landed.writes, landed.record_writes, landed.protocol_writes
         )
         plan = plan_merge(registry, [source], "theirs")
+        # What ``Registry.write`` leaves out of an older schema, counted and said alike.
+        holds = registry.features.has_table(PROTOCOL_KIND.rows.name)
+        skipped = None
+        if self.protocol_writes and not holds:
+            what = f"{len(self.protocol_writes)} {PROTOCOL_KIND.plural}"
+            skipped = registry.features.skipped(what, registry.location)
+        protocol = plan.protocol if holds else None
         return WriteResult(
             None,
             added=plan.added,
@@ -263,9 +271,10 @@ class ImportPlan:
             records_added=plan.records.added,
             records_replaced=plan.records.replaced,
             records_unchanged=plan.records.identical,
-            protocol_added=plan.protocol.added,
-            protocol_replaced=plan.protocol.replaced,
-            protocol_unchanged=plan.protocol.identical,
+            protocol_added=protocol.added if protocol else 0,
+            protocol_replaced=protocol.replaced if protocol else 0,
+            protocol_unchanged=protocol.identical if protocol else 0,
+            skipped=skipped,
         )
 
 

@@ -50,6 +50,7 @@ from sqlalchemy import Connection, Table, select
 from sqlalchemy.sql.elements import ColumnElement
 
 from ficache.fingerprint import Fingerprint
+from ficache.kind_store import present
 from ficache.kinds import Kind
 from ficache.models import COMMITS as C
 from ficache.models import FINGERPRINTS as F
@@ -346,7 +347,7 @@ def plan_kind(
     index_of_id = {fid: i for i, fid in enumerate(plan.target_ids) if fid is not None}
     current: dict[Indexed, Held] = {}
     tombstones: dict[Indexed, Any] = {}
-    if index_of_id:
+    if index_of_id and present(conn, kind.kind):  # an older schema may lack the kind: none held
         current = _current(conn, kind, index_of_id, by_group)
         if policy == "drop":
             tombstones = _tombstones(conn, kind, index_of_id, by_group, current)

@@ -26,6 +26,8 @@ Invariants:
   in ``scopes`` over an earlier one, key by key within a namespace.
 - ``slice_values``, ``namespace_counts`` and the ``namespace`` filter take a
   namespaced kind: identity ``(namespace, key)`` and a ``value`` column.
+- A kind whose tables the registry's schema lacks (an older revision,
+  ``schema.SchemaFeatures``) reads as holding nothing (``present``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from sqlalchemy.exc import DatabaseError
 
 from ficache import schema
 from ficache.fingerprint import Fingerprint
-from ficache.kind_store import changed_values, commit_changes
+from ficache.kind_store import changed_values, commit_changes, present
 from ficache.kinds import Kind
 from ficache.models import policy_text
 
@@ -47,6 +49,7 @@ __all__ = [
     "changes_of",
     "list_stored",
     "namespace_counts",
+    "present",
     "slice_values",
     "stored_items",
     "stored_rows",
@@ -117,6 +120,8 @@ def stored_rows(
     )
     if limit is not None:
         query = query.limit(limit)
+    if not present(conn, kind):
+        return
     for row in conn.execute(query):
         yield make(*row)
 
@@ -141,6 +146,8 @@ def slice_values(
     ``scopes`` of ``fingerprint_ids``, overlaid as the module docstring says."""
     c = _namespaced(kind)
     out: NamespaceMap = {}
+    if not present(conn, kind):
+        return out
     for fid in reversed(list(fingerprint_ids)):
         for scope in scopes:
             rows = conn.execute(
@@ -154,6 +161,8 @@ def slice_values(
 def namespace_counts(conn: Connection, kind: Kind) -> tuple[tuple[int, str, int], ...]:
     """``(fingerprint id, namespace, rows)`` of ``kind``, every stored namespace, in order."""
     c = _namespaced(kind)
+    if not present(conn, kind):
+        return ()
     rows = conn.execute(
         select(c.fingerprint_id, c.namespace, func.count())
         .group_by(c.fingerprint_id, c.namespace)
@@ -173,7 +182,9 @@ def stored_items(
     copies. ``fingerprints`` maps every fingerprint id read to its ``Fingerprint``."""
     n_identity, n_values = len(kind.identity), len(kind.values)
     query = _rows_query(kind, with_commit=False, fingerprint_ids=fingerprint_ids)
-    items = []
+    items: list[Any] = []
+    if not present(conn, kind):
+        return items
     for row in conn.execute(query):
         fid, scope, *rest = row
         identity = tuple(rest[:n_identity])
@@ -186,6 +197,8 @@ def stored_items(
 def changes_of(conn: Connection, kind: Kind, commit_id: int) -> tuple[Any, ...]:
     """What commit ``commit_id`` did to ``kind``, as its ``change_row``s, by identity."""
     make = _row_type(kind, kind.change_row)
+    if not present(conn, kind):
+        return ()
     return tuple(
         make(
             change.action,

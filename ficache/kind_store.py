@@ -49,6 +49,7 @@ from typing import Any
 
 from sqlalchemy import Connection, bindparam, delete, func, insert, literal, select, update
 
+from ficache import schema
 from ficache.errors import StalePlanError
 from ficache.fingerprint import Fingerprint
 from ficache.kinds import ACTIONS, STORED_KINDS, Kind
@@ -99,6 +100,13 @@ def _tuple_getter(names: Sequence[str]) -> Callable[[Any], tuple[Any, ...]]:
         one = attrgetter(names[0])
         return lambda obj: (one(obj),)
     return attrgetter(*names)
+
+
+def present(conn: Connection, kind: Kind) -> bool:
+    """Whether the registry ``conn`` reads holds ``kind``'s tables (``schema.features``: an
+    older schema, from before the revision that added them, holds no row of it and takes
+    none: readers see nothing, ``Registry.write`` leaves the kind out with a warning)."""
+    return schema.features(conn).has_table(kind.rows.name)
 
 
 def _inserted_id(result: Any) -> int:
@@ -154,6 +162,7 @@ def new_commit(
     counts = {k.count_column(a): 0 for k in STORED_KINDS for a in ACTIONS}
     for s in staged:
         counts.update({s.kind.count_column(a): n for a, n in s.counts().items()})
+    holds = schema.features(conn).writable
     result = conn.execute(
         insert(C).values(
             created_at=now,
@@ -161,15 +170,15 @@ def new_commit(
             host=socket.gethostname(),
             user=user,
             provenance=json.dumps(provenance, sort_keys=True) if provenance else None,
-            **{**counts, **values},
+            **holds(C.name, {**counts, **values}),
         )
     )
     return _inserted_id(result)
 
 
-def result_counts(staged: Iterable[Staged]) -> dict[str, int]:
+def result_counts(staged: Iterable[Staged]) -> dict[str, Any]:
     """``WriteResult``'s count fields of ``staged`` (each kind by its ``result_prefix``)."""
-    out: dict[str, int] = {}
+    out: dict[str, Any] = {}
     for s in staged:
         field_of = s.kind.result_field
         out.update({field_of(a): n for a, n in s.counts().items()})
@@ -627,6 +636,8 @@ def commit_changes(
     Rows carry every change column by name, the policy columns as canonical
     JSON text under the change column's name less ``_id`` (``old_policy``).
     """
+    if not present(conn, kind):
+        return []
     changes = kind.changes
     policies = _policy_change_columns(kind)
     columns = [
@@ -703,6 +714,8 @@ def prune_candidates(
     rows of ``kind`` matching every condition (each a function of a table with
     ``fingerprint_id``, ``scope`` and ``updated_at`` columns, joined with its
     fingerprint), in id order."""
+    if not present(conn, kind):
+        return []
     rows = kind.rows
     query = (
         select(

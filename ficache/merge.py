@@ -328,14 +328,18 @@ def _registry_source(spec: str) -> MergeSource:
             head = schema.head_revision()
             if revision is None:
                 raise NotARegistryError(f"{name} is an empty database, not a ficache registry")
-            if revision != head:
+            found = schema.features_of(revision)
+            if found is None:
                 raise SchemaError(
                     f"source registry {name} is at schema revision {revision!r}, older than "
                     f"{head!r}; upgrade it first (ficache --db {name} db upgrade)"
                 )
+            # A previous release's schema is read as it is (``schema.SchemaFeatures``).
+            conn = conn.execution_options(**{schema.FEATURES_OPTION: found})
             # One snapshot, read here rather than through Registry.open, which
             # would upgrade (write) a source registry of an older schema.
-            fps = {row.id: _interned(fingerprint_from_row(row)) for row in conn.execute(select(F))}
+            fp_rows = conn.execute(select(*schema.features(conn).columns(F)))
+            fps = {row.id: _interned(fingerprint_from_row(row)) for row in fp_rows}
             rows = conn.execute(
                 select(*ENTRY_VALUE_COLUMNS).order_by(E.c.fingerprint_id, E.c.scope, E.c.key)
             ).all()

@@ -70,6 +70,7 @@ import this module, so there is no import cycle (``tests/test_structure.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -256,14 +257,12 @@ def _refuse_damaged(conn: Connection, location: schema.Location) -> None:
 def _unchanged_result(staged: Sequence[kind_store.Staged]) -> WriteResult:
     """The result of a write that changes nothing: no commit, what was unchanged and kept."""
     counts = kind_store.result_counts(staged)
-    return WriteResult(
-        None,
-        **{
-            k.result_field(what): counts[k.result_field(what)]
-            for k in STORED_KINDS
-            for what in ("unchanged", "kept")
-        },
-    )
+    fields: dict[str, Any] = {
+        k.result_field(what): counts.get(k.result_field(what), 0)
+        for k in STORED_KINDS
+        for what in ("unchanged", "kept")
+    }
+    return WriteResult(None, **fields)
 
 
 class Registry:
@@ -281,9 +280,17 @@ class Registry:
         self.readonly = readonly
         #: Why this code may not write a newer schema it can read (``schema.write_refusal``).
         self.write_refusal = write_refusal
+        #: What this registry's schema revision lacks of this code's head (``schema.features``).
+        self.features: schema.SchemaFeatures = schema.COMPLETE
+        #: The revision ``open`` upgraded this local SQLite file from (older than
+        #: ``schema.oldest_readable``), else None; ``open`` logs it.
+        self.upgraded_from: str | None = None
         #: Called with each commit id right after that commit is made, with SIGINT
         #: held (``ficache._interrupts``): a Ctrl-C then cannot hide a made commit.
         self.commit_listeners: list[Callable[[int], None]] = []
+        #: Called with the one warning of each write that left out what this registry's
+        #: older schema cannot hold (``WriteResult.skipped``).
+        self.skip_listeners: list[Callable[[str], None]] = []
         #: True when ``open`` created this registry's SQLite file (``schema.is_new_sqlite_file``).
         self.created = False
         #: ``(token, kind)`` of the ``write`` under way that lands at most once, else None
@@ -306,13 +313,15 @@ class Registry:
         new = create and schema.is_new_sqlite_file(location)
         engine, readonly = schema.make_engine(location, create=create)
         try:
-            refusal = schema.ensure_schema(
+            check = schema.ensure_schema(
                 engine, location, readonly=readonly, create=create, write=write
             )
         except BaseException:
             engine.dispose()
             raise
-        registry = cls(location, engine, readonly, refusal)
+        registry = cls(location, engine, readonly, check.refusal)
+        registry.features = check.features
+        registry.upgraded_from = check.upgraded_from
         registry.created = new
         return registry
 
@@ -602,13 +611,30 @@ class Registry:
         keep_existing: bool,
     ) -> WriteResult:
         """``write``'s transaction: every kind's prepared write staged and applied in one
-        commit (``_stage_and_commit``); no commit when none changes anything."""
-        if all(p.is_empty for p in prepared):
-            return WriteResult(None)
-        try:
-            return self.transaction(partial(_stage_and_commit, prepared, header, keep_existing))
-        except _NothingToWrite as nothing:
-            return nothing.result
+        commit (``_stage_and_commit``); no commit when none changes anything.
+
+        A kind whose tables the registry's older schema lacks (``self.features``) is
+        left out, and the result says so in one warning (``WriteResult.skipped``).
+        """
+        held = [p for p in prepared if self.features.has_table(p.kind.rows.name)]
+        left_out = [
+            f"{len(p.wanted) + len(p.removals)} {p.kind.plural}"
+            for p in prepared
+            if p not in held and not p.is_empty
+        ]
+        skipped = self.features.skipped(" and ".join(left_out), self.location) if left_out else None
+        if all(p.is_empty for p in held):
+            result = WriteResult(None)
+        else:
+            try:
+                result = self.transaction(partial(_stage_and_commit, held, header, keep_existing))
+            except _NothingToWrite as nothing:
+                result = nothing.result
+        if skipped is not None:
+            result = dataclasses.replace(result, skipped=skipped)
+            for listener in self.skip_listeners:
+                listener(skipped)
+        return result
 
     def import_cache(
         self,

@@ -25,7 +25,7 @@ from sqlalchemy import Engine
 from ficache.fingerprint import Fingerprint
 from ficache.protocol_records import NewProtocolRecord, ProtocolWrite
 from ficache.records import NewRecord, RecordWrite
-from ficache.schema import Location
+from ficache.schema import Location, SchemaFeatures
 from ficache.values import CommitInfo, Expected, NewEntry, WriteResult
 
 if TYPE_CHECKING:
@@ -37,6 +37,8 @@ class RegistryAccess(Protocol):
 
     location: Location
     engine: Engine
+    #: What the registry's schema revision lacks of this code's head (``Registry.features``).
+    features: SchemaFeatures
 
     def log(
         self,

@@ -98,6 +98,18 @@ class RegistrySchema:
         with self.engine.connect() as conn:
             return schema.current_revision(conn)
 
+    def plan_upgrade(self, revision: str = "head") -> schema.UpgradePlan:
+        """The revisions up to ``revision`` and the releases they stop (``schema.plan_upgrade``)."""
+        return schema.plan_upgrade(self.engine, self.location, revision)
+
+    def upgrade_planned(self, plan: schema.UpgradePlan) -> None:
+        """Apply ``plan``, only while the registry is still at the revision it was made at."""
+        plan.execute(self.engine)
+
+    def upgrade_sql(self, plan: schema.UpgradePlan) -> str:
+        """The SQL ``plan`` runs, for this registry's database (``schema.upgrade_sql``)."""
+        return schema.upgrade_sql(plan, self.engine.dialect.name)
+
     def plan_downgrade(self, revision: str) -> schema.DowngradePlan:
         """The steps down to ``revision`` (or ``base``), counted (``schema.plan_downgrade``)."""
         return schema.plan_downgrade(self.engine, self.location, revision)

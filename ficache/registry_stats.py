@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from sqlalchemy import Connection, case, func, select
@@ -91,9 +92,14 @@ def stats(conn: Connection, location: schema.Location) -> Stats:
             func.coalesce(func.sum(case((E.c.scope == SHARED_SCOPE, 1), else_=0)), 0),
         ).select_from(E)
     ).one()
+    column = partial(schema.features(conn).column, F)
     served_rows = conn.execute(
         select(
-            F.c.id, F.c.last_served_at, F.c.served_starts, F.c.replay_starts, F.c.replay_misses
+            F.c.id,
+            F.c.last_served_at,
+            column("served_starts"),
+            column("replay_starts"),
+            column("replay_misses"),
         ).order_by(F.c.id)
     ).all()
     last_served = tuple((int(row.id), row.last_served_at) for row in served_rows)

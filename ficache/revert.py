@@ -522,5 +522,7 @@ def _holders(
 def _load_fingerprints(conn: Connection, ids: set[int], into: dict[int, Fingerprint]) -> None:
     missing = sorted(ids - into.keys())
     if missing:
-        for row in conn.execute(select(F).where(F.c.id.in_(missing))):
+        for row in conn.execute(
+            select(*schema.features(conn).columns(F)).where(F.c.id.in_(missing))
+        ):
             into[row.id] = fingerprint_from_row(row)

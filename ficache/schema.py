@@ -37,13 +37,40 @@ Invariants:
   is never changed. Otherwise (no row: written before 0007, or by a tool
   that moved the revision) it is refused with ``SchemaTooNewError`` and
   never written.
-- Reads never change the schema (``ensure_schema(write=False)``): an older
-  one is refused with ``SchemaTooOldError``, "run `ficache db upgrade`".
-  A write creates a new registry at head; it upgrades an older schema only
-  in a local SQLite file. A server-backed registry (PostgreSQL, shared by a
-  fleet) is upgraded only by ``ficache db upgrade`` (``upgrade``): a warm
-  start or import against an older one is refused with that hint (a warm
-  start then tunes uncached and says why).
+- Older schemas (this code on a registry the previous releases share).
+  ``features_of`` resolves, when a registry opens (``ensure_schema``), what
+  its revision lacks of this code's head (``SchemaFeatures``), from the
+  revision modules above it: each declares ``adds`` (in words),
+  ``adds_tables`` and ``adds_columns``. The oldest revision this code uses
+  is the first one, walking down from head, that declares none: every
+  revision above it does (``oldest_readable``; ``0007_compat`` today). Such a registry is read and
+  written as it is, never upgraded: the engine carries the features
+  (``features``), so each query touching an added table or column asks them
+  (a missing table reads as empty, ``kind_store.present``; a missing column
+  as its default, ``SchemaFeatures.column``/``columns``; writes leave it
+  out, ``writable``), and a write that leaves something out says so once
+  (``SchemaFeatures.skipped``, ``WriteResult.skipped``).
+- Expand, then contract. A revision adds only (tables, columns with server
+  defaults, indexes), declares what it adds as above, and names in
+  ``readable_from``/``writable_from`` the oldest release that can read and
+  write it: one that only adds is readable by the release before it. A
+  change that removes or reshapes what a previous release reads (a column
+  dropped, renamed, retyped, made NOT NULL without a default; a table split)
+  ships in two releases: first the release that no longer needs the old
+  shape (adding the new one beside it and writing both), then a later
+  revision that drops the old shape, declaring no ``adds_*`` (so this code's
+  ``oldest_readable`` moves up to it) and a ``readable_from`` of that first
+  release. ``tests/test_rolling_upgrade.py`` checks every revision this code
+  reads against the previous two releases' frozen registries.
+- Reads never change the schema (``ensure_schema(write=False)``): a schema
+  older than ``oldest_readable`` is refused with ``SchemaTooOldError``, "run
+  `ficache db upgrade`". A write creates a new registry at head; it upgrades
+  such an older schema only in a local SQLite file (and says so:
+  ``SchemaCheck.upgraded_from``). A server-backed registry (PostgreSQL,
+  shared by a fleet) is upgraded only by ``ficache db upgrade``
+  (``plan_upgrade``: the revisions applied and the releases that then stop
+  writing or reading it, ``release_access``; ``upgrade_sql``: the same as
+  SQL, Alembic's offline mode).
 - A downgrade is planned first (``plan_downgrade``): each revision undone
   says what it drops, counted from the registry (its module's
   ``lost_on_downgrade``), and the plan executes only at the revision it was
@@ -76,7 +103,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Table,
+    create_engine,
+    event,
+    inspect,
+    literal_column,
+    text,
+)
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import (
     ArgumentError,
@@ -185,6 +221,19 @@ def _read_only_query(path: Path) -> dict[str, str]:
             "it is writable (that folds the WAL in), or copy it with its -wal and -shm files"
         ) from None
     return {"mode": "ro", "uri": "true"}
+
+
+def copy_sqlite_file(path: Path, copy: Path) -> None:
+    """Copy the SQLite registry ``path`` (with what its WAL holds) to ``copy``, reading only."""
+    source = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)
+    try:
+        target = sqlite3.connect(copy)
+        try:
+            source.backup(target)
+        finally:
+            target.close()
+    finally:
+        source.close()
 
 
 def _install_sqlite_events(engine: Engine, *, readonly: bool) -> None:
@@ -702,6 +751,126 @@ def _stamp_compat(connection: Connection) -> None:
     )
 
 
+# --------------------------------------------------------------------------
+# What an older schema lacks (rolling upgrades: this code on the previous releases' schemas).
+
+
+@dataclass(frozen=True)
+class SchemaFeatures:
+    """What one registry's revision holds of what this code's later revisions add.
+
+    Resolved once when a registry opens (``ensure_schema``) from the revision
+    modules' ``adds_tables`` and ``adds_columns`` (every revision above the
+    registry's, up to this code's head), and attached to its engine
+    (``features``), so each query that touches an added table or column asks
+    here instead of failing: a missing table reads as empty and is not
+    written (``has_table``), a missing column reads as its default
+    (``column``, ``columns``) and is left out of writes (``writable``).
+    """
+
+    revision: str | None
+    #: ``(revision, what it adds in words)`` of each revision this registry lacks, oldest first.
+    lacking: tuple[tuple[str, str], ...] = ()
+    missing_tables: frozenset[str] = frozenset()
+    missing_columns: frozenset[tuple[str, str]] = frozenset()
+
+    @property
+    def complete(self) -> bool:
+        return not self.lacking
+
+    def has_table(self, name: str) -> bool:
+        return name not in self.missing_tables
+
+    def has_column(self, table: str, name: str) -> bool:
+        return (table, name) not in self.missing_columns
+
+    def column(self, table: Table, name: str) -> Any:
+        """``table``'s column ``name``, or, where this revision lacks it, its default (a
+        constant labelled ``name``), as a query selects it."""
+        col = table.c[name]
+        if self.has_column(table.name, name):
+            return col
+        default = col.server_default
+        value = getattr(default, "arg", None)
+        return literal_column(str(getattr(value, "text", value) or "NULL")).label(name)
+
+    def columns(self, table: Table) -> list[Any]:
+        """Every column of ``table`` (``column``: a missing one as its default), for ``select``."""
+        return [self.column(table, name) for name in table.c.keys()]  # noqa: SIM118 - names, not columns
+
+    def writable(self, table: str, values: dict[str, Any]) -> dict[str, Any]:
+        """``values`` without the columns of ``table`` this revision lacks."""
+        return {k: v for k, v in values.items() if self.has_column(table, k)}
+
+    def skipped(self, what: str, location: Location) -> str:
+        """The one warning of a write that skipped ``what`` (e.g. "3 protocol records")."""
+        needs = ", ".join(f"{rev} ({adds})" for rev, adds in self.lacking)
+        return (
+            f"registry {location.display} is at schema {self.revision!r}: {what} not stored "
+            f"(needs {needs}); run `ficache db upgrade` once every ficache that writes it "
+            "reads that revision"
+        )
+
+
+#: An engine execution option: the ``SchemaFeatures`` of the registry it opened.
+FEATURES_OPTION = "ficache_schema_features"
+#: A registry at this code's head, or newer (newer revisions only add): it lacks nothing.
+COMPLETE = SchemaFeatures(None)
+
+
+def features(conn: Connection | Engine) -> SchemaFeatures:
+    """The ``SchemaFeatures`` that ``Registry.open`` attached to ``conn``'s engine; a
+    connection of an engine opened otherwise (``db`` commands, migrations) lacks nothing."""
+    found = conn.get_execution_options().get(FEATURES_OPTION)
+    return found if isinstance(found, SchemaFeatures) else COMPLETE
+
+
+def attach_features(engine: Engine, found: SchemaFeatures) -> None:
+    engine.update_execution_options(**{FEATURES_OPTION: found})
+
+
+def features_of(revision: str | None) -> SchemaFeatures | None:
+    """What a registry at ``revision`` (a revision this code knows) lacks; None: this code
+    cannot use it as it is (older than ``oldest_readable``).
+
+    Walks down from head: each revision above ``revision`` must say what it adds
+    (``adds_tables``/``adds_columns``, possibly empty); one that does not (it reshapes
+    or removes, or predates this rule) is as far down as this code reads.
+    """
+    if revision is None:
+        return None
+    head = head_revision()
+    if revision == head:
+        return COMPLETE
+    lacking: list[tuple[str, str]] = []
+    tables: set[str] = set()
+    columns: set[tuple[str, str]] = set()
+    at: str | None = head
+    while at != revision:
+        if at is None:
+            return None
+        module = script_directory().get_revision(at).module
+        adds_tables = getattr(module, "adds_tables", None)
+        adds_columns = getattr(module, "adds_columns", None)
+        if adds_tables is None or adds_columns is None:
+            return None
+        tables.update(adds_tables)
+        columns.update((t, c) for t, cols in adds_columns.items() for c in cols)
+        lacking.append((at, str(getattr(module, "adds", at))))
+        down = script_directory().get_revision(at).down_revision
+        at = down if isinstance(down, str) or down is None else None
+    return SchemaFeatures(revision, tuple(reversed(lacking)), frozenset(tables), frozenset(columns))
+
+
+def oldest_readable() -> str:
+    """The oldest revision this code reads and writes as it is (``features_of``)."""
+    oldest = head_revision()
+    for rev, down, _title in reversed(history()):
+        if rev == oldest and down is not None and features_of(down) is not None:
+            oldest = down
+    return oldest
+
+
 def _older_schema_error(
     location: Location, revision: str | None, *, shared: bool
 ) -> SchemaTooOldError:
@@ -713,6 +882,18 @@ def _older_schema_error(
     )
 
 
+@dataclass(frozen=True)
+class SchemaCheck:
+    """What ``ensure_schema`` found and did."""
+
+    #: Why this code may not write the registry (``write_refusal``), else None.
+    refusal: str | None
+    #: What the registry's revision lacks of this code's head.
+    features: SchemaFeatures
+    #: The revision (``"base"``: none) a local file was upgraded from, else None.
+    upgraded_from: str | None = None
+
+
 def ensure_schema(
     engine: Engine,
     location: Location,
@@ -720,17 +901,20 @@ def ensure_schema(
     readonly: bool,
     create: bool = True,
     write: bool = True,
-) -> str | None:
+) -> SchemaCheck:
     """Check the registry's schema before use; create or upgrade it where that is allowed.
 
-    Returns why this code may not write the registry (a newer schema that
-    only older-compatible readers may use: ``write_refusal``), else None.
+    Returns what it found (``SchemaCheck``): why this code may not write the
+    registry, what its revision lacks (also attached to ``engine``), and the
+    revision it upgraded from, if it did.
 
     - A newer revision is used as its ``schema_compat`` row allows, never touched.
-    - ``write=False`` (a read) never changes the schema: an older one is
-      refused with ``SchemaTooOldError`` (this code's queries need head).
+    - An older revision from ``oldest_readable`` on is used as it is, read and
+      written, never upgraded: servers of the previous releases may share it.
+    - ``write=False`` (a read) never changes the schema: an even older one is
+      refused with ``SchemaTooOldError``.
     - A write creates a new registry at head (``create=False`` refuses a
-      database without any table). An older schema is upgraded under the
+      database without any table). An even older schema is upgraded under the
       lock only in a local SQLite file; a server-backed registry (PostgreSQL)
       is refused, because servers of another ficache share it: only
       ``ficache db upgrade`` (``upgrade``) moves it.
@@ -746,10 +930,15 @@ def ensure_schema(
                     "(ficache import FILE)"
                 )
             refusal = write_refusal(conn, location, revision)
-        if revision == head or (revision is not None and not _revision_exists(revision)):
+        if revision is not None and not _revision_exists(revision):
+            found: SchemaFeatures | None = COMPLETE  # newer: it only adds to this code's head
+        else:
+            found = features_of(revision)
+        if found is not None:
             if not readonly and refusal is None:
                 _enable_wal(engine)
-            return refusal
+            attach_features(engine, found)
+            return SchemaCheck(refusal, found)
         if not write:
             raise _older_schema_error(location, revision, shared=False)
         if readonly:
@@ -762,13 +951,16 @@ def ensure_schema(
             raise _older_schema_error(location, revision, shared=True)
         with write_transaction(engine) as conn:
             revision = check_revision(conn, location)  # again, inside the lock
+            upgraded = None
             if revision != head:
                 _alembic_command().upgrade(alembic_config(conn), "head")
                 _stamp_compat(conn)
+                upgraded = None if empty else (revision or "base")
         _enable_wal(engine)
     except DatabaseError as exc:
         raise translate_operational_error(exc, location, engine=engine) from None
-    return None
+    attach_features(engine, COMPLETE)
+    return SchemaCheck(None, COMPLETE, upgraded)
 
 
 def _enable_wal(engine: Engine) -> None:
@@ -793,16 +985,155 @@ def _revision_exists(rev: str) -> bool:
         return False
 
 
-def upgrade(engine: Engine, location: Location, revision: str = "head") -> None:
+_ANY = object()
+
+
+def upgrade(
+    engine: Engine, location: Location, revision: str = "head", *, expected: object = _ANY
+) -> None:
+    """Upgrade to ``revision``; ``expected``: the revision a plan was made at (else refused)."""
     if revision not in ("head", "heads") and not _revision_exists(revision):
         raise SchemaError(f"unknown revision {revision!r}; see ficache db history")
     try:
         with write_transaction(engine) as conn:
-            check_revision(conn, location)
+            current = check_revision(conn, location)
+            if expected is not _ANY and current != expected:
+                raise ConflictError(
+                    f"registry {location.display} moved to revision {current!r} since the "
+                    f"upgrade was planned at {expected!r}; plan it again"
+                )
             _alembic_command().upgrade(alembic_config(conn), revision)
             _stamp_compat(conn)
     except (OperationalError, DatabaseError) as exc:
         raise translate_operational_error(exc, location, engine=engine) from None
+
+
+#: The first revision whose code reads ``schema_compat`` (older code refuses any newer schema).
+COMPAT_REVISION = "0007_compat"
+
+
+def _order(revision: str) -> int:
+    return [rev for rev, _down, _title in history()].index(revision)
+
+
+def release_of(revision: str) -> str:
+    """The ficache release whose schema head ``revision`` is, as its title names it."""
+    title = next(t for rev, _down, t in history() if rev == revision)
+    name = title.split(":", 1)[0]
+    return name if name.startswith("ficache ") else f"ficache at {revision}"
+
+
+def release_access(head: str, revision: str) -> tuple[bool, bool]:
+    """``(reads, writes)``: whether the release whose schema head is ``head`` (a revision
+    this code knows) uses a registry at ``revision`` as it is.
+
+    Older code than the registry decides by the registry's ``schema_compat`` row (from
+    ``COMPAT_REVISION`` on); this release by ``features_of``; a release between the two
+    (older than this one, newer than the registry) refused or upgraded older schemas.
+    """
+    if head == revision:
+        return True, True
+    if _order(head) < _order(revision):
+        if _order(head) < _order(COMPAT_REVISION):
+            return False, False
+        readable, writable = compat_constants(revision)
+        return _order(head) >= _order(readable), _order(head) >= _order(writable)
+    usable = head == head_revision() and features_of(revision) is not None
+    return usable, usable
+
+
+@dataclass(frozen=True)
+class UpgradePlan:
+    """What ``ficache db upgrade`` would do to one registry: the revisions it applies, and
+    which ficache releases then stop reading or writing it (named by their schema heads).
+
+    ``shared``: a server-backed registry (PostgreSQL), which servers of other releases
+    may use: the CLI asks before it stops any of them. ``execute`` applies the plan only
+    while the registry is still at ``current``.
+    """
+
+    location: Location
+    current: str | None
+    target: str
+    steps: tuple[tuple[str, str], ...]  # (revision, title), oldest first
+    stop_writing: tuple[str, ...]  # schema heads of releases that write it now, not after
+    stop_reading: tuple[str, ...]  # of those, the ones that also stop reading it
+    shared: bool
+
+    @property
+    def asks(self) -> bool:
+        """Whether the upgrade stops a release that may share the registry from using it."""
+        return self.shared and bool(self.stop_writing)
+
+    def execute(self, engine: Engine) -> None:
+        upgrade(engine, self.location, self.target, expected=self.current)
+
+
+def plan_upgrade(engine: Engine, location: Location, revision: str = "head") -> UpgradePlan:
+    """The revisions from the registry's up to ``revision``, and whom they stop."""
+    target = head_revision() if revision in ("head", "heads") else revision
+    if not _revision_exists(target):
+        raise SchemaError(f"unknown revision {revision!r}; see ficache db history")
+    try:
+        with engine.connect() as conn:
+            current = check_revision(conn, location)
+            empty = current is None and not inspect(conn).get_table_names()
+    except DatabaseError as exc:
+        raise translate_operational_error(exc, location, engine=engine) from None
+    order = [rev for rev, _down, _title in history()]
+    titles = {rev: title for rev, _down, title in history()}
+    start = 0 if current is None else order.index(current) + 1
+    if current is not None and order.index(target) < start - 1:
+        raise SchemaError(
+            f"revision {target!r} is below the registry's revision {current!r}; "
+            "use ficache db downgrade"
+        )
+    steps = tuple((rev, titles[rev]) for rev in order[start : order.index(target) + 1])
+    stop_writing: list[str] = []
+    stop_reading: list[str] = []
+    if current is not None and steps:
+        for head in order[: order.index(target) + 1]:
+            reads_now, writes_now = release_access(head, current)
+            reads_after, writes_after = release_access(head, target)
+            if writes_now and not writes_after:
+                stop_writing.append(head)
+            if reads_now and not reads_after:
+                stop_reading.append(head)
+    shared = engine.dialect.name != "sqlite" and not empty
+    return UpgradePlan(
+        location, current, target, steps, tuple(stop_writing), tuple(stop_reading), shared
+    )
+
+
+def upgrade_sql(plan: UpgradePlan, dialect: str) -> str:
+    """The SQL ``plan`` runs, as Alembic's offline mode writes it (``db upgrade --sql``),
+    with the ``schema_compat`` row it leaves; nothing is connected to or changed."""
+    import io
+
+    from alembic.config import Config
+
+    buffer = io.StringIO()
+    config = Config(output_buffer=buffer)
+    for option, value in alembic_config().get_section(config.config_ini_section, {}).items():
+        config.set_main_option(option, value)
+    config.attributes["offline_dialect"] = dialect
+    start = plan.current or "base"
+    _alembic_command().upgrade(config, f"{start}:{plan.target}", sql=True)
+    sql = buffer.getvalue()
+    if dialect == "postgresql":  # queue behind ficache's writers, as `db upgrade` does
+        lock = f"SELECT pg_advisory_xact_lock({PG_MIGRATION_LOCK_ID});\n\n"
+        sql = sql.replace("BEGIN;\n\n", "BEGIN;\n\n" + lock, 1)
+    if _order(plan.target) >= _order(COMPAT_REVISION):
+        readable, writable = compat_constants(plan.target)
+        compat = (
+            "-- ficache: which older ficache may read and write this revision\n\n"
+            f"DELETE FROM {COMPAT_TABLE};\n\n"
+            f"INSERT INTO {COMPAT_TABLE} (revision, readable_from, writable_from) "
+            f"VALUES ('{plan.target}', '{readable}', '{writable}');\n\n"
+        )
+        at = sql.rfind("COMMIT;")
+        sql = sql[:at] + compat + sql[at:]
+    return sql
 
 
 @dataclass(frozen=True)
@@ -864,9 +1195,6 @@ def plan_downgrade(engine: Engine, location: Location, revision: str) -> Downgra
     except DatabaseError as exc:
         raise translate_operational_error(exc, location, engine=engine) from None
     return DowngradePlan(location, current, revision, tuple(steps))
-
-
-_ANY = object()
 
 
 def downgrade(

@@ -123,9 +123,12 @@ def registry_state(reg: Registry) -> State:
 
     from ficache import schema
 
+    sql = sqlite_fast.state_sql(
+        protocol_records=reg.features.has_table(sqlite_fast.PROTOCOL_RECORDS_TABLE)
+    )
     try:
         with reg.engine.connect() as conn:
-            return tuple(conn.execute(sql_text(sqlite_fast.STATE_SQL)).one())
+            return tuple(conn.execute(sql_text(sql)).one())
     except DatabaseError as exc:
         raise schema.translate_operational_error(exc, reg.location, engine=reg.engine) from None
 

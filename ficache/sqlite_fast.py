@@ -13,8 +13,9 @@ What it may do:
   ``commits``, ``entries``, ``records`` (``state``), ``fingerprints`` and
   ``entries`` (``fingerprints_with_entries``).
 - Write exactly one thing: the served mark of some fingerprints
-  (``write_served_marks``: ``last_served_at`` and, from ``0008_start_counts``,
-  the start counters), in one autocommit UPDATE. Never an entry, a record or a
+  (``write_served_marks``: ``last_served_at`` and the start counters where the
+  file's ``fingerprints`` has them, from ``0008_start_counts`` on), in one
+  autocommit UPDATE. Never an entry, a record or a
   commit; no history.
 
 Schema revisions it assumes, and how it stays in step with the models:
@@ -23,8 +24,8 @@ Schema revisions it assumes, and how it stays in step with the models:
   fingerprint columns are ``Fingerprint``'s (``ALL_FIELDS``); the columns it
   names (``id``, ``created_at``, ``updated_at``, ``fingerprint_id``,
   ``last_served_at``) exist from revision 0003 (``records``) on; the start
-  counters from ``COUNTS_REVISION`` on, and the mark names them only on a
-  file at that revision or later.
+  counters where the file's ``fingerprints`` has them (from ``0008_start_counts``
+  on: ``COUNTER_COLUMN``), and the mark names them only there.
 - It never decides what a revision means: ``state`` returns the revision
   it read and ``slices.cached_slices`` trusts a state only at this code's
   head; an older, newer or foreign file raises ``sqlite3.Error`` (or reads a
@@ -50,21 +51,32 @@ RECORDS_TABLE = "records"
 PROTOCOL_RECORDS_TABLE = "protocol_records"
 FINGERPRINTS_TABLE = "fingerprints"
 
+
 #: The registry's state token: (schema revision, last commit id, its time, entry
 #: count, last entry id, last entry update, record count, last record id, last
 #: record update, and the same three of protocol records). Portable SQL: the full
 #: path runs it through the engine.
-STATE_SQL = (
-    "SELECT (SELECT max(version_num) FROM alembic_version), "
-    f"(SELECT max(id) FROM {COMMITS_TABLE}), (SELECT max(created_at) FROM {COMMITS_TABLE}), "
-    f"(SELECT count(*) FROM {ENTRIES_TABLE}), (SELECT max(id) FROM {ENTRIES_TABLE}), "
-    f"(SELECT max(updated_at) FROM {ENTRIES_TABLE}), "
-    f"(SELECT count(*) FROM {RECORDS_TABLE}), (SELECT max(id) FROM {RECORDS_TABLE}), "
-    f"(SELECT max(updated_at) FROM {RECORDS_TABLE}), "
-    f"(SELECT count(*) FROM {PROTOCOL_RECORDS_TABLE}), "
-    f"(SELECT max(id) FROM {PROTOCOL_RECORDS_TABLE}), "
-    f"(SELECT max(updated_at) FROM {PROTOCOL_RECORDS_TABLE})"
-)
+def state_sql(*, protocol_records: bool = True) -> str:
+    """``STATE_SQL``; without ``protocol_records`` (a schema from before the revision that
+    adds their table: ``schema.SchemaFeatures``), their three values as NULL."""
+    protocol = (
+        f"(SELECT count(*) FROM {PROTOCOL_RECORDS_TABLE}), "
+        f"(SELECT max(id) FROM {PROTOCOL_RECORDS_TABLE}), "
+        f"(SELECT max(updated_at) FROM {PROTOCOL_RECORDS_TABLE})"
+        if protocol_records
+        else "NULL, NULL, NULL"
+    )
+    return (
+        "SELECT (SELECT max(version_num) FROM alembic_version), "
+        f"(SELECT max(id) FROM {COMMITS_TABLE}), (SELECT max(created_at) FROM {COMMITS_TABLE}), "
+        f"(SELECT count(*) FROM {ENTRIES_TABLE}), (SELECT max(id) FROM {ENTRIES_TABLE}), "
+        f"(SELECT max(updated_at) FROM {ENTRIES_TABLE}), "
+        f"(SELECT count(*) FROM {RECORDS_TABLE}), (SELECT max(id) FROM {RECORDS_TABLE}), "
+        f"(SELECT max(updated_at) FROM {RECORDS_TABLE}), {protocol}"
+    )
+
+
+STATE_SQL = state_sql()
 
 _HOLDS_SQL = (
     f"SELECT {', '.join(ALL_FIELDS)} FROM {FINGERPRINTS_TABLE} f WHERE EXISTS "
@@ -94,8 +106,9 @@ def fingerprints_with_entries(path: Path) -> list[tuple[Any, ...]]:
         conn.close()
 
 
-#: The first revision whose fingerprints hold the start counters (``0008_start_counts``).
-COUNTS_REVISION = "0008_start_counts"
+#: A start counter's column (``0008_start_counts`` adds the three): a file whose
+#: ``fingerprints`` lacks it (an older schema, shared with older servers) is marked without them.
+COUNTER_COLUMN = "served_starts"
 
 
 def served_mark_sql(placeholders: int, *, counts: bool) -> str:
@@ -103,7 +116,7 @@ def served_mark_sql(placeholders: int, *, counts: bool) -> str:
     replay_starts, replay_misses, *ids`` with ``counts``, else ``when, stale_before, *ids``).
 
     ``last_served_at`` is rewritten only where absent or older than ``stale_before``
-    (its resolution); the counters, from ``COUNTS_REVISION`` on, grow at every mark.
+    (its resolution); the counters, where the table has them, grow at every mark.
     """
     fresh = "CASE WHEN last_served_at IS NULL OR last_served_at < ? THEN ? ELSE last_served_at END"
     sets = f"last_served_at = {fresh}"
@@ -127,7 +140,7 @@ def write_served_marks(
     """The served mark of ``ids`` (``served_mark_sql``), in one autocommit UPDATE: a replay
     start (``replay_misses`` not None) also counts itself and its misses.
 
-    On a file before ``COUNTS_REVISION`` only the time is marked. Waits at most
+    On a file without the counters only the time is marked. Waits at most
     ``timeout`` for the lock; returns why it did not write (the ``sqlite3``
     error), None when written.
     """
@@ -137,8 +150,8 @@ def write_served_marks(
         [(check,)] = conn.execute("PRAGMA quick_check(1)").fetchall()
         if check != "ok":  # a damaged file is never written (``ficache.registry``)
             return "the registry is damaged; run `ficache verify`"
-        [(revision,)] = conn.execute("SELECT max(version_num) FROM alembic_version").fetchall()
-        counts = isinstance(revision, str) and revision >= COUNTS_REVISION
+        columns = conn.execute(f"PRAGMA table_info({FINGERPRINTS_TABLE})").fetchall()
+        counts = any(column[1] == COUNTER_COLUMN for column in columns)
         params: list[Any] = [stale_before, when]
         if counts:
             params += [int(replay_misses is not None), int(replay_misses or 0)]
@@ -151,7 +164,7 @@ def write_served_marks(
 
 
 __all__ = [
-    "COUNTS_REVISION",
+    "COUNTER_COLUMN",
     "STATE_SQL",
     "fingerprints_with_entries",
     "served_mark_sql",

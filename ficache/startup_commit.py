@@ -231,4 +231,6 @@ def count_written(written: WriteResult, tally: Tally) -> None:
             f"{written.kept} tuned values not stored: another server committed "
             "other values for those keys first; every rank loads the stored ones"
         )
+    if written.skipped:  # the registry's older schema cannot hold some (rolling upgrades)
+        tally["warnings"].append(written.skipped)
     tally["commit_id"] = written.commit_id

@@ -30,6 +30,7 @@ from typing import Any
 
 from sqlalchemy import Connection, func, select
 
+from ficache import schema
 from ficache.errors import FingerprintError, NotFoundError
 from ficache.fingerprint import Fingerprint, serving_order
 from ficache.models import ENTRIES as E
@@ -61,7 +62,7 @@ class FingerprintInfo:
 
 def fingerprints(conn: Connection, ids: Sequence[int] | None = None) -> list[FingerprintInfo]:
     """Stored fingerprints (all, or those with ``ids``) with their entry counts, by id."""
-    fp_query = select(F).order_by(F.c.id)
+    fp_query = select(*schema.features(conn).columns(F)).order_by(F.c.id)
     count_query = select(E.c.fingerprint_id, func.count()).group_by(E.c.fingerprint_id)
     if ids is not None:
         fp_query = fp_query.where(F.c.id.in_(list(ids)))
@@ -81,7 +82,8 @@ def fingerprints(conn: Connection, ids: Sequence[int] | None = None) -> list[Fin
 
 def fingerprint_ids(conn: Connection) -> list[tuple[int, Fingerprint]]:
     """``(id, fingerprint)`` of every stored fingerprint."""
-    return [(row.id, fingerprint_from_row(row)) for row in conn.execute(select(F))]
+    query = select(*schema.features(conn).columns(F))
+    return [(row.id, fingerprint_from_row(row)) for row in conn.execute(query)]
 
 
 def fingerprint(conn: Connection, ref: int | str) -> FingerprintInfo:

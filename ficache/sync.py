@@ -853,6 +853,11 @@ class WarmStart:
         except Exception:
             reg.close()
             raise
+        if reg.upgraded_from is not None:  # a local file older than this code reads: said once
+            self._warn(
+                f"upgraded registry {reg.location.display} from schema {reg.upgraded_from!r} "
+                f"to {schema.head_revision()!r} (a local file older than this ficache reads)"
+            )
         return reg
 
     # -- enter ------------------------------------------------------------

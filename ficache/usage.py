@@ -182,6 +182,7 @@ def _mark_through_engine(
 ) -> str | None:
     from sqlalchemy import case, or_, text, update
 
+    from ficache import schema
     from ficache.models import FINGERPRINTS as F
 
     milliseconds = max(int(timeout * 1000), 1)
@@ -191,8 +192,6 @@ def _mark_through_engine(
             conn.execute(text(f"SET LOCAL statement_timeout = {4 * milliseconds}"))
         elif conn.dialect.name == "sqlite":
             conn.exec_driver_sql(f"PRAGMA busy_timeout = {milliseconds}")
-        # An open registry is at this code's head or a newer one it may write, which keeps
-        # these columns (``Registry.open`` refuses older schemas).
         values: dict[str, Any] = {
             "last_served_at": case(
                 (or_(F.c.last_served_at.is_(None), F.c.last_served_at < stale_before), when),
@@ -203,5 +202,7 @@ def _mark_through_engine(
         if missed is not None:
             values["replay_starts"] = F.c.replay_starts + 1
             values["replay_misses"] = F.c.replay_misses + missed
+        # An older schema (shared with older servers) may lack the counters: the time only.
+        values = schema.features(conn).writable(F.name, values)
         conn.execute(update(F).where(F.c.id.in_(ids)).values(**values))
     return None

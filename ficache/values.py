@@ -157,6 +157,9 @@ class WriteResult:
     protocol_removed: int = 0
     protocol_unchanged: int = 0
     protocol_kept: int = 0
+    #: The one warning of a write that skipped what the registry's older schema cannot
+    #: hold (``schema.SchemaFeatures.skipped``), else None.
+    skipped: str | None = None
 
     @property
     def changed(self) -> int:

@@ -32,10 +32,11 @@ Storage
   triggers are disabled, so PostgreSQL enforces the keys on every write.
 
 Schema
-- ``schema_revision``: the registry is at this code's head revision.
-  Ficache upgrades a registry when it opens it for writing, so an older
-  one is healthy but stale: verify says so, exits 1, and skips the data
-  checks (they read head's columns); ``ficache db upgrade`` fixes it.
+- ``schema_revision``: the registry is at a revision this code reads. One
+  older than ``schema.oldest_readable`` is healthy but stale: verify says
+  so, exits 1, and skips the data checks; ``ficache db upgrade`` fixes it.
+  One from there to head (a previous release's, during a rolling upgrade)
+  is checked as it is, what it lacks absent by design, with a note.
 - ``schema_drift``: the tables, columns, types and indexes match the models
   (Alembic's ``compare_metadata``, as ``tests/test_schema.py`` checks for a
   new registry): the schema changes only through migrations. When a table
@@ -184,6 +185,7 @@ from ficache import schema
 from ficache.errors import FingerprintError, RecordError, RegistryError, SchemaTooNewError
 from ficache.fingerprint import ALL_FIELDS, Fingerprint
 from ficache.flashinfer_format import canonical_json, check_namespace, parse_key, selection_json
+from ficache.kind_read import present
 from ficache.kinds import ACTIONS, ENTRY_KIND, PROTOCOL_KIND, RECORD_KIND, Kind
 from ficache.models import COMMITS as C
 from ficache.models import ENTRIES as E
@@ -682,7 +684,17 @@ class _Verifier:
             )
             self.notes.append("data checks skipped: the schema is newer than this ficache")
             return self.report(revision)
-        if revision != head:
+        found = schema.features_of(revision) if revision != head else schema.COMPLETE
+        if found is not None and not found.complete:
+            # An older schema this code reads and writes as it is (rolling upgrades): every
+            # check runs over what it holds; what it lacks reads as absent.
+            self.conn = self.conn.execution_options(**{schema.FEATURES_OPTION: found})
+            self.notes.append(
+                f"schema is at {revision}, older than head {head}: it lacks "
+                + ", ".join(adds for _rev, adds in found.lacking)
+                + " (ficache db upgrade adds them once every ficache that writes it reads them)"
+            )
+        elif revision != head:
             self.problem(
                 "schema_revision",
                 f"schema is at {revision or '(no revision)'}, head is {head}; "
@@ -798,7 +810,10 @@ class _Verifier:
             self.conn, opts={"compare_type": True, "compare_server_default": True}
         )
         missing = False
+        lacks = schema.features(self.conn)
         for diff in compare_metadata(context, Base.metadata):
+            if _lacked(diff, lacks):
+                continue
             self.problem("schema_drift", _describe_diff(diff))
             missing |= not isinstance(diff, list) and diff[0] in ("add_table", "add_column")
         return missing
@@ -953,11 +968,7 @@ class _Verifier:
         )
         self._fingerprints(fingerprints)
         reverts = self._commits(commits)
-        record_commits = {
-            cid
-            for changes in (RH, PH)
-            for (cid,) in self.conn.execute(select(changes.c.commit_id).distinct())
-        }
+        record_commits = self._changing_commits((RH, PH))
         changes = self._stream(select(*_ENTRY_LOG.change_columns).order_by(H.c.id))
         state, n_changes = self._replay(
             _ENTRY_LOG, changes, reverts, self._entry_change, record_commits
@@ -991,6 +1002,17 @@ class _Verifier:
             n_protocol,
             n_protocol_changes,
         )
+
+    def _changing_commits(self, change_tables: Iterable[Table]) -> set[int]:
+        """The ids of the commits with a row in any of ``change_tables`` (a table an older
+        schema lacks holds none)."""
+        holds = schema.features(self.conn).has_table
+        return {
+            cid
+            for changes in change_tables
+            if holds(changes.name)
+            for (cid,) in self.conn.execute(select(changes.c.commit_id).distinct())
+        }
 
     def _selections(self) -> None:
         """``bad_selection``: the selections stored (most rows hold none), each value once."""
@@ -1163,6 +1185,8 @@ class _Verifier:
         change log (the entries' rules), then every stored row against it. Returns the
         numbers of rows and changes read."""
         kind = check.log.kind
+        if not present(self.conn, kind):
+            return 0, 0
         for table, name in ((kind.rows, kind.name), (kind.changes, check.log.change_noun)):
             for column, parent, what in check.parents:
                 if column not in table.c:
@@ -1181,12 +1205,7 @@ class _Verifier:
                         table.name,
                         row_id,
                     )
-        other_commits = {
-            cid
-            for changes in (H, RH, PH)
-            if changes is not kind.changes
-            for (cid,) in self.conn.execute(select(changes.c.commit_id).distinct())
-        }
+        other_commits = self._changing_commits(t for t in (H, RH, PH) if t is not kind.changes)
         changes = self._stream(select(*check.log.change_columns).order_by(kind.changes.c.id))
 
         def check_change(where: tuple[str, int], row: tuple[Any, ...]) -> None:
@@ -1441,6 +1460,18 @@ class _Verifier:
                 "commits",
                 cid,
             )
+
+
+def _lacked(diff: Any, lacks: schema.SchemaFeatures) -> bool:
+    """Whether ``compare_metadata``'s ``diff`` is a table, column or index an older schema
+    lacks by design (``schema.SchemaFeatures``), not drift."""
+    if isinstance(diff, list) or not str(diff[0]).startswith("add_"):
+        return False
+    if diff[0] == "add_column":  # (op, schema, table, column)
+        return not lacks.has_column(str(diff[2]), diff[3].name)
+    obj = diff[1]
+    table = obj if isinstance(obj, Table) else getattr(obj, "table", None)
+    return table is not None and not lacks.has_table(table.name)
 
 
 def _describe_diff(diff: Any) -> str:

@@ -470,7 +470,9 @@ def test_a_killed_operation_leaves_each_commit_whole_or_absent(
             "warm_start", "warm_start", lambda db: [db], ("startup", 18, 0, 0), fresh_cache_dir
         ),
         # `ficache db upgrade`: the one command that moves a shared registry's schema.
-        "upgrade": Operation("upgrade", "cli", lambda db: ["--db", db, "db", "upgrade"], None),
+        "upgrade": Operation(
+            "upgrade", "cli", lambda db: ["--db", db, "db", "upgrade", "--yes"], None
+        ),
     }
     operation = operations[operation_name]
     rng = random.Random(f"{SEED}/{backend}/{operation_name}")

@@ -128,13 +128,15 @@ def test_migrations_up_to_head_down_to_base_and_up_again(
     data = cache_file("a.json", {K16: ["Runner", 1]}, metadata=META)
 
     first = cli("db", "upgrade", "0001_registry", db=postgres_url)
-    head = cli("db", "upgrade", db=postgres_url)
+    head = cli("db", "upgrade", "--yes", db=postgres_url)  # a shared registry: asked
 
     assert (first.exit_code, first.stdout) == (
         0,
         f"registry {display(postgres_url)} is at 0001_registry\n",
     )
-    assert (head.exit_code, head.stdout) == (0, f"registry {display(postgres_url)} is at {HEAD}\n")
+    assert head.exit_code == 0, head.stderr
+    assert head.stdout.startswith(f"upgrade plan: {display(postgres_url)} from 0001_registry to")
+    assert head.stdout.endswith(f"registry {display(postgres_url)} is at {HEAD}\n")
     assert tables(postgres_url) == TABLES
     assert cli("import", data, db=postgres_url).exit_code == 0
 
@@ -178,7 +180,7 @@ def test_records_down_to_0002_and_up_again(cli, postgres_url: str, cache_file) -
         "protocol_record_changes",
     }
     assert sql(postgres_url, "SELECT id, added FROM commits") == [(1, 1)]
-    assert cli("db", "upgrade", db=postgres_url).exit_code == 0
+    assert cli("db", "upgrade", "--yes", db=postgres_url).exit_code == 0
     assert tables(postgres_url) == TABLES
     assert cli("verify", db=postgres_url).stdout.endswith("ok: no problems\n")
     again = cli("import", both, db=postgres_url)
@@ -203,7 +205,7 @@ def test_selections_down_to_0003_and_up_again(cli, postgres_url: str, cache_file
     assert sql(postgres_url, "SELECT runner, tactic, policy FROM entries") == [
         ("Runner", "2", '["hot"]')
     ]
-    assert cli("db", "upgrade", db=postgres_url).exit_code == 0
+    assert cli("db", "upgrade", "--yes", db=postgres_url).exit_code == 0
     assert cli("verify", db=postgres_url).stdout.endswith("ok: no problems\n")
     assert sql(postgres_url, "SELECT selection FROM entries") == [(None,)]
     assert cli("revert", "2", "--yes", db=postgres_url).exit_code == 0  # the selection is gone
@@ -274,7 +276,7 @@ def test_a_frozen_0001_registry_copied_into_postgresql_upgrades_like_on_sqlite(
         engine.dispose()
 
     # A shared registry moves only by `ficache db upgrade`; the SQLite file on its first open.
-    assert cli("db", "upgrade", db=postgres_url).exit_code == 0
+    assert cli("db", "upgrade", "--yes", db=postgres_url).exit_code == 0
     with Registry.open(postgres_url) as reg, Registry.open(str(copy)) as sqlite_reg:
         assert reg.stats().revision == sqlite_reg.stats().revision == HEAD
     sqlite_rows = _all_rows(f"sqlite:///{copy}")

@@ -28,6 +28,7 @@ from ficache.errors import (
 from ficache.fingerprint import Fingerprint
 from ficache.models import Base
 from ficache.registry import Registry
+from ficache.registry_schema import RegistrySchema
 
 HEAD = schema.head_revision()
 TABLES = {
@@ -278,6 +279,10 @@ def test_a_frozen_registry_upgrades_to_head_and_keeps_its_data(
     shutil.copyfile(frozen, path)
     h200 = Fingerprint.from_flashinfer_metadata({**_FROZEN_FIELDS, "gpu": "NVIDIA H200"})
     b200 = Fingerprint.from_flashinfer_metadata({**_FROZEN_FIELDS, "gpu": "NVIDIA B200"})
+    if schema.features_of(_frozen_revision(frozen)) is not None:
+        # A revision this code uses as it is (rolling upgrades) moves only by `db upgrade`.
+        with RegistrySchema.open(str(path), create=False) as target:
+            target.upgrade()
 
     with Registry.open(str(path)) as reg:
         assert reg.stats().revision == HEAD
@@ -448,7 +453,7 @@ def test_downgrading_below_0003_drops_records_and_their_commits_only(
     # The import of entries and records keeps its entries; the records-only ones are gone.
     assert query(registry_path, "SELECT id, added FROM commits") == [(1, 1)]
     assert cli("verify").exit_code == 1  # stale (0002), and says so
-    assert cli("db", "upgrade").exit_code == 0
+    assert cli("db", "upgrade", "--yes").exit_code == 0
     assert cli("verify").stdout.endswith("ok: no problems\n")
     assert query(registry_path, "SELECT count(*) FROM records") == [(0,)]
     again = cli("import", both)
@@ -476,7 +481,7 @@ def test_downgrading_below_0004_drops_selections_and_keeps_values(
     assert query(registry_path, "SELECT runner, tactic, policy FROM entries") == [
         ("CutlassRunner", "3", '["cuda_graph_profile_replays",null]')
     ]
-    assert cli("db", "upgrade").exit_code == 0
+    assert cli("db", "upgrade", "--yes").exit_code == 0
     assert cli("verify").stdout.endswith("ok: no problems\n")
     assert query(registry_path, "SELECT selection FROM entries") == [(None,)]
     # The same value again is unchanged: the selection is not part of it.
@@ -527,7 +532,7 @@ def test_downgrading_below_0006_puts_policies_and_key_columns_back(
         ("added", key(64), None, None),
         ("replaced", key(16), hot_json, '["cold"]'),
     ]
-    assert cli("db", "upgrade").exit_code == 0
+    assert cli("db", "upgrade", "--yes").exit_code == 0
     assert cli("verify").stdout.endswith("ok: no problems\n")
     assert cli("export", "--fingerprint", "1").stdout == before
     assert cli("revert", "2", "--yes").exit_code == 0  # the old policy comes back by its id
@@ -558,7 +563,7 @@ def test_downgrading_below_0008_drops_the_start_counts_and_keeps_everything_else
     assert query(registry_path, "SELECT key, tactic, commit_id FROM entries ORDER BY key") == (
         entries_before
     )
-    assert cli("db", "upgrade").exit_code == 0
+    assert cli("db", "upgrade", "--yes").exit_code == 0
     assert cli("verify").stdout.endswith("ok: no problems\n")
     assert query(
         registry_path, "SELECT served_starts, replay_starts, replay_misses FROM fingerprints"
@@ -604,7 +609,7 @@ def test_downgrading_below_0009_drops_protocol_records_and_their_commits_only(
         entries_before
     )
     assert query(registry_path, "SELECT id FROM commits ORDER BY id") == commits_before[:1]
-    assert cli("db", "upgrade").exit_code == 0
+    assert cli("db", "upgrade", "--yes").exit_code == 0
     assert cli("verify").stdout.endswith("ok: no problems\n")
     assert query(registry_path, "SELECT count(*) FROM protocol_records") == [(0,)]
 
@@ -619,6 +624,10 @@ _FROZEN_FIELDS = {
 }
 
 
+def _frozen_revision(frozen: Path) -> str:
+    return frozen.name.removeprefix("registry-").removesuffix(".db")
+
+
 def _frozen_key(m: int, extras: str = "(torch.bfloat16, 1)") -> str:
     return f"('flashinfer::mm_fp4', 'CutlassFp4Runner', (({m}, 4096), (4096, 2048)), {extras})"
 
@@ -628,6 +637,7 @@ def _frozen_key(m: int, extras: str = "(torch.bfloat16, 1)") -> str:
 _OPEN_AT = """
 import sys, time
 from ficache.registry import Registry
+from ficache.registry_schema import RegistrySchema
 start = float(sys.argv[2])
 while time.time() < start:
     time.sleep(0.001)
@@ -743,7 +753,7 @@ def test_a_write_upgrades_an_older_sqlite_file_but_never_a_shared_registry(
             "upgraded only by `ficache db upgrade`\n",
         )
         assert dump_db(registry_db) == before
-        assert cli("db", "upgrade").exit_code == 0
+        assert cli("db", "upgrade", "--yes").exit_code == 0
         assert cli("import", entry_file(cache_file, "b.json", m=32)).exit_code == 0
     assert len(json.loads(cli("list", "--format", "json").stdout)) == 2
 
@@ -787,7 +797,7 @@ def test_a_downgrade_plan_counts_what_each_step_drops(
     down = cli("db", "downgrade", "0003_records", "--yes")
     assert down.exit_code == 0, down.stderr
     assert "0004_selection -> 0003_records: the selections of 1 entries" in down.stdout
-    assert cli("db", "upgrade").exit_code == 0
+    assert cli("db", "upgrade", "--yes").exit_code == 0
     plan = cli("db", "downgrade", "0003_records", "--dry-run")  # nothing left to lose
     assert "0004_selection -> 0003_records: keeps every stored value\n" in plan.stdout
     assert "upgrading again" not in plan.stdout

@@ -165,6 +165,10 @@ def test_an_older_schema_is_upgraded_in_a_sqlite_file_but_a_shared_one_tunes_unc
 
     if db == str(registry_path):  # a local file: upgraded under the lock, then served
         assert (report.status, report.loaded, report.committed) == ("warm", 18, 0)
+        assert [w for w in report.warnings if w.startswith("upgraded registry")] == [
+            f"upgraded registry {location.display} from schema '0004_selection' to "
+            f"{schema.head_revision()!r} (a local file older than this ficache reads)"
+        ]
         with Registry.open(db) as reg:
             assert reg.stats().revision == schema.head_revision()
     else:  # a server other ficache versions share: never upgraded by a start

@@ -28,6 +28,11 @@ readable_from: str = "0007_compat"
 writable_from: str = "0007_compat"
 
 COUNTERS = ("served_starts", "replay_starts", "replay_misses")
+# Expand, then contract (ficache.schema.features_of): what this revision adds, in words and by
+# name. Later code reads a registry without it (the counters as 0) and writes it without them.
+adds: str = "start counts"
+adds_tables: tuple[str, ...] = ()
+adds_columns: dict[str, tuple[str, ...]] = {"fingerprints": COUNTERS}
 
 
 def lost_on_downgrade(conn: sa.Connection) -> list[str]:

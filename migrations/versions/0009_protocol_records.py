@@ -30,6 +30,12 @@ readable_from: str = "0008_start_counts"
 writable_from: str = "0009_protocol_records"
 
 _COUNTS = ("protocol_added", "protocol_replaced", "protocol_removed")
+# Expand, then contract (ficache.schema.features_of): what this revision adds, in words and by
+# name. Later code reads a registry without it (no protocol records, counts 0) and commits to
+# it what it can hold, skipping protocol records with a warning.
+adds: str = "protocol records"
+adds_tables: tuple[str, ...] = ("protocol_records", "protocol_record_changes")
+adds_columns: dict[str, tuple[str, ...]] = {"commits": _COUNTS}
 #: A commit that changed no entry and no record (only protocol records, or nothing).
 _ONLY_PROTOCOL = (
     "added = 0 AND replaced = 0 AND removed = 0 "

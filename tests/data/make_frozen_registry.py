@@ -10,8 +10,11 @@ namespaced records from 0003 on, a FlashInfer 0.7.4 selection (a value's fourth 
 from 0004 on, start counts from 0008 on, a FlashInfer 0.7.4 protocol record (with a measurement
 policy) in a fifth commit from 0009 on, and import, replace and prune commits), then pins times and hosts so the file is
 reproducible, and leaves it as one self-contained file (no WAL).
-``tests/test_schema.py`` copies each frozen file, opens it with the current
-code (which upgrades it to head) and reads its data back through the API.
+``tests/test_schema.py`` copies each frozen file, upgrades it to head with the
+current code and reads its data back through the API. ``tests/test_rolling_upgrade.py``
+uses the previous two releases' files as they are (this code reads and writes them
+without upgrading), on SQLite and, loaded into a database migrated to the same
+revision, on PostgreSQL (``tests/frozen_registries.py``).
 """
 
 from __future__ import annotations
