@@ -151,6 +151,7 @@ the history says.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -502,8 +503,14 @@ def verify(db: str | os.PathLike[str] | None = None) -> VerifyReport:
                 conn = conn.execution_options(
                     isolation_level="REPEATABLE READ", postgresql_readonly=True
                 )
-            with conn.begin():
+            # A read-only transaction, ended by a rollback: a commit would have nothing
+            # to write, and on a file whose damage the checks ran into, it raises.
+            transaction = conn.begin()
+            try:
                 return _Verifier(conn, location).run()
+            finally:
+                with contextlib.suppress(DatabaseError):
+                    transaction.rollback()
     except DatabaseError as exc:
         hot_journal = _hot_journal(location)
         if hot_journal is not None:
@@ -711,9 +718,14 @@ class _Verifier:
     # -- storage -----------------------------------------------------------
 
     def _sqlite_storage(self) -> None:
-        for (line,) in self.conn.exec_driver_sql("PRAGMA integrity_check"):
-            if line != "ok":
-                self.problem("integrity", f"integrity_check: {line}")
+        try:
+            for (line,) in self.conn.exec_driver_sql("PRAGMA integrity_check"):
+                if line != "ok":
+                    self.problem("integrity", f"integrity_check: {line}")
+        except DatabaseError as exc:
+            # Damage that stops the check itself midway (a page it cannot walk) is
+            # found damage too, reported as such rather than as a failure to verify.
+            self.problem("integrity", f"integrity_check stopped: {exc.orig or exc}")
         if self.problems:  # reading foreign keys through damaged pages raises
             return
         for table, rowid, parent, _fkid in self.conn.exec_driver_sql("PRAGMA foreign_key_check"):
