@@ -8,12 +8,16 @@ The real server's refusals are in ``tests/test_postgres.py`` (restart storms).
 
 from __future__ import annotations
 
+import sqlite3
 import time
+from typing import Any
 
 import pytest
+import sqlalchemy.exc
 
 from ficache import schema
 from ficache.errors import RegistryError, RegistryTimeoutError
+from ficache.location import resolve
 from ficache.retrying import LAST_START, retry_transient
 
 CAUSES = [
@@ -24,7 +28,6 @@ CAUSES = [
     ("FATAL:  the database system is shutting down", "57P03", True, "shutting down"),
     ("FATAL:  terminating connection due to administrator command", "57P01", True, "come back"),
     ("connection refused", None, True, "the connection was refused"),
-    ("server closed the connection unexpectedly", None, True, "reset or dropped"),
     ('FATAL:  database "nope" does not exist', "3D000", False, "the URL is right"),
 ]
 
@@ -37,6 +40,67 @@ def test_each_connection_cause_is_named_with_its_remedy(
     assert trouble is not None
     assert trouble.transient is transient
     assert words in f"{trouble.cause}; {trouble.remedy}"
+
+
+def translated(orig: BaseException, *, invalidated: bool = False) -> RegistryError:
+    """``orig`` as SQLAlchemy raises it from a statement, translated by ficache."""
+    wrapped = sqlalchemy.exc.OperationalError(
+        "COMMIT", None, orig, connection_invalidated=invalidated
+    )
+    return schema.translate_operational_error(wrapped, resolve("postgresql+psycopg://h/r"))
+
+
+def refused_connect(conninfo: str) -> Any:
+    """The real error psycopg raises for a connection attempt to ``conninfo`` (it fails)."""
+    psycopg = pytest.importorskip("psycopg")
+    with pytest.raises(psycopg.OperationalError) as raised:
+        psycopg.connect(conninfo, connect_timeout=5)
+    return raised.value
+
+
+@pytest.mark.parametrize(
+    ("cls", "message"),
+    [
+        # psycopg's own errors on a connection it had (no SQLSTATE, no connection attempt),
+        # whatever their text: the one the lost-answer adoption test met, and one no list has.
+        ("OperationalError", "connection socket closed"),
+        ("OperationalError", "a driver message no table lists"),
+        ("ConnectionFailure", "08006 by its class"),
+        ("ConnectionException", "08000 by its class"),
+    ],
+)
+def test_a_lost_connection_is_recognised_by_its_class_and_asked_again(
+    cls: str, message: str
+) -> None:
+    errors = pytest.importorskip("psycopg.errors")
+    error = translated(getattr(errors, cls)(message))
+    assert error.transient is True, error
+    assert "the connection was reset or dropped" in str(error)
+    assert str(error).endswith("; check the server and the network between; retry")
+
+
+def test_a_connection_sqlalchemy_found_invalidated_is_lost_whatever_its_text() -> None:
+    error = translated(Exception("no driver class, no text anyone lists"), invalidated=True)
+    assert error.transient is True and "reset or dropped" in str(error)
+
+
+def test_what_is_not_a_lost_connection_is_not_asked_again() -> None:
+    psycopg = pytest.importorskip("psycopg")
+    # A connection attempt to a socket that is not there: unreachable, not retried.
+    missing = translated(refused_connect("host=/nonexistent-ficache-dir dbname=r"))
+    assert missing.transient is False
+    assert str(missing).endswith("check that the server runs and the URL is right")
+    # The URL's connect timeout is the user's bound on a silent host: not retried.
+    assert translated(psycopg.errors.ConnectionTimeout("timed out")).transient is False
+    # A refused connection attempt (its cause named from the attempt) is retried.
+    refused = translated(refused_connect("host=127.0.0.1 port=1 dbname=r"))
+    assert refused.transient is True and "the connection was refused" in str(refused)
+    # The server's answer to the work (a SQLSTATE of another class) is no connection cause.
+    lock = translated(psycopg.errors.LockNotAvailable("canceling statement due to lock timeout"))
+    assert "reset or dropped" not in str(lock)
+    # SQLite's errors are never a server's connection.
+    busy = translated(sqlite3.OperationalError("database is locked"))
+    assert "reset or dropped" not in str(busy) and "cannot reach" not in str(busy)
 
 
 def refusing(times: int, error: RegistryError) -> tuple[list[float], object]:
