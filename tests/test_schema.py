@@ -959,6 +959,10 @@ def test_the_previous_release_refuses_the_newer_frozen_registry_and_leaves_it(
         check=True,
     ).stdout
     subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+    # Laid out as its wheel installs it (migrations inside the package), so that release finds
+    # its own ``ficache.migrations`` first: an editable install of this tree (``pip install
+    # -e .``) adds a finder that would otherwise serve this tree's migrations to it.
+    shutil.copytree(old / "migrations", old / "ficache" / "migrations")
     path = tmp_path / "registry.db"
     shutil.copyfile(DATA / f"registry-{rev}.db", path)
     before = path.read_bytes()
