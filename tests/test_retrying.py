@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -143,3 +144,72 @@ def test_what_is_not_transient_leaves_at_once() -> None:
         with pytest.raises(type(error)):
             retry_transient(attempt, within=10)  # type: ignore[arg-type]
         assert len(calls) == 1
+
+
+def test_the_backoff_is_jittered_below_a_ceiling_that_doubles_up_to_its_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The delays between attempts, recorded (instrumentation: ``time.sleep`` as
+    ``ficache.retrying`` calls it, recorded instead of slept): each below its attempt's
+    ceiling (``FIRST_DELAY_S`` doubling up to ``MAX_DELAY_S``) and spread under it, so
+    servers refused together do not come back together."""
+    import random
+
+    from ficache import retrying
+
+    slept: list[float] = []
+    monkeypatch.setattr(retrying.time, "sleep", slept.append)
+    random.seed(36)
+    refusals = 9
+    runs = 200
+    by_attempt: list[list[float]] = [[] for _ in range(refusals)]
+    for _ in range(runs):
+        slept.clear()
+        _calls, attempt = refusing(refusals, transient_error())
+        assert retry_transient(attempt, within=1000) == "served"  # type: ignore[arg-type]
+        assert len(slept) == refusals
+        for n, delay in enumerate(slept):
+            by_attempt[n].append(delay)
+    ceilings = [min(retrying.FIRST_DELAY_S * 2**n, retrying.MAX_DELAY_S) for n in range(refusals)]
+    assert ceilings[-1] == retrying.MAX_DELAY_S and ceilings[0] == retrying.FIRST_DELAY_S
+    for ceiling, delays in zip(ceilings, by_attempt, strict=True):
+        assert all(0.0 <= d <= ceiling for d in delays), (ceiling, max(delays))
+        # Spread over the whole range under the ceiling, not one value (200 uniform draws).
+        assert min(delays) < 0.1 * ceiling and max(delays) > 0.9 * ceiling, (ceiling, delays)
+        assert len(set(delays)) == runs
+
+
+def test_a_start_whose_commit_breaks_a_constraint_fails_at_once_not_retried(
+    registry_path: Path, autotuner: Any
+) -> None:
+    """Through the retrying path a warm start's commit takes (``retry_transient`` around
+    ``Registry.write``), at the default registry timeout: a constraint the commit breaks
+    (a unique index on commits' kind, added for the test, so a second startup commit breaks
+    it) fails on the first attempt. Retried, it would hold the start about 48 s."""
+    import ficache
+    from ficache.deadline import DEFAULT_REGISTRY_TIMEOUT_S
+    from ficache.standin import standin_tune
+
+    db = str(registry_path)
+    with ficache.warm_start(db=db) as cold:
+        standin_tune()
+    assert cold.report.committed == 18
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE UNIQUE INDEX one_commit_per_kind ON commits (kind)")
+    conn.close()
+
+    started = time.monotonic()
+    with ficache.warm_start(db=db) as ws:  # the default registry timeout
+        assert standin_tune(shapes=[(512, 512)]).profiled == 6
+    elapsed = time.monotonic() - started
+
+    report = ws.report
+    assert report.reason is not None and report.committed == 0, report
+    assert f"registry {db} refused the write (" in report.reason, report.reason
+    assert "still refused after" not in report.reason, report.reason  # one attempt
+    assert "\n" not in report.reason
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        assert conn.execute("SELECT count(*) FROM commits").fetchone() == (1,)
+    conn.close()
+    # A bound on a failure, far below what retrying it would cost (0.8 x the default).
+    assert elapsed < DEFAULT_REGISTRY_TIMEOUT_S * LAST_START / 2, elapsed
