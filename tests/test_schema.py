@@ -683,16 +683,28 @@ def _older_line(db: str, revision: str) -> str:
 
 @pytest.mark.usefixtures("backend")
 @pytest.mark.parametrize(
-    "command", [("stats",), ("list",), ("export", "--fingerprint", "1")], ids=lambda c: c[0]
+    "command",
+    [
+        ("stats",),
+        ("list",),
+        ("export", "--fingerprint", "1"),
+        ("log",),
+        ("show", "1"),
+        ("fingerprints",),
+        ("export", "--bundle", "-", "--all"),
+        ("import", "{file}", "--dry-run"),
+    ],
+    ids=["stats", "list", "export", "log", "show", "fingerprints", "bundle-export", "import-dry"],
 )
 def test_a_read_never_upgrades_an_older_schema(
     cli, cache_file, registry_db: str, dump_db, command: tuple[str, ...]
 ) -> None:
     assert cli("import", entry_file(cache_file)).exit_code == 0
     assert cli("db", "downgrade", "0004_selection", "--yes").exit_code == 0
+    other = entry_file(cache_file, "b.json", m=32)  # what `import --dry-run` would add
     before = dump_db(registry_db)
 
-    result = cli(*command)
+    result = cli(*(str(other) if word == "{file}" else word for word in command))
 
     assert (result.exit_code, result.stdout, result.stderr) == (
         1,
