@@ -55,7 +55,8 @@ Invariants:
   gives up after ``CONNECT_TIMEOUT_S``. A server that cannot be reached or drops the
   connection is one ``RegistryUnavailableError`` line, never a driver's multi-line
   text, naming its cause and that cause's remedy (``connection_trouble``, the one
-  table of causes); a cause that may pass by itself (too many clients, a server
+  table of causes). A lost connection is recognised by what the error is, never by
+  its text (``connection_lost``); a cause that may pass by itself (too many clients, a server
   starting up or shutting down, a refused or reset connection, a serialization
   failure or deadlock) is marked ``transient`` for ``ficache.retrying``.
   Its engines are watched by ``ficache.deadline``, so a caller can bound
