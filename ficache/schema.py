@@ -82,7 +82,8 @@ Invariants:
   gives up after ``CONNECT_TIMEOUT_S``. A server that cannot be reached or drops the
   connection is one ``RegistryUnavailableError`` line, never a driver's multi-line
   text, naming its cause and that cause's remedy (``connection_trouble``, the one
-  table of causes); a cause that may pass by itself (too many clients, a server
+  table of causes). A lost connection is recognised by what the error is, never by
+  its text (``connection_lost``); a cause that may pass by itself (too many clients, a server
   starting up or shutting down, a refused or reset connection, a serialization
   failure or deadlock) is marked ``transient`` for ``ficache.retrying``.
   Its engines are watched by ``ficache.deadline``, so a caller can bound
@@ -96,6 +97,7 @@ from __future__ import annotations
 import functools
 import os
 import sqlite3
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -437,6 +439,12 @@ class ConnectionTrouble:
 
 
 _UNREACHABLE = ConnectionTrouble("", False, "check that the server runs and the URL is right")
+#: An established connection that went away (``connection_lost``): asked again.
+_DROPPED = ConnectionTrouble(
+    "the connection was reset or dropped",
+    True,
+    "check the server and the network between; retry",
+)
 
 #: The one table of connection causes: (SQLSTATEs, driver phrases, trouble). First match wins.
 _TROUBLES: tuple[tuple[tuple[str, ...], tuple[str, ...], ConnectionTrouble], ...] = (
@@ -489,21 +497,6 @@ _TROUBLES: tuple[tuple[tuple[str, ...], tuple[str, ...], ConnectionTrouble], ...
         ),
     ),
     (
-        ("08000", "08003", "08006"),
-        (
-            "connection reset",
-            "server closed the connection",
-            "consuming input failed",
-            "connection is lost",
-            "terminating connection",
-        ),
-        ConnectionTrouble(
-            "the connection was reset or dropped",
-            True,
-            "check the server and the network between; retry",
-        ),
-    ),
-    (
         (),
         ("timeout expired", "connection timeout"),
         # Not retried: the URL's connect_timeout is the user's bound on a silent host.
@@ -530,20 +523,61 @@ def connection_trouble(message: str, sqlstate: str | None = None) -> ConnectionT
     return None
 
 
-#: Driver messages (psycopg, psycopg2) of a server that cannot be reached or went away.
-_CONNECTION_LOST = (
-    "connection failed",
-    "could not connect",
-    "connection refused",
-    "connection timeout",
-    "timeout expired",
-    "server closed the connection",
-    "terminating connection",
-    "connection is closed",
-    "connection is lost",
-    "consuming input failed",
-    "no connection to the server",
-)
+def _driver_errors(name: str) -> tuple[type[BaseException], ...]:
+    """``name``'s (``psycopg``, ``psycopg2``) ``OperationalError``, if that driver is loaded.
+
+    A driver not imported yet cannot have raised, so it is not imported here.
+    """
+    module = sys.modules.get(name)
+    error = getattr(module, "OperationalError", None)
+    return (error,) if isinstance(error, type) else ()
+
+
+def connection_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` says an established connection to the server went away.
+
+    Recognised by what the error is, never by its text: SQLAlchemy found the
+    connection invalidated (its dialect's ``is_disconnect``: psycopg's
+    connection ``closed`` or ``broken``); the SQLSTATE is of class 08
+    (connection exception); or psycopg raised an ``OperationalError`` of its
+    own (no SQLSTATE: not the server's answer) outside a connection attempt
+    (no ``pgconn``: those are ``connection_trouble``'s) that is not its
+    connect timeout, such as "connection socket closed".
+    """
+    if getattr(exc, "connection_invalidated", False):
+        return True
+    orig = getattr(exc, "orig", None)
+    if (_sqlstate(orig) or "").startswith("08"):
+        return True
+    psycopg_errors = _driver_errors("psycopg")
+    if not psycopg_errors or not isinstance(orig, psycopg_errors):
+        return False
+    timeout = getattr(getattr(sys.modules["psycopg"], "errors", None), "ConnectionTimeout", None)
+    return (
+        _sqlstate(orig) is None
+        and getattr(orig, "pgconn", None) is None
+        and not (isinstance(timeout, type) and isinstance(orig, timeout))
+    )
+
+
+def _sqlstate(orig: BaseException | None) -> str | None:
+    """The SQLSTATE of a driver's error (psycopg's ``sqlstate``, psycopg2's ``pgcode``)."""
+    return getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+
+
+def _about_the_connection(exc: BaseException, sqlstate: str | None) -> bool:
+    """Whether ``exc`` is about reaching the server, not about the work sent to it.
+
+    The connection went away (``connection_lost``); the SQLSTATE is of class 08,
+    53300 (too many clients) or 57P (the server shutting down or starting up);
+    or the PostgreSQL driver failed on its own side (an ``OperationalError``
+    without a SQLSTATE: it could not connect, or lost the connection).
+    """
+    if connection_lost(exc) or (sqlstate or "").startswith(("08", "53300", "57P")):
+        return True
+    orig = getattr(exc, "orig", None)
+    drivers = _driver_errors("psycopg") + _driver_errors("psycopg2")
+    return bool(drivers) and isinstance(orig, drivers) and sqlstate is None
 
 
 def _seconds(milliseconds: int) -> str:
@@ -600,13 +634,11 @@ def translate_operational_error(
             f"registry {location.display} refused the write ({first_line}); nothing was "
             "written; check it with `ficache verify`"
         )
-    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
-    if (
-        getattr(exc, "connection_invalidated", False)
-        or any(phrase in lowered for phrase in _CONNECTION_LOST)
-        or (sqlstate or "").startswith(("08", "53300", "57P"))
-    ):
-        trouble = connection_trouble(lowered, sqlstate) or _UNREACHABLE
+    sqlstate = _sqlstate(getattr(exc, "orig", None))
+    if _about_the_connection(exc, sqlstate):
+        trouble = connection_trouble(lowered, sqlstate) or (
+            _DROPPED if connection_lost(exc) else _UNREACHABLE
+        )
         reason = first_line.removeprefix("connection failed: ")
         cause = f": {trouble.cause}" if trouble.cause else ""
         error = RegistryUnavailableError(

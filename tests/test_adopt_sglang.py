@@ -179,16 +179,28 @@ def test_bad_files_are_skipped_and_counted_and_nothing_runs(
 
 
 def test_a_symlink_that_leaves_the_root_is_refused(tmp_path: Path) -> None:
-    outside = deployment(tmp_path / "elsewhere")
-    save_rank_file(rank_file(outside, 0), {key(1): 3})
+    """The directory link is refused as a whole, never entered: the outside directory holds
+    several rank files, a runs/ directory and deployments below it, so a walk that entered
+    it and then refused each file would skip more, and name other paths, than the link."""
+    elsewhere = tmp_path / "elsewhere"
+    outside = deployment(elsewhere)
+    for t in (0, 1, 2):
+        save_rank_file(rank_file(outside, t), {key(1): 3})
+    save_rank_file(outside / "runs" / f"rank_tp0_pp0_dp0.20260101_000000.{'c' * 32}.json", {})
+    for nested in ("1" * 16, "2" * 16):
+        save_rank_file(rank_file(outside / nested, 0), {key(64): 1})
     root = tmp_path / "sglang"
     inside = deployment(root)
     save_rank_file(rank_file(inside, 0), {key(2): 4})
-    os.symlink(outside, inside.parent / ("e" * 16))  # a directory link out of ROOT
+    linked_dir = inside.parent / ("e" * 16)
+    os.symlink(outside, linked_dir)  # a directory link out of ROOT
     os.symlink(rank_file(outside, 0), rank_file(inside, 1))  # a file link out of ROOT
     plan = plan_adoption(sources(root))
     assert [e.key for e in plan.entries] == [key(2)]
-    assert plan.skipped_count == 2
+    assert plan.skipped_count == 2, plan.skipped
+    assert sorted(str(s.path) for s in plan.skipped) == sorted(
+        [str(linked_dir), str(rank_file(inside, 1))]
+    )
     assert all("outside the root" in s.reason for s in plan.skipped)
 
 

@@ -4,6 +4,7 @@ hostile bundle refused with one line and the registry unchanged."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -509,6 +510,36 @@ def test_protocol_records_travel_in_a_version_3_bundle(
         f"wrote bundle {again}: 1 entries and 2 protocol records of 2"
     )
     assert again.read_bytes() == path.read_bytes()
+
+
+def test_two_bundles_disagreeing_on_a_protocol_record_are_refused_with_on_conflict_fail(
+    cli, target: Path, tmp_path: Path, dump_db
+) -> None:
+    """Two inputs holding one protocol record (namespace, key, scope) with different values:
+    ``--on-conflict fail`` names it and imports nothing; ``theirs`` takes the later one."""
+    first, second = tmp_path / "first.bundle", tmp_path / "second.bundle"
+    first.write_bytes(render_bundle([], protocol_records=PROTOCOL))
+    retuned = dataclasses.replace(PROTOCOL[1], value_json='{"knobs":[8,1]}', tuned_at=7.0)
+    second.write_bytes(render_bundle([], protocol_records=(PROTOCOL[0], retuned)))
+    before = dump_db(target)
+
+    refused = cli("import", first, second, "--on-conflict", "fail", db=target)
+
+    assert (refused.exit_code, refused.stdout) == (1, "")
+    assert refused.stderr.startswith(f"error: {first} and {second} hold different values for ")
+    assert "protocol record moe_ep_megamoe/'{\"tokens\":128}' (fingerprint " in refused.stderr
+    assert refused.stderr.endswith(
+        "nothing imported; choose which wins with --on-conflict keep|theirs|newest|vote|drop\n"
+    )
+    assert refused.stderr.count("\n") == 1
+    assert dump_db(target) == before
+    agreeing = cli("import", first, first, "--on-conflict", "fail", db=target)
+    assert agreeing.exit_code == 0, agreeing.stderr
+    taken = cli("import", first, second, "--on-conflict", "theirs", db=target)
+    assert taken.exit_code == 0, taken.stderr
+    with Registry.open(str(target), create=False) as reg, reg.engine.connect() as conn:
+        values = {r.key: r.value_json for r in stored_protocol_records(conn)}
+    assert values == {"": "7", '{"tokens":128}': '{"knobs":[8,1]}'}
 
 
 def test_a_damaged_protocol_record_in_a_bundle_is_refused(

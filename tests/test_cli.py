@@ -1153,6 +1153,49 @@ def test_revert_dry_run_and_run_agree_along_a_chain_of_reverts(
 
 
 @both_backends
+def test_revert_dry_run_counts_what_it_removes_restores_and_re_adds_each_apart(
+    cli, registry_db: str, dump_db
+) -> None:
+    """A commit that added 3 entries, replaced 2 and removed 1 (three different counts, so
+    a plan that swapped two of them differs): the dry run's plan, the JSON plan and the
+    run's result count each, and agree."""
+    from ficache.registry import NewEntry
+
+    fp = Fingerprint.from_flashinfer_metadata(META)
+    keys = [f"('mm', 'Runner', (({m}, 64),), (torch.bfloat16,))" for m in (1, 2, 3, 4, 5, 6)]
+    with Registry.open(registry_db) as reg:
+        reg.write([NewEntry(fp, k, "Runner", "1") for k in keys[:3]], kind="import")
+        reg.write(
+            [NewEntry(fp, k, "Runner", "2") for k in keys[1:]],  # 2 replaced, 3 added
+            kind="merge",
+            removals=[(fp, "shared", keys[0])],  # 1 removed
+        )
+        commit = reg.log()[0]
+    assert (commit.id, commit.added, commit.replaced, commit.removed) == (2, 3, 2, 1)
+    before = dump_db(registry_db)
+
+    dry = cli("revert", "2", "--dry-run")
+    as_json = cli("revert", "2", "--dry-run", "--format", "json")
+
+    assert (dry.exit_code, dry.stderr) == (0, "")
+    assert dry.stdout.splitlines()[0].endswith(
+        ": remove 3 added, restore 2 replaced, restore 1 removed"
+    ), dry.stdout
+    assert dry.stdout.splitlines()[-1] == "dry run: nothing changed"
+    assert json.loads(as_json.stdout)["entries"] == {"remove": 3, "restore": 2, "re_add": 1}
+    assert dump_db(registry_db) == before
+
+    run = cli("revert", "2", "--yes")
+
+    assert run.stdout.splitlines()[:-1] == dry.stdout.splitlines()[:-1]
+    assert run.stdout.splitlines()[-1] == (
+        "reverted commit 2 as commit 3: 3 removed, 2 restored, 1 re-added"
+    )
+    listed = {r["key"]: r["tactic"] for r in json.loads(cli("list", "--format", "json").stdout)}
+    assert listed == {k: 1 for k in keys[:3]}
+
+
+@both_backends
 def test_revert_plan_as_json(cli, populated: str, cache_file, dump_db) -> None:
     cli("import", cache_file("n.json", {K16: ["Runner", 9]}, metadata=META))
     before = dump_db(populated)

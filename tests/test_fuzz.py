@@ -623,7 +623,12 @@ def canonical_or_raw(value: Any) -> Any:
         return value
 
 
-def check_bundle_bytes(data: bytes, path: Path | None = None) -> None:
+def check_bundle_bytes(
+    data: bytes, path: Path | None = None, *, wrong_checksum: bool = False
+) -> None:
+    """``data`` read back as its rendering, or refused with one line; ``wrong_checksum``:
+    its header is well formed, of the right size, and names another payload's checksum, so
+    the refusal must be the checksum's (a reader that skipped it would parse the payload)."""
     try:
         if path is None:
             bundle = parse_bundle_bytes(data, source="fuzz.bundle")
@@ -633,7 +638,10 @@ def check_bundle_bytes(data: bytes, path: Path | None = None) -> None:
     except BundleError as exc:
         one_line(exc)
         note("refused: " + re.sub(r"[0-9]+", "N", str(exc).partition(": ")[2])[:28])
+        if wrong_checksum:
+            assert "damaged bundle (checksum mismatch)" in str(exc), exc
     else:
+        assert not wrong_checksum, "a payload that does not match its checksum was read"
         note("accepted")
         assert isinstance(bundle, Bundle)
         assert render_bundle(bundle.entries, bundle.records, bundle.fingerprints) == data
@@ -647,13 +655,21 @@ def test_the_bundle_reader_takes_mutated_payloads_with_a_right_checksum(
     tmp_path: Path, edits: list[tuple[str, int, bytes, str]], how: int
 ) -> None:
     payload = mutate(_PAYLOAD, edits)
+    wrong_checksum = False
     if how == 0:  # the bytes as they are: the checksum no longer matches
         data = mutate(VALID_BUNDLE, edits)
+        head, newline, rest = data.partition(b"\n")
+        # The header intact over a payload of its size that changed: only the checksum tells.
+        wrong_checksum = (head, newline) == (_HEADER, b"\n") and (
+            len(rest) == len(_PAYLOAD) and rest != _PAYLOAD
+        )
     elif how == 1:  # a damaged header over a right payload
         data = mutate(_HEADER + b"\n", edits) + _PAYLOAD
     else:
         data = frame(payload)
-    check_bundle_bytes(data, tmp_path / "fuzz.bundle" if how == 3 else None)
+    check_bundle_bytes(
+        data, tmp_path / "fuzz.bundle" if how == 3 else None, wrong_checksum=wrong_checksum
+    )
 
 
 @FUZZ
@@ -661,12 +677,22 @@ def test_the_bundle_reader_takes_mutated_payloads_with_a_right_checksum(
 @tallied
 def test_the_bundle_reader_takes_hostile_members_with_a_right_checksum(payload: bytes) -> None:
     check_bundle_bytes(frame(payload))
+    # The same payload under a header of its size naming another payload's checksum.
+    head, _, body = frame(payload).partition(b"\n")
+    other = hashlib.sha256(payload + b"\n").hexdigest().encode()
+    check_bundle_bytes(
+        re.sub(rb"sha256=[0-9a-f]{64}", b"sha256=" + other, head) + b"\n" + body,
+        wrong_checksum=True,
+    )
 
 
 def test_the_bundle_fuzzers_start_from_a_valid_bundle() -> None:
     check_bundle_bytes(VALID_BUNDLE)
     check_bundle_bytes(frame(layout(json.loads(_PAYLOAD))))
     assert len(parse_bundle_bytes(VALID_BUNDLE).entries) == 3
+    # One byte of a valid bundle's payload changed, its size kept: the checksum refuses it.
+    flipped = VALID_BUNDLE[:-2] + bytes([VALID_BUNDLE[-2] ^ 1]) + VALID_BUNDLE[-1:]
+    check_bundle_bytes(flipped, wrong_checksum=True)
 
 
 # -- the v2 store ---------------------------------------------------------------------------

@@ -131,6 +131,39 @@ def test_a_registry_changed_between_starts_is_reloaded(registry_path: Path, auto
     assert now == _reference(db, autotuner) and len(now["entries"]) == ALL + 6
 
 
+def test_a_protocol_record_another_server_committed_since_is_loaded_not_kept(
+    registry_path: Path, autotuner: Any
+) -> None:
+    """The registry changed by a protocol record alone (no entry): the slice is not kept."""
+    if not hasattr(autotuner, "publish_protocol_record"):
+        pytest.skip("this FlashInfer has no protocol records")
+    db = registry_path
+    start(db)
+    _reference(db, autotuner)
+    with LoadProbe(autotuner) as probe:  # unchanged so far: kept
+        assert start(db)["report"]["load_kept"] and probe.calls == 0
+    # Another server (another process: this one's tuner is untouched) serves every entry
+    # and publishes one protocol record, which its start commits.
+    script = (
+        "import sys, ficache\n"
+        "from flashinfer.autotuner import AutoTuner\n"
+        "from ficache.standin import standin_tune\n"
+        "with ficache.warm_start(db=sys.argv[1]) as ws:\n"
+        "    assert standin_tune().profiled == 0\n"
+        "    AutoTuner.get().publish_protocol_record('other.v1', 'k', {'v': 7}, persist=False)\n"
+        "assert (ws.report.committed, ws.report.protocol_committed) == (0, 1), ws.report\n"
+    )
+    subprocess.run([sys.executable, "-c", script, str(db)], check=True, timeout=300)
+    with LoadProbe(autotuner) as probe:
+        out = start(db)
+    report = out["report"]
+    assert probe.calls >= 1 and not report["load_kept"]
+    assert (report["status"], report["loaded"], report["protocol_loaded"]) == ("warm", ALL, 1)
+    now = held(autotuner)
+    assert now["protocol"] == {"other.v1": {"k": {"v": 7}}}, now["protocol"]
+    assert now == _reference(db, autotuner)
+
+
 def test_ranks_that_keep_and_ranks_that_reload_agree(tmp_path: Path) -> None:
     rank0, rank1 = run_ranks(one_rank_changed, 2, str(tmp_path), timeout=600)
     for out in (rank0, rank1):

@@ -215,6 +215,55 @@ def test_fail_without_conflicts_merges(cli, cache_file, target) -> None:
     assert result.stdout.splitlines()[-1] == "merged as commit 2: 1 added, 0 replaced, 0 removed"
 
 
+@pytest.mark.usefixtures("backend")
+def test_an_entry_dropped_by_a_merge_stays_dropped_when_one_source_brings_it_again(
+    cli, cache_file, target, registry_db: str, dump_db
+) -> None:
+    """A merge's removal is a tombstone: merging the one source whose K16 (9) conflicted
+    with the target's (1) again finds no K16 stored, yet its 9 still conflicts with the
+    removed 1 and is dropped again; a source bringing back the removed value agrees."""
+    source = flashinfer_file(cache_file, "s.json", {K16: 9}, time.time())
+
+    dropped = cli("merge", source, "--on-conflict", "drop")
+
+    assert dropped.stdout.splitlines()[-1] == "merged as commit 2: 0 added, 0 replaced, 1 removed"
+    assert (1, "shared", K16) not in stored(cli)
+    before = dump_db(registry_db)
+
+    again = cli("merge", source, "--on-conflict", "drop", "--format", "json")
+
+    report = json.loads(again.stdout)
+    assert report["commit"] is None
+    assert [(c["key"], c["target"]["tactic"], c["resolution"]) for c in report["conflicts"]] == [
+        (K16, 1, "dropped")
+    ]
+    assert dump_db(registry_db) == before
+    removed_value = flashinfer_file(cache_file, "back.json", {K16: 1}, time.time())
+    back = cli("merge", removed_value, "--on-conflict", "drop")
+    assert back.stdout.splitlines()[-1] == "merged as commit 3: 1 added, 0 replaced, 0 removed"
+    assert stored(cli)[(1, "shared", K16)] == 1
+
+
+def test_newest_keeps_the_target_when_a_source_was_tuned_at_the_same_time(
+    cli, cache_file, registry_db: str
+) -> None:
+    """``newest`` on a tie between the registry's value and a source's: the registry's,
+    the earlier one, wins (a tie among sources goes to the first: ``sources only`` below)."""
+    at = 1_700_000_000.0
+    assert cli("import", flashinfer_file(cache_file, "t.json", {K16: 1}, at)).exit_code == 0
+    tied = flashinfer_file(cache_file, "s.json", {K16: 2, K32: 3}, at)
+    later = flashinfer_file(cache_file, "l.json", {K32: 4}, at + 1)
+
+    result = cli("merge", tied, later, "--on-conflict", "newest", "--format", "json")
+
+    report = json.loads(result.stdout)
+    assert sorted((c["key"], c["resolution"]) for c in report["conflicts"]) == [
+        (K16, "target"),  # tied with the registry's: the registry's stays
+        (K32, "source 2"),  # the later of two sources wins
+    ]
+    assert stored(cli) == {(1, "shared", K16): 1, (1, "shared", K32): 4}
+
+
 @pytest.mark.parametrize(
     ("policy", "k16", "resolution"),
     [

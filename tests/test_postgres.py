@@ -778,11 +778,42 @@ def storm_role_url(server: pg_server.PostgresServer, url: str, *, limit: int) ->
     return plain.replace("postgresql://", "postgresql+psycopg://"), plain
 
 
-def hold_connections(plain_url: str, count: int) -> list[Any]:
-    """``count`` idle connections of the storm role: the database's every slot, taken."""
+def wait_for_no_sessions(server: pg_server.PostgresServer, name: str, limit_s: float = 60) -> None:
+    """Wait until the server reports no session on database ``name`` (``pg_stat_activity``):
+    a client's closed connection is freed by its server process exiting, some time after the
+    close, and until then it still takes one of the database's connection slots."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        rows = server._admin.execute(
+            "SELECT pid, state FROM pg_stat_activity WHERE datname = %s", [name]
+        ).fetchall()
+        if not rows:
+            return
+        assert time.monotonic() < deadline, f"sessions on {name} never ended: {rows}"
+        time.sleep(0.02)
+
+
+def hold_connections(server: pg_server.PostgresServer, plain_url: str, count: int) -> list[Any]:
+    """``count`` idle connections of the storm role: the database's every slot, taken, once
+    the server reports the connections before them (an earlier start's) gone."""
     import psycopg
 
-    held = [psycopg.connect(plain_url, autocommit=True) for _ in range(count)]
+    name = plain_url.rsplit("/", 1)[1]
+    deadline = time.monotonic() + 60
+    while True:
+        wait_for_no_sessions(server, name)
+        held: list[Any] = []
+        try:
+            for _ in range(count):
+                held.append(psycopg.connect(plain_url, autocommit=True))
+            break
+        except psycopg.OperationalError as exc:
+            # A server process leaves pg_stat_activity a moment before it gives its slot
+            # back: ask the server again, never sleep a guessed time.
+            for conn in held:
+                conn.close()
+            assert "too many connections" in str(exc), exc
+            assert time.monotonic() < deadline, exc
     with pytest.raises(psycopg.OperationalError, match="too many connections"):
         psycopg.connect(plain_url).close()
     return held
@@ -801,7 +832,7 @@ def test_a_start_refused_with_too_many_clients_is_served_once_a_connection_frees
     with ficache.warm_start(db=url) as ws:
         standin_tune()
     assert ws.report.committed == 18
-    held = hold_connections(plain, 2)
+    held = hold_connections(postgres_server, plain, 2)
     release_later(held, 1.5)
 
     started = time.monotonic()
@@ -821,7 +852,7 @@ def test_a_start_refused_past_the_registry_timeout_tunes_uncached_and_names_the_
     url, plain = storm_role_url(postgres_server, postgres_url, limit=2)
     with ficache.warm_start(db=url) as ws:
         standin_tune()
-    held = hold_connections(plain, 2)
+    held = hold_connections(postgres_server, plain, 2)
     limit = 2.0
     try:
         started = time.monotonic()
@@ -934,7 +965,7 @@ def test_an_adoption_refused_with_too_many_clients_adopts_once_a_connection_free
 
     url, plain = storm_role_url(postgres_server, postgres_url, limit=2)
     Registry.open(url).close()  # created at head, by the role, before the slots are taken
-    held = hold_connections(plain, 2)
+    held = hold_connections(postgres_server, plain, 2)
     release_later(held, 1.5)
     started = time.monotonic()
     adoption = _adopt_tree(url, tree["vllm"], registry_timeout=30)
@@ -957,7 +988,7 @@ def test_an_adoption_refused_past_the_registry_timeout_names_the_cause_and_write
     tree = vllm_tree(tmp_path)
     url, plain = storm_role_url(postgres_server, postgres_url, limit=2)
     Registry.open(url).close()
-    held = hold_connections(plain, 2)
+    held = hold_connections(postgres_server, plain, 2)
     limit = 2.0
     try:
         started = time.monotonic()

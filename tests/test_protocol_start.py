@@ -243,6 +243,39 @@ def test_replay_serves_protocol_records_and_commits_none(
     conn.close()
 
 
+def test_a_replay_start_whose_block_produces_an_entry_a_record_and_a_protocol_record_commits_none(
+    registry_path: Path, autotuner: Any, dump_db: Any
+) -> None:
+    """Replay mode commits nothing, even what its block produced: an entry (the stand-in's
+    loop stores a winner for shapes the registry lacks, as tuning would), a namespaced
+    record and a protocol record. Only the served mark's counts may change."""
+    from ficache.standin import standin_tune
+
+    db = str(registry_path)
+    with ficache.warm_start(db=db) as cold:
+        standin_tune()
+    assert cold.report.committed == 18
+    before = [line for line in dump_db(db) if 'INTO "fingerprints"' not in line]
+
+    with ficache.warm_start(db=db, mode="replay") as ws:
+        produced = standin_tune(shapes=[(512, 512)])
+        autotuner.publish_namespaced_records("replay_ns", {"k": {"v": 1}})
+        autotuner.publish_protocol_record("replay.v1", "k", {"v": 2}, persist=False)
+
+    report = ws.report
+    assert produced.profiled == 6  # the block did produce entries
+    assert (report.mode, report.tuned, report.records_tuned, report.protocol_tuned) == (
+        "replay",
+        6,
+        1,
+        1,
+    )
+    assert (report.committed, report.records_committed, report.protocol_committed) == (0, 0, 0)
+    assert report.commit_id is None
+    after = [line for line in dump_db(db) if 'INTO "fingerprints"' not in line]
+    assert after == before
+
+
 def test_a_stored_protocol_record_keeps_its_value_and_every_rank_reads_it(
     registry_path: Path, autotuner: Any
 ) -> None:

@@ -694,16 +694,28 @@ def _older_line(db: str, revision: str) -> str:
 
 @pytest.mark.usefixtures("backend")
 @pytest.mark.parametrize(
-    "command", [("stats",), ("list",), ("export", "--fingerprint", "1")], ids=lambda c: c[0]
+    "command",
+    [
+        ("stats",),
+        ("list",),
+        ("export", "--fingerprint", "1"),
+        ("log",),
+        ("show", "1"),
+        ("fingerprints",),
+        ("export", "--bundle", "-", "--all"),
+        ("import", "{file}", "--dry-run"),
+    ],
+    ids=["stats", "list", "export", "log", "show", "fingerprints", "bundle-export", "import-dry"],
 )
 def test_a_read_never_upgrades_an_older_schema(
     cli, cache_file, registry_db: str, dump_db, command: tuple[str, ...]
 ) -> None:
     assert cli("import", entry_file(cache_file)).exit_code == 0
     assert cli("db", "downgrade", "0004_selection", "--yes").exit_code == 0
+    other = entry_file(cache_file, "b.json", m=32)  # what `import --dry-run` would add
     before = dump_db(registry_db)
 
-    result = cli(*command)
+    result = cli(*(str(other) if word == "{file}" else word for word in command))
 
     assert (result.exit_code, result.stdout, result.stderr) == (
         1,
@@ -970,6 +982,10 @@ def test_the_previous_release_refuses_the_newer_frozen_registry_and_leaves_it(
         check=True,
     ).stdout
     subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+    # Laid out as its wheel installs it (migrations inside the package), so that release finds
+    # its own ``ficache.migrations`` first: an editable install of this tree (``pip install
+    # -e .``) adds a finder that would otherwise serve this tree's migrations to it.
+    shutil.copytree(old / "migrations", old / "ficache" / "migrations")
     path = tmp_path / "registry.db"
     shutil.copyfile(DATA / f"registry-{rev}.db", path)
     before = path.read_bytes()

@@ -484,6 +484,54 @@ sys.exit(0)  # at once: the interpreter's shutdown joins the mark's thread
 """
 
 
+EXIT_WHILE_A_SLOW_MARK_IS_WRITTEN = """
+import sys, threading, time
+import ficache
+import ficache.usage
+from ficache.standin import standin_tune
+
+written = ficache.usage.mark_served
+
+
+def slow_disk_mark(*args, **kwargs):
+    # Slow-disk stand-in: the mark takes 1.5 s longer than it would (a disk that is slow to
+    # write and fsync), so it is still running well after the interpreter began to exit.
+    time.sleep(1.5)
+    return written(*args, **kwargs)
+
+
+ficache.usage.mark_served = slow_disk_mark
+with ficache.warm_start(db=sys.argv[1]) as ws:
+    standin_tune()
+assert ws.report.status == "warm", ws.report
+assert [t.name for t in threading.enumerate() if t.name == "ficache-served-mark"], "no mark"
+sys.exit(0)  # the mark has not finished: only a joined, non-daemon thread still writes it
+"""
+
+
+def test_a_slow_mark_still_running_when_its_process_exits_normally_is_written(
+    registry_db: str, autotuner: Any, tmp_path: Any
+) -> None:
+    """The served mark survives a normal exit even when it takes longer than the exit: a
+    mark run on a daemon thread would be dropped by the interpreter's shutdown."""
+    import os
+    import subprocess
+    import sys
+
+    start(registry_db)  # cold: commits the entries this machine's fingerprint loads
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "user-cache")}
+    env.pop("FICACHE_DB", None)
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_WHILE_A_SLOW_MARK_IS_WRITTEN, registry_db],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert served_starts_over_sqlite3(registry_db) == 1
+
+
 def test_a_process_that_exits_right_after_its_start_leaves_the_mark(
     registry_db: str, autotuner: Any, tmp_path: Any
 ) -> None:
