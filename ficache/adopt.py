@@ -997,7 +997,9 @@ def registry_holds_entries_for(db: str | os.PathLike[str] | None, fingerprint: F
         try:
             rows = sqlite_fast.fingerprints_with_entries(location.path)
             return any(
-                Fingerprint(**dict(zip(ALL_FIELDS, row, strict=True))).serves(fingerprint)
+                Fingerprint(
+                    **dict(zip(ALL_FIELDS, row[:-1], strict=True)), measurement=row[-1]
+                ).serves(fingerprint)
                 for row in rows
             )
         except Exception:  # noqa: BLE001 - any doubt: the full path below explains itself

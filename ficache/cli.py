@@ -1178,8 +1178,9 @@ def export_cmd(
     With --bundle FILE, write one ficache bundle (for images) holding every
     scope of the given stored fingerprints, or of all with --all.
 
-    With --v2-store DIR, publish one environment directory of a FlashInfer
-    v2 store (`autotune_v2`) instead; exporting twice gives identical files.
+    With --v2-store DIR, publish a FlashInfer v2 store (`autotune_v2`) instead:
+    one environment directory per measurement policy the entries were tuned
+    under; exporting twice gives identical files.
     """
     if v2_root is not None:
         if bundle_path is not None or output is not None or all_fingerprints:
@@ -1258,29 +1259,30 @@ def _export_v2_store(
     obj: _Context, root: Path, fingerprint_ref: str, scope: str, measurement_spec: str | None
 ) -> None:
     """``export --v2-store``: the library plans and writes, the CLI prints."""
-    from ficache.exporting import plan_v2_export, source_fingerprint_ids
+    from ficache.exporting import plan_v2_exports, source_fingerprint_ids
     from ficache.v2_store import measurement_label, parse_measurement_policy
 
     measurement = (
         parse_measurement_policy(measurement_spec) if measurement_spec is not None else None
     )
     with obj.registry(create=False, write=False) as reg:
-        export = plan_v2_export(reg, fingerprint_ref, scope=scope, measurement=measurement)
+        exports = plan_v2_exports(reg, fingerprint_ref, scope=scope, measurement=measurement)
         ids = source_fingerprint_ids(reg, fingerprint_ref)
         scope_note = _unstored_scope_note(reg, ids, scope)
-    result = export.write(root)
-    lazy = (
-        f"; {export.not_preloadable} not preloadable, served by lookup only"
-        if export.not_preloadable
-        else ""
-    )
-    n_protocol = export.protocol_records
-    protocol = f" and {n_protocol} protocol records" if n_protocol else ""
-    click.echo(
-        f"exported {len(export.files) - n_protocol} entries{protocol} to {result.env_dir} "
-        f"(measurement policy {measurement_label(export.measurement)}): "
-        f"{result.written} written, {result.unchanged} unchanged{lazy}"
-    )
+    for export in exports:  # one environment directory per measurement policy
+        result = export.write(root)
+        lazy = (
+            f"; {export.not_preloadable} not preloadable, served by lookup only"
+            if export.not_preloadable
+            else ""
+        )
+        n_protocol = export.protocol_records
+        protocol = f" and {n_protocol} protocol records" if n_protocol else ""
+        click.echo(
+            f"exported {len(export.files) - n_protocol} entries{protocol} to {result.env_dir} "
+            f"(measurement policy {measurement_label(export.measurement)}): "
+            f"{result.written} written, {result.unchanged} unchanged{lazy}"
+        )
     if scope_note:
         click.echo(scope_note, err=True)
 

@@ -25,6 +25,7 @@ from ficache.errors import (
     RegistryReadOnlyError,
     SchemaTooNewError,
 )
+from ficache.exporting import plan_v2_export
 from ficache.fingerprint import Fingerprint
 from ficache.models import Base
 from ficache.registry import Registry
@@ -110,6 +111,7 @@ def test_down_to_base_and_up_again_through_the_cli(cli, cache_file, registry_pat
     assert (down.exit_code, down.stdout) == (
         0,
         f"downgrade plan: {where} from {HEAD} to base (drops all stored entries)\n"
+        "  0010_measurement_fingerprints -> 0009_protocol_records: keeps every stored value\n"
         "  0009_protocol_records -> 0008_start_counts: keeps every stored value\n"
         "  0008_start_counts -> 0007_compat: keeps every stored value\n"
         "  0007_compat -> 0006_policies: keeps every stored value\n"
@@ -279,11 +281,28 @@ def test_a_frozen_registry_upgrades_to_head_and_keeps_its_data(
     h200 = Fingerprint.from_flashinfer_metadata({**_FROZEN_FIELDS, "gpu": "NVIDIA H200"})
     b200 = Fingerprint.from_flashinfer_metadata({**_FROZEN_FIELDS, "gpu": "NVIDIA B200"})
 
+    cold = h200.with_measurement({"measure_cold_l2": "True"})
+    measured = frozen.name >= "registry-0010"  # a sixth commit: H200 under cold_l2
+
     with Registry.open(str(path)) as reg:
         assert reg.stats().revision == HEAD
         infos = {i.fingerprint: i for i in reg.fingerprints()}
-        assert {fp: i.entries for fp, i in infos.items()} == {h200: 4, b200: 0}
+        assert {fp: i.entries for fp, i in infos.items()} == {
+            h200: 4,
+            b200: 0,
+            **({cold: 1} if measured else {}),
+        }
         log = reg.log()
+        if measured:  # its own fingerprint: nothing of H200's default policy replaced
+            cold_commit = log.pop(0)
+            assert (cold_commit.message, cold_commit.added, cold_commit.protocol_added) == (
+                "frozen cold_l2 environment",
+                1,
+                1,
+            )
+            cold_text, _n = reg.export_text(infos[cold].id)
+            assert json.loads(cold_text)[_frozen_key(16)] == ["CutlassFp4Runner", 4]
+            assert plan_v2_export(reg, infos[cold].id).measurement == {"measure_cold_l2": "True"}
         if frozen.name >= "registry-0009":  # a fifth commit: protocol records (checked below)
             protocol_commit = log.pop(0)
             assert (protocol_commit.kind, protocol_commit.message) == (
@@ -310,7 +329,11 @@ def test_a_frozen_registry_upgrades_to_head_and_keeps_its_data(
         # old data stays writable: undo the prune
         prune = log[0].id
         assert reg.revert(prune).added == 1
-        assert {i.fingerprint: i.entries for i in reg.fingerprints()} == {h200: 4, b200: 1}
+        assert {i.fingerprint: i.entries for i in reg.fingerprints()} == {
+            h200: 4,
+            b200: 1,
+            **({cold: 1} if measured else {}),
+        }
 
     # 0002 recovered what each past change wrote (from the next change, or the
     # entry as it stands) and when each entry was tuned.
@@ -386,13 +409,18 @@ def test_a_frozen_registry_upgrades_to_head_and_keeps_its_data(
     with Registry.open(str(path)) as reg:
         counts = {fid: rest for fid, *rest in reg.stats().start_counts}
     if frozen.name >= "registry-0008":  # start counts are frozen from 0008_start_counts on
-        assert counts == {infos[h200].id: [5, 2, 3], infos[b200].id: [0, 0, 0]}
+        assert counts == {
+            infos[h200].id: [5, 2, 3],
+            infos[b200].id: [0, 0, 0],
+            **({infos[cold].id: [0, 0, 0]} if measured else {}),
+        }
     else:  # older registries upgrade with every count at 0
         assert counts == {infos[h200].id: [0, 0, 0], infos[b200].id: [0, 0, 0]}
     protocol = query(
         path,
         "SELECT r.fingerprint_id, r.scope, r.namespace, r.key, r.value, p.policy, r.commit_id "
-        "FROM protocol_records r LEFT JOIN policies p ON p.id = r.policy_id ORDER BY r.key",
+        "FROM protocol_records r LEFT JOIN policies p ON p.id = r.policy_id "
+        "WHERE r.commit_id <= 5 ORDER BY r.key",
     )
     if frozen.name >= "registry-0009":  # protocol records are frozen from 0009 on
         hot = '["cuda_graph_profile_replays",null,"l2_cache_policy","hot"]'
@@ -412,7 +440,7 @@ def test_a_frozen_registry_upgrades_to_head_and_keeps_its_data(
         assert query(path, "SELECT DISTINCT namespace FROM records") == [("trtllm_moe_da",)]
         with Registry.open(str(path)) as reg:  # and still writable: revert their commit
             assert reg.revert(protocol_commit.id).protocol_removed == 2
-        assert query(path, "SELECT count(*) FROM protocol_records") == [(0,)]
+        assert query(path, "SELECT count(*) FROM protocol_records") == [(1 if measured else 0,)]
     else:  # older registries upgrade to empty protocol record tables
         assert protocol == []
         assert query(path, "SELECT count(*) FROM protocol_record_changes") == [(0,)]
@@ -771,6 +799,7 @@ def test_a_downgrade_plan_counts_what_each_step_drops(
     assert (dry.exit_code, dry.stdout) == (
         0,
         f"downgrade plan: {schema.resolve(registry_db).display} from {HEAD} to 0002_fleet\n"
+        "  0010_measurement_fingerprints -> 0009_protocol_records: keeps every stored value\n"
         "  0009_protocol_records -> 0008_start_counts: keeps every stored value\n"
         "  0008_start_counts -> 0007_compat: keeps every stored value\n"
         "  0007_compat -> 0006_policies: keeps every stored value\n"
