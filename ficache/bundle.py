@@ -144,7 +144,7 @@ MAX_TACTIC_DEPTH = 8
 Records = dict[str, dict[str, dict[str, dict[str, Any]]]]
 
 _VERSION = re.compile(rb"ficache-bundle ([0-9]{1,9})(?=[ \n])")
-_HEADER = re.compile(rb"ficache-bundle [123] (0|[1-9][0-9]{0,19}) sha256=([0-9a-f]{64})\n")
+_HEADER = re.compile(rb"ficache-bundle [1234] (0|[1-9][0-9]{0,19}) sha256=([0-9a-f]{64})\n")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _MEMBERS = ("entries", "fingerprints", "provenance", "records")
 _MEMBERS_PROTOCOL = (*_MEMBERS, "protocol_records")  # version 3
