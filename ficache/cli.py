@@ -549,14 +549,24 @@ def _fingerprints_table(summaries: Sequence[Any], *, wide: bool) -> str:
     else:
         headers = ["id", *(h for h, _ in _FINGERPRINT_COLUMNS), "entries", "records", "last served"]
         fields = [f for _, f in _FINGERPRINT_COLUMNS]
+    # A column of its own only where a fingerprint is under a non-default measurement
+    # policy (two rows of the same fields are told apart by it).
+    measured = any(s.info.fingerprint.measurement for s in summaries)
+    if measured:
+        from ficache.v2_store import measurement_label
+
+        headers.append("measurement")
     rows = []
     for s in summaries:
         values = [cell(getattr(s.info.fingerprint, f)) for f in fields]
         counts = [s.info.entries, s.records, _served(s.info.last_served_at)]
         if wide:
-            rows.append([s.info.id, *counts, s.info.fingerprint.short_digest, *values])
+            row = [s.info.id, *counts, s.info.fingerprint.short_digest, *values]
         else:
-            rows.append([s.info.id, *values, *counts])
+            row = [s.info.id, *values, *counts]
+        if measured:
+            row.append(measurement_label(s.info.fingerprint.measurement_fields))
+        rows.append(row)
     return _table(headers, rows)
 
 

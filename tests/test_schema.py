@@ -637,6 +637,61 @@ def test_downgrading_below_0009_drops_protocol_records_and_their_commits_only(
     assert query(registry_path, "SELECT count(*) FROM protocol_records") == [(0,)]
 
 
+def test_downgrading_below_0010_drops_what_0009_cannot_keep_apart_and_recounts(
+    cli, cache_file, registry_path: Path
+) -> None:
+    """A commit holding both policies keeps its default-policy changes (recounted); a
+    commit holding only the other policy's goes; the default policy's data is untouched."""
+    from ficache.values import NewEntry, NewProtocolRecord
+
+    fp = Fingerprint.from_flashinfer_metadata({**_FROZEN_FIELDS, "gpu": "NVIDIA H200"})
+    cold = fp.with_measurement({"measure_cold_l2": "True"})
+    k16, k32 = _frozen_key(16), _frozen_key(32)
+    with Registry.open(str(registry_path)) as reg:
+        both = reg.write(
+            [
+                NewEntry(fp, k16, "CutlassFp4Runner", "1"),
+                NewEntry(cold, k16, "CutlassFp4Runner", "2"),
+            ],
+            kind="import",
+            protocol_records=[NewProtocolRecord(cold, "moe_ep", "k", "3")],
+        )
+        only_cold = reg.write([NewEntry(cold, k32, "CutlassFp4Runner", "4")], kind="import")
+        assert (both.added, both.protocol_added, only_cold.added) == (2, 1, 1)
+    kept = query(
+        registry_path,
+        "SELECT fingerprint_id, key, tactic, commit_id FROM entries "
+        "WHERE fingerprint_id = 1 ORDER BY key",
+    )
+
+    plan = cli("db", "downgrade", "0009_protocol_records", "--dry-run")
+    down = cli("db", "downgrade", "0009_protocol_records", "--yes")
+
+    assert (
+        "  0010_measurement_fingerprints -> 0009_protocol_records: 1 fingerprints under a "
+        "non-default measurement policy, with their 2 entries, 0 records, 1 protocol records "
+        "and 3 change rows (commits touching them: 2, removed where nothing else remains)\n"
+    ) in plan.stdout
+    assert down.exit_code == 0, down.stderr
+    assert revision(registry_path) == [("0009_protocol_records",)]
+    assert "measurement" not in {
+        r[1] for r in query(registry_path, "PRAGMA table_info(fingerprints)")
+    }
+    assert query(registry_path, "SELECT id FROM fingerprints") == [(1,)]
+    assert (
+        query(
+            registry_path, "SELECT fingerprint_id, key, tactic, commit_id FROM entries ORDER BY key"
+        )
+        == kept
+    )
+    assert query(registry_path, "SELECT count(*) FROM protocol_records") == [(0,)]
+    assert query(registry_path, "SELECT id, added, protocol_added FROM commits ORDER BY id") == [
+        (both.commit_id, 1, 0)
+    ]
+    assert cli("db", "upgrade").exit_code == 0
+    assert cli("verify").stdout.endswith("ok: no problems\n")
+
+
 _FROZEN_FIELDS = {
     "flashinfer_version": "0.7.2.post1",
     "cuda_version": "12.9",
