@@ -1,6 +1,6 @@
 """Bundles: one self-describing file of tuned results, to ship inside images.
 
-Layout (format versions 1, 2 and 3)::
+Layout (format versions 1 to 4)::
 
     ficache-bundle <version> <payload bytes> sha256=<hex of the payload>\\n
     <payload>
@@ -54,9 +54,9 @@ entries into the default one's.
 Invariants:
 - The same content gives the same bytes. A bundle is a pure function of
   its entries (fingerprint, scope, key, runner, tactic, policy, tuned_at,
-  selection), records and protocol records (its format version too: 3
-  exactly when it holds a protocol record, else 2 exactly when an entry has
-  a selection): members, fingerprints and entries are sorted (by code point,
+  selection), records and protocol records (its format version too: 4
+  exactly when a fingerprint has a measurement policy, else 3 exactly when
+  it holds a protocol record, else 2 exactly when an entry has a selection): members, fingerprints and entries are sorted (by code point,
   in Python, never by a database collation), JSON is rendered one way, and
   nothing of the exporting registry or moment enters: no export time, host,
   commit id or row id. Two registries holding the same entries, whatever
