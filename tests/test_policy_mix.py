@@ -109,7 +109,7 @@ def files_of(root: Path) -> dict[str, bytes]:
     }
 
 
-def stored(db: Path) -> dict[str, dict[str, Any]]:
+def stored(db: Path | str) -> dict[str, dict[str, Any]]:
     """``measurement -> {key: tactic}`` and protocol records, per stored fingerprint."""
     out: dict[str, dict[str, Any]] = {}
     with Registry.open(str(db), create=False, write=False) as reg:
@@ -148,8 +148,9 @@ EXPECTED = {
 # -- import and merge ---------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("backend")
 def test_a_two_policy_store_imports_in_one_command(
-    cli, two_policy_store: tuple[Path, Path, Path], registry_path: Path
+    cli, two_policy_store: tuple[Path, Path, Path], registry_db: str
 ) -> None:
     """Before ``Fingerprint.measurement`` this exited 1: "... share one fingerprint under
     two measurement policies, which the registry cannot keep apart"."""
@@ -163,16 +164,17 @@ def test_a_two_policy_store_imports_in_one_command(
         "0 replaced, 0 unchanged (commit 1)\n"
         "imported 2 protocol records (shared): 2 added, 0 replaced, 0 unchanged\n"
     )
-    assert stored(registry_path) == EXPECTED
+    assert stored(registry_db) == EXPECTED
     here = Fingerprint.from_flashinfer_metadata(dict(_collect_metadata()))
-    with Registry.open(str(registry_path), create=False, write=False) as reg:
+    with Registry.open(registry_db, create=False, write=False) as reg:
         assert sorted(i.fingerprint.digest for i in reg.fingerprints()) == sorted(
             [here.digest, here.with_measurement(COLD_FIELDS).digest]
         )
 
 
+@pytest.mark.usefixtures("backend")
 def test_importing_the_directories_one_at_a_time_replaces_nothing(
-    cli, two_policy_store: tuple[Path, Path, Path], registry_path: Path
+    cli, two_policy_store: tuple[Path, Path, Path], registry_db: str
 ) -> None:
     """The advice the refusal gave: before the fix the second import replaced every entry
     and protocol record of the first policy with the second's (one fingerprint)."""
@@ -184,11 +186,12 @@ def test_importing_the_directories_one_at_a_time_replaces_nothing(
     assert (first.exit_code, second.exit_code) == (0, 0), second.stderr
     assert f"{len(KEYS)} added, 0 replaced" in second.stdout
     assert "1 added, 0 replaced" in second.stdout  # its protocol record
-    assert stored(registry_path) == EXPECTED
+    assert stored(registry_db) == EXPECTED
 
 
+@pytest.mark.usefixtures("backend")
 def test_merging_two_registries_each_under_one_policy_keeps_both(
-    cli, two_policy_store: tuple[Path, Path, Path], tmp_path: Path, registry_path: Path
+    cli, two_policy_store: tuple[Path, Path, Path], tmp_path: Path, registry_db: str
 ) -> None:
     _root, default, cold = two_policy_store
     a, b = tmp_path / "a.db", tmp_path / "b.db"
@@ -199,8 +202,8 @@ def test_merging_two_registries_each_under_one_policy_keeps_both(
     again = cli("merge", a, b)
 
     assert merged.exit_code == 0, merged.stderr
-    assert stored(registry_path) == EXPECTED
-    with Registry.open(str(registry_path), create=False, write=False) as reg:
+    assert stored(registry_db) == EXPECTED
+    with Registry.open(registry_db, create=False, write=False) as reg:
         assert [c.kind for c in reg.log()] == ["merge"]  # the same sources again: no commit
     assert again.exit_code == 0
 
