@@ -659,9 +659,12 @@ def _protocol_text(text: Any, what: str, canonical: Any) -> str:
     return text
 
 
-def _protocol_records(value: Any, fps: Mapping[str, Fingerprint]) -> list[NewProtocolRecord]:
-    """A version 3 bundle's protocol records, validated and in order."""
-    if not isinstance(value, list) or not value:
+def _protocol_records(
+    value: Any, fps: Mapping[str, Fingerprint], version: int
+) -> list[NewProtocolRecord]:
+    """A version 3 or 4 bundle's protocol records, validated and in order (version 4 writes
+    the member, maybe empty, whenever a fingerprint has a measurement policy)."""
+    if not isinstance(value, list) or not (value or version >= MEASUREMENT_VERSION):
         raise _Invalid("protocol_records must be a non-empty JSON list")
     found: list[NewProtocolRecord] = []
     previous: tuple[str, str, str, str] | None = None
@@ -710,7 +713,9 @@ def parse_bundle_bytes(data: bytes, *, source: str = "<bytes>") -> Bundle:
         entries, ops = _entries(top["entries"], fps, version)
         records = _records(top["records"], fps)
         protocol = (
-            _protocol_records(top["protocol_records"], fps) if version >= PROTOCOL_VERSION else []
+            _protocol_records(top["protocol_records"], fps, version)
+            if version >= PROTOCOL_VERSION
+            else []
         )
         unused = sorted(
             set(fps)
