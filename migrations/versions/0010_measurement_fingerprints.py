@@ -32,12 +32,13 @@ revision: str = "0010_measurement_fingerprints"
 down_revision: str | Sequence[str] | None = "0009_protocol_records"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
-# Rolling upgrades (ficache.schema): adds one nullable column: 0.9 reads every table as
-# before and never sees the column, so it serves and exports (a fingerprint under another
-# policy reads, to 0.9, as a second environment of the same fields: served after the exact
-# one, as 0.9 served mixed policies itself). It does not write it: its import and merge would
-# put another policy's entries under the default fingerprint, the replacement this revision
-# ends.
+# Rolling upgrades (ficache.schema): adds one nullable column, so 0.9 reads every table as
+# before and never sees it: it serves, lists and exports. It cannot tell a policy apart: a
+# fingerprint under another policy reads, to 0.9, as a second row of the same fields, so its
+# warm starts are served both rows' entries (the newer row first; tactics valid on that
+# hardware, measured under either policy, as 0.9 mixed policies itself) and its `verify`
+# reports that row's digest. It does not write it: its import and merge would put another
+# policy's entries under the default fingerprint, the replacement this revision ends.
 readable_from: str = "0009_protocol_records"
 writable_from: str = "0010_measurement_fingerprints"
 
