@@ -77,9 +77,9 @@ one *layout group*:
   scope's rank is the file's rank modulo the tuning-group size (vLLM orders
   ranks tensor-parallel innermost).
 - A v2 store is one store every rank reads: its entries are stored shared,
-  each environment under the fingerprint of its manifest. An environment
-  whose fingerprint another environment already gave under a different
-  measurement policy is skipped (the registry keeps one value per key).
+  each environment under the fingerprint of its manifest, measurement
+  policy included (``Fingerprint.measurement``): environments that differ
+  only in their policy are stored apart, none over another.
 
 Namespaced records. The ``_records`` of vLLM's files (FlashInfer's
 namespaced records, ``ficache.records``) are adopted like entries, by the
@@ -160,9 +160,7 @@ from ficache.v2_store import (
     SCHEMA,
     Skipped,
     StoredEnvironment,
-    StoreEnvironment,
     environments_provenance,
-    measurement_label,
     read_store,
 )
 
@@ -585,8 +583,6 @@ class _Entries:
     def __init__(self, found: _Collector) -> None:
         self.found = found
         self.rows: dict[tuple[Fingerprint, str, str], NewEntry] = {}
-        #: The measurement policy of the first v2 environment of each fingerprint.
-        self.measurements: dict[Fingerprint, tuple[tuple[str, str], ...]] = {}
 
     def add(self, entry: NewEntry) -> None:
         ident = (entry.fingerprint, entry.scope, entry.key)
@@ -871,13 +867,8 @@ def _adopt_store(root: Path, entries: _Entries, found: _Collector) -> list[Adopt
         found.skip(skipped.path, skipped.reason)
     adopted = []
     for env in contents.environments:
-        if not _one_policy(env, entries):
-            found.skip(
-                env.path,
-                f"a second measurement policy ({measurement_label(env.measurement_fields)}) for "
-                "one fingerprint; import this environment directory on its own",
-            )
-            continue
+        # Two measurement policies of one environment are two fingerprints
+        # (``Fingerprint.measurement``): each adopted, never one over the other.
         found.skipped_count += env.skipped
         for skipped in env.first_skipped:
             if len(found.skipped) < MAX_REASONS:
@@ -907,14 +898,8 @@ def _adopt_store(root: Path, entries: _Entries, found: _Collector) -> list[Adopt
                     mtime,
                 )
             )
-        entries.measurements[env.fingerprint] = env.measurement
         adopted.append(StoredEnvironment.of(env))
     return adopted
-
-
-def _one_policy(env: StoreEnvironment, entries: _Entries) -> bool:
-    first = entries.measurements.setdefault(env.fingerprint, env.measurement)
-    return first == env.measurement
 
 
 def _sglang_known(known: KnownLayout | None) -> tuple[Path | None, str] | None:
@@ -1000,7 +985,9 @@ def registry_holds_entries_for(db: str | os.PathLike[str] | None, fingerprint: F
         try:
             rows = sqlite_fast.fingerprints_with_entries(location.path)
             return any(
-                Fingerprint(**dict(zip(ALL_FIELDS, row, strict=True))).serves(fingerprint)
+                Fingerprint(
+                    **dict(zip(ALL_FIELDS, row[:-1], strict=True)), measurement=row[-1]
+                ).serves(fingerprint)
                 for row in rows
             )
         except Exception:  # noqa: BLE001 - any doubt: the full path below explains itself

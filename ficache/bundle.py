@@ -1,6 +1,6 @@
 """Bundles: one self-describing file of tuned results, to ship inside images.
 
-Layout (format versions 1, 2 and 3)::
+Layout (format versions 1 to 4)::
 
     ficache-bundle <version> <payload bytes> sha256=<hex of the payload>\\n
     <payload>
@@ -42,12 +42,21 @@ exactly when it holds a protocol record; one without any is written as
 version 1 or 2, byte for byte as before version 3 existed, so every older
 ficache reads it.
 
+Version 4 lets a fingerprint object hold a member ``"measurement"``: the
+FlashInfer measurement policy its entries were tuned under
+(``Fingerprint.measurement``, canonical JSON text; absent for the default
+policy, so the digest is the one older versions computed). A bundle is
+written as version 4 exactly when one of its fingerprints has one, and then
+always holds the ``protocol_records`` member (maybe empty); older ficache
+refuses it with "upgrade ficache" rather than merging another policy's
+entries into the default one's.
+
 Invariants:
 - The same content gives the same bytes. A bundle is a pure function of
   its entries (fingerprint, scope, key, runner, tactic, policy, tuned_at,
-  selection), records and protocol records (its format version too: 3
-  exactly when it holds a protocol record, else 2 exactly when an entry has
-  a selection): members, fingerprints and entries are sorted (by code point,
+  selection), records and protocol records (its format version too: 4
+  exactly when a fingerprint has a measurement policy, else 3 exactly when
+  it holds a protocol record, else 2 exactly when an entry has a selection): members, fingerprints and entries are sorted (by code point,
   in Python, never by a database collation), JSON is rendered one way, and
   nothing of the exporting registry or moment enters: no export time, host,
   commit id or row id. Two registries holding the same entries, whatever
@@ -100,7 +109,7 @@ from pathlib import Path
 from typing import Any
 
 from ficache.errors import BundleError, FingerprintError
-from ficache.fingerprint import ALL_FIELDS, Fingerprint
+from ficache.fingerprint import ALL_FIELDS, MEASUREMENT_FIELD, Fingerprint
 from ficache.flashinfer_format import (
     canonical_json,
     check_namespace,
@@ -115,11 +124,13 @@ from ficache.publish import publish
 from ficache.values import NewEntry, NewProtocolRecord, NewRecord, validate_scope
 
 #: The newest format this module reads and writes; it writes 1 for content version 1 can carry.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 #: The first version whose entries may carry a ``selection``.
 SELECTION_VERSION = 2
 #: The first version that may carry protocol records (``protocol_records``).
 PROTOCOL_VERSION = 3
+#: The first version whose fingerprints may carry a ``measurement``.
+MEASUREMENT_VERSION = 4
 MAGIC = b"ficache-bundle "
 #: Longest header any version may write (magic, version, size, checksum).
 MAX_HEADER_BYTES = 256
@@ -133,7 +144,7 @@ MAX_TACTIC_DEPTH = 8
 Records = dict[str, dict[str, dict[str, dict[str, Any]]]]
 
 _VERSION = re.compile(rb"ficache-bundle ([0-9]{1,9})(?=[ \n])")
-_HEADER = re.compile(rb"ficache-bundle [123] (0|[1-9][0-9]{0,19}) sha256=([0-9a-f]{64})\n")
+_HEADER = re.compile(rb"ficache-bundle [1234] (0|[1-9][0-9]{0,19}) sha256=([0-9a-f]{64})\n")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _MEMBERS = ("entries", "fingerprints", "provenance", "records")
 _MEMBERS_PROTOCOL = (*_MEMBERS, "protocol_records")  # version 3
@@ -252,8 +263,9 @@ def _render(
         lines.append(_dumps(item) + (",\n" if i < last else "\n"))
     fps = {digest: fp.as_dict() for digest, fp in fingerprints.items()}
     lines.append(f'],\n"fingerprints":{_dumps(fps)},\n')
-    if protocol:
-        version = PROTOCOL_VERSION
+    measured = any(fp.measurement for fp in fingerprints.values())
+    if protocol or measured:
+        version = MEASUREMENT_VERSION if measured else PROTOCOL_VERSION
         lines.append('"protocol_records":[\n')
         last = len(protocol) - 1
         for i, r in enumerate(protocol):
@@ -509,12 +521,20 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
-def _fingerprints(value: Any) -> dict[str, Fingerprint]:
+def _fingerprints(value: Any, version: int) -> dict[str, Fingerprint]:
     found: dict[str, Fingerprint] = {}
     for digest, fields in _object(value, "fingerprints").items():
         if not _DIGEST.fullmatch(digest):
             raise _Invalid(f"fingerprint digest {digest[:80]!r} is not a sha256 hex digest")
-        _object(fields, f"fingerprint {digest[:12]}", ALL_FIELDS)
+        measured = (
+            version >= MEASUREMENT_VERSION
+            and isinstance(fields, dict)
+            and MEASUREMENT_FIELD in fields
+        )
+        members = (*ALL_FIELDS, MEASUREMENT_FIELD) if measured else ALL_FIELDS
+        _object(fields, f"fingerprint {digest[:12]}", members)
+        if measured and not fields[MEASUREMENT_FIELD]:
+            raise _Invalid(f"fingerprint {digest[:12]}: an empty measurement is left out")
         try:
             fp = Fingerprint(**fields)
         except FingerprintError as exc:
@@ -639,9 +659,12 @@ def _protocol_text(text: Any, what: str, canonical: Any) -> str:
     return text
 
 
-def _protocol_records(value: Any, fps: Mapping[str, Fingerprint]) -> list[NewProtocolRecord]:
-    """A version 3 bundle's protocol records, validated and in order."""
-    if not isinstance(value, list) or not value:
+def _protocol_records(
+    value: Any, fps: Mapping[str, Fingerprint], version: int
+) -> list[NewProtocolRecord]:
+    """A version 3 or 4 bundle's protocol records, validated and in order (version 4 writes
+    the member, maybe empty, whenever a fingerprint has a measurement policy)."""
+    if not isinstance(value, list) or not (value or version >= MEASUREMENT_VERSION):
         raise _Invalid("protocol_records must be a non-empty JSON list")
     found: list[NewProtocolRecord] = []
     previous: tuple[str, str, str, str] | None = None
@@ -686,11 +709,13 @@ def parse_bundle_bytes(data: bytes, *, source: str = "<bytes>") -> Bundle:
             detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
             raise _Invalid(f"payload is not JSON: {detail}") from None
         _object(top, "the payload", _MEMBERS_PROTOCOL if version >= PROTOCOL_VERSION else _MEMBERS)
-        fps = _fingerprints(top["fingerprints"])
+        fps = _fingerprints(top["fingerprints"], version)
         entries, ops = _entries(top["entries"], fps, version)
         records = _records(top["records"], fps)
         protocol = (
-            _protocol_records(top["protocol_records"], fps) if version >= PROTOCOL_VERSION else []
+            _protocol_records(top["protocol_records"], fps, version)
+            if version >= PROTOCOL_VERSION
+            else []
         )
         unused = sorted(
             set(fps)

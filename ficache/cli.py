@@ -610,16 +610,26 @@ def _fingerprints_table(summaries: Sequence[Any], *, wide: bool, here: bool = Fa
     else:
         headers = ["id", *(h for h, _ in _FINGERPRINT_COLUMNS), "entries", "records", "last served"]
         fields = [f for _, f in _FINGERPRINT_COLUMNS]
+    # A column of its own only where a fingerprint is under a non-default measurement
+    # policy (two rows of the same fields are told apart by it).
+    measured = any(s.info.fingerprint.measurement for s in summaries)
+    if measured:
+        from ficache.v2_store import measurement_label
+
+        headers.append("measurement")
     rows = []
     for s in summaries:
         values = [cell(getattr(s.info.fingerprint, f)) for f in fields]
         counts = [s.info.entries, s.records, _served(s.info.last_served_at)]
         if wide:
-            rows.append([s.info.id, *counts, s.info.fingerprint.short_digest, *values])
+            row = [s.info.id, *counts, s.info.fingerprint.short_digest, *values]
         else:
-            rows.append([s.info.id, *values, *counts])
+            row = [s.info.id, *values, *counts]
+        if measured:
+            row.append(measurement_label(s.info.fingerprint.measurement_fields))
         if here:
-            rows[-1].append(s.here or "")
+            row.append(s.here or "")
+        rows.append(row)
     return _table([*headers, "here"] if here else headers, rows)
 
 
@@ -1304,8 +1314,9 @@ def export_cmd(
     With --bundle FILE, write one ficache bundle (for images) holding every
     scope of the given stored fingerprints, or of all with --all.
 
-    With --v2-store DIR, publish one environment directory of a FlashInfer
-    v2 store (`autotune_v2`) instead; exporting twice gives identical files.
+    With --v2-store DIR, publish a FlashInfer v2 store (`autotune_v2`) instead:
+    one environment directory per measurement policy the entries were tuned
+    under; exporting twice gives identical files.
     """
     if v2_root is not None:
         if bundle_path is not None or output is not None or all_fingerprints:
@@ -1384,35 +1395,36 @@ def _export_v2_store(
     obj: _Context, root: Path, fingerprint_ref: str, scope: str, measurement_spec: str | None
 ) -> None:
     """``export --v2-store``: the library plans and writes, the CLI prints."""
-    from ficache.exporting import plan_v2_export, source_fingerprint_ids
+    from ficache.exporting import plan_v2_exports, source_fingerprint_ids
     from ficache.v2_store import measurement_label, parse_measurement_policy
 
     measurement = (
         parse_measurement_policy(measurement_spec) if measurement_spec is not None else None
     )
     with obj.registry(create=False, write=False) as reg:
-        export = plan_v2_export(reg, fingerprint_ref, scope=scope, measurement=measurement)
+        exports = plan_v2_exports(reg, fingerprint_ref, scope=scope, measurement=measurement)
         ids = source_fingerprint_ids(reg, fingerprint_ref)
         scope_note = _unstored_scope_note(reg, ids, scope)
-    result = export.write(root)
-    lazy = (
-        f"; {export.not_preloadable} not preloadable, served by lookup only"
-        if export.not_preloadable
-        else ""
-    )
-    n_protocol = export.protocol_records
-    protocol = f" and {n_protocol} protocol records" if n_protocol else ""
-    click.echo(
-        f"exported {len(export.files) - n_protocol} entries{protocol} to {result.env_dir} "
-        f"(measurement policy {measurement_label(export.measurement)}): "
-        f"{result.written} written, {result.unchanged} unchanged{lazy}"
-    )
-    if export.records_left_out:
-        n = export.records_left_out
+    for export in exports:  # one environment directory per measurement policy
+        result = export.write(root)
+        lazy = (
+            f"; {export.not_preloadable} not preloadable, served by lookup only"
+            if export.not_preloadable
+            else ""
+        )
+        n_protocol = export.protocol_records
+        protocol = f" and {n_protocol} protocol records" if n_protocol else ""
         click.echo(
-            f"warning: {n} namespaced record{'' if n == 1 else 's'} (_records) not exported: "
-            "a v2 store has no place for them; export a file (-o FILE) or a bundle (--bundle) "
-            "to carry them",
+            f"exported {len(export.files) - n_protocol} entries{protocol} to {result.env_dir} "
+            f"(measurement policy {measurement_label(export.measurement)}): "
+            f"{result.written} written, {result.unchanged} unchanged{lazy}"
+        )
+    left_out = sum(export.records_left_out for export in exports)
+    if left_out:
+        click.echo(
+            f"warning: {left_out} namespaced record{'' if left_out == 1 else 's'} (_records) "
+            "not exported: a v2 store has no place for them; export a file (-o FILE) or a "
+            "bundle (--bundle) to carry them",
             err=True,
         )
     if scope_note:

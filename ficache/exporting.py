@@ -16,9 +16,11 @@ Invariants:
   and nothing is written.
 - A v2 store export of a stored fingerprint uses its own metadata; of
   ``"current"``, the entries of every stored fingerprint that serves this
-  environment under FlashInfer's own ``_collect_metadata()``. Its
-  measurement policy is the one given, else the one the registry's commits
-  recorded for the exported fingerprints (newest first), else the default.
+  environment under FlashInfer's own ``_collect_metadata()``, one
+  environment directory per measurement policy the registry holds them
+  under (``plan_v2_exports``). A fingerprint under a policy is written under
+  it; a default one under the policy given, else the one the registry's
+  commits recorded for it (newest first), else the default.
   It carries their protocol records too (``ficache.protocol_records``), as
   FlashInfer writes them into a store; no other export writes protocol
   records anywhere a v1 file's ``_records`` could hold them.
@@ -32,14 +34,21 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ficache.bundle import BundleSummary, Records, encode_bundle, publish_bundle
-from ficache.errors import NotFoundError
+from ficache.errors import NotFoundError, V2StoreError
 from ficache.kind_read import slice_values, stored_items, stored_rows
 from ficache.kinds import PROTOCOL_KIND, RECORD_KIND
 from ficache.models import SHARED_SCOPE
 from ficache.registry import NewEntry, Registry, validate_scope
-from ficache.v2_store import StoreExport, export_measurement, measurements_in, store_export
+from ficache.v2_store import (
+    StoreExport,
+    export_measurement,
+    measurement_label,
+    measurements_in,
+    store_export,
+)
 
 
 @dataclass(frozen=True)
@@ -156,41 +165,115 @@ def plan_v2_export(
     scope: str = SHARED_SCOPE,
     measurement: Mapping[str, str] | None = None,
 ) -> StoreExport:
-    """What ``export --v2-store`` writes for a stored fingerprint or ``"current"``.
+    """What ``export --v2-store`` writes for a stored fingerprint or ``"current"``, when that
+    is one environment directory (``plan_v2_exports``; ``V2StoreError`` when it is several:
+    ``"current"`` holding entries under more than one measurement policy)."""
+    exports = plan_v2_exports(registry, fingerprint, scope=scope, measurement=measurement)
+    if len(exports) > 1:
+        labels = "; ".join(measurement_label(e.measurement) for e in exports)
+        raise V2StoreError(
+            f"the export is {len(exports)} environment directories ({labels}); "
+            "use plan_v2_exports, or choose one with measurement="
+        )
+    return exports[0]
 
-    For ``"current"`` the entries come from every stored fingerprint that
-    serves this environment and the manifest is FlashInfer's own
-    ``_collect_metadata()``, so the store lands where ``autotune_v2`` looks.
+
+def plan_v2_exports(
+    registry: Registry,
+    fingerprint: int | str,
+    *,
+    scope: str = SHARED_SCOPE,
+    measurement: Mapping[str, str] | None = None,
+) -> tuple[StoreExport, ...]:
+    """What ``export --v2-store`` writes for a stored fingerprint or ``"current"``: one
+    environment directory per measurement policy, sorted by ``env_hash``.
+
+    A fingerprint under a measurement policy (``Fingerprint.measurement``) is written under
+    that policy (``measurement``, when given, must be it). A default one is written under
+    ``measurement`` when given, else the policy its commits recorded (imports made before
+    policies were fingerprints), else the default. For ``"current"`` the entries come from
+    every stored fingerprint that serves this environment under each policy the registry
+    holds (one directory each; with ``measurement``, that policy's alone, or, when nothing
+    is stored under it, the default fingerprints written under it as before), and the
+    manifest is FlashInfer's own ``_collect_metadata()``, so each lands where
+    ``autotune_v2`` looks.
     """
     scopes = [SHARED_SCOPE] if validate_scope(scope) == SHARED_SCOPE else [SHARED_SCOPE, scope]
-    if fingerprint == "current":
-        from flashinfer.autotuner import _collect_metadata
-
-        from ficache.fingerprint import collect
-
-        infos = registry.serving(collect())
-        if not infos:
-            raise NotFoundError(
-                "no stored fingerprint serves the current environment; "
-                "see `ficache fingerprints` and `ficache fingerprint`"
-            )
-        metadata = {str(k): str(v) for k, v in _collect_metadata().items()}
+    if fingerprint != "current":
+        info = registry.fingerprint(fingerprint)
+        fp = info.fingerprint
+        if fp.measurement:
+            if measurement is not None and dict(measurement) != fp.measurement_fields:
+                raise V2StoreError(
+                    f"fingerprint {info.id} was tuned under measurement policy "
+                    f"{measurement_label(fp.measurement_fields)}, not "
+                    f"{measurement_label(measurement)}; drop --measurement-policy"
+                )
+            measurement = fp.measurement_fields
+        groups = [([info], measurement)]
+        metadata = fp.flashinfer_metadata()
     else:
-        infos = [registry.fingerprint(fingerprint)]
-        metadata = infos[0].fingerprint.flashinfer_metadata()
-    if measurement is None:
-        measurement = export_measurement(
-            recorded_measurements(registry), [i.fingerprint.digest for i in infos if i.entries]
+        groups, metadata = _current_groups(registry, measurement)
+    recorded: dict[str, dict[str, str]] | None = None
+    # Infos per chosen policy: a default fingerprint recorded under a policy that another
+    # fingerprint holds lands in the same directory, after it (weaker in ``slice_rows``).
+    by_policy: dict[str, tuple[list[Any], Mapping[str, str]]] = {}
+    for infos, chosen in groups:
+        if chosen is None:
+            if recorded is None:
+                recorded = recorded_measurements(registry)
+            chosen = export_measurement(
+                recorded, [i.fingerprint.digest for i in infos if i.entries]
+            )
+        held = by_policy.setdefault(json.dumps(dict(chosen), sort_keys=True), ([], chosen))
+        held[0].extend(infos)
+    exports = []
+    for infos, chosen in by_policy.values():
+        ids = [i.id for i in infos]
+        export = store_export(
+            metadata,
+            chosen,
+            registry.slice_rows(ids, scopes).values(),
+            _slice_protocol(registry, ids, scopes),
         )
-    ids = [i.id for i in infos]
-    rows = registry.slice_rows(ids, scopes)
-    export = store_export(
-        metadata, measurement, rows.values(), _slice_protocol(registry, ids, scopes)
-    )
-    with registry.engine.connect() as conn:
-        records = slice_values(conn, RECORD_KIND, ids, scopes)
-    left_out = sum(len(keys) for keys in records.values())
-    return dataclasses.replace(export, records_left_out=left_out) if left_out else export
+        with registry.engine.connect() as conn:
+            records = slice_values(conn, RECORD_KIND, ids, scopes)
+        left_out = sum(len(keys) for keys in records.values())
+        exports.append(dataclasses.replace(export, records_left_out=left_out))
+    return tuple(sorted(exports, key=lambda e: e.env_hash))
+
+
+def _current_groups(
+    registry: Registry, measurement: Mapping[str, str] | None
+) -> tuple[list[tuple[list[Any], Mapping[str, str] | None]], dict[str, str]]:
+    """``"current"``'s ``(fingerprints, measurement or None: as recorded)`` per directory,
+    and FlashInfer's live metadata (``plan_v2_exports``)."""
+    from flashinfer.autotuner import _collect_metadata
+
+    from ficache.fingerprint import collect, measurement_json
+
+    base = collect()
+    held = sorted({i.fingerprint.measurement for i in registry.fingerprints()} - {""})
+    if measurement is not None:
+        wanted = measurement_json(measurement)
+        held = [m for m in held if m == wanted]
+    groups: list[tuple[list[Any], Mapping[str, str] | None]] = []
+    policies: dict[str, list[Any]] = {}
+    for text in held:
+        infos = registry.serving(dataclasses.replace(base, measurement=text))
+        if infos:
+            policies[text] = infos
+            groups.append((infos, json.loads(text)))
+    if measurement is None or not policies:
+        defaults = registry.serving(base)
+        if defaults:
+            groups.append((defaults, measurement))
+    if not groups:
+        raise NotFoundError(
+            "no stored fingerprint serves the current environment; "
+            "see `ficache fingerprints` and `ficache fingerprint`"
+        )
+    return groups, {str(k): str(v) for k, v in _collect_metadata().items()}
 
 
 def _slice_protocol(
@@ -221,6 +304,7 @@ __all__ = [
     "bundle_bytes",
     "export_file",
     "plan_v2_export",
+    "plan_v2_exports",
     "recorded_measurements",
     "source_fingerprint_ids",
     "write_bundle",

@@ -16,6 +16,17 @@ Invariants:
 - ``digest`` is a pure function of the field values; two fingerprints with
   the same fields are the same fingerprint everywhere (files, registries,
   ranks).
+- ``measurement`` is the measurement policy a FlashInfer v2 store keeps its
+  entries under (the manifest's ``measure_*`` fields, ``MeasurementPolicy.
+  manifest_fields()``), as canonical JSON, ``""`` for the default policy.
+  FlashInfer makes it part of a store environment's identity (its
+  ``env_hash``), so ficache makes it part of the fingerprint's: entries tuned
+  under two policies in one environment are two fingerprints, stored, merged
+  and exported apart, and a fingerprint serves only a start under its own
+  policy. The default policy leaves ``digest``, ``as_dict()`` and every file
+  as they were before the field existed (a v1 file has no policy of its own:
+  its fingerprint is the default's). Stored in ``fingerprints.measurement``
+  (``0010_measurement_fingerprints``; NULL for the default).
 - Collecting never raises for a missing GPU or library: the field becomes
   ``"unknown"``. Only an unimportable FlashInfer is an error.
 - A FlashInfer field a file's ``_metadata`` lacks (or holds as null, which
@@ -38,7 +49,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from functools import cached_property
 
 from ficache.errors import FingerprintError
@@ -67,6 +78,44 @@ EXTRA_FIELDS = ("compute_capability", "torch_version")
 ALL_FIELDS = FLASHINFER_FIELDS + EXTRA_FIELDS
 
 
+#: The field naming the measurement policy (not one of ``ALL_FIELDS``: not a column of
+#: every table that shows a fingerprint, and absent from ``as_dict()`` when default).
+MEASUREMENT_FIELD = "measurement"
+MEASURE_PREFIX = "measure_"
+
+
+def measurement_json(measurement: Mapping[str, object]) -> str:
+    """The canonical text of a measurement policy's manifest fields ("" when none)."""
+    if not measurement:
+        return ""
+    return json.dumps(
+        {str(k): str(v) for k, v in measurement.items()}, sort_keys=True, separators=(",", ":")
+    )
+
+
+def _check_measurement(text: object) -> None:
+    if text == "":
+        return
+    problem = None
+    if not isinstance(text, str) or len(text) > 1000:
+        problem = "must be a string of at most 1000 characters"
+    else:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not (
+            isinstance(value, dict)
+            and value
+            and all(isinstance(k, str) and k.startswith(MEASURE_PREFIX) for k in value)
+            and all(isinstance(v, str) for v in value.values())
+            and measurement_json(value) == text
+        ):
+            problem = "must be the canonical JSON object of measure_* string fields, or empty"
+    if problem:
+        raise FingerprintError(f"fingerprint field 'measurement' {problem}, got {text!r:.80}")
+
+
 @dataclass(frozen=True, order=True)
 class Fingerprint:
     flashinfer_version: str
@@ -78,9 +127,14 @@ class Fingerprint:
     gpu: str
     compute_capability: str = WILDCARD
     torch_version: str = WILDCARD
+    #: The measurement policy's ``measure_*`` manifest fields, canonical JSON; "": default.
+    measurement: str = ""
 
     def __post_init__(self) -> None:
+        _check_measurement(self.measurement)
         for f in fields(self):
+            if f.name == MEASUREMENT_FIELD:
+                continue
             value = getattr(self, f.name)
             if not isinstance(value, str) or not value or len(value) > 1000:
                 raise FingerprintError(
@@ -100,7 +154,21 @@ class Fingerprint:
         return self.digest[:12]
 
     def as_dict(self) -> dict[str, str]:
-        return asdict(self)
+        """Every field; ``measurement`` only when it is not the default policy's."""
+        values = asdict(self)
+        if not self.measurement:
+            del values[MEASUREMENT_FIELD]
+        return values
+
+    @property
+    def measurement_fields(self) -> dict[str, str]:
+        """The measurement policy's manifest fields (empty: the default policy)."""
+        return dict(json.loads(self.measurement)) if self.measurement else {}
+
+    def with_measurement(self, measurement: Mapping[str, str]) -> Fingerprint:
+        """This environment under the measurement policy whose manifest fields are
+        ``measurement`` (empty: the default policy)."""
+        return replace(self, measurement=measurement_json(measurement))
 
     def flashinfer_metadata(self) -> dict[str, str]:
         """The ``_metadata`` object FlashInfer expects in a cache file (missing fields left out)."""
@@ -114,7 +182,7 @@ class Fingerprint:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, object]) -> Fingerprint:
-        unknown = set(values) - set(ALL_FIELDS)
+        unknown = set(values) - set(ALL_FIELDS) - {MEASUREMENT_FIELD}
         if unknown:
             raise FingerprintError(
                 f"unknown fingerprint field(s) {sorted(unknown)}; expected {list(ALL_FIELDS)}"
@@ -168,6 +236,9 @@ class Fingerprint:
         """
         hard: dict[str, tuple[str, str]] = {}
         soft: dict[str, tuple[str, str]] = {}
+        if self.measurement != current.measurement:
+            # Another measurement policy is another FlashInfer environment (``env_hash``).
+            hard[MEASUREMENT_FIELD] = (self.measurement, current.measurement)
         for name in ALL_FIELDS:
             stored, running = getattr(self, name), getattr(current, name)
             if stored in (running, WILDCARD):

@@ -86,7 +86,6 @@ from ficache.registry_access import RegistryAccess
 from ficache.stored_fingerprints import fingerprint_ids
 from ficache.v2_store import (
     StoreContents,
-    check_one_policy_per_fingerprint,
     store_entries,
     store_protocol_records,
     stores_provenance,
@@ -435,9 +434,9 @@ def plan_store_import(
     their protocol records stored shared, ``v2_store.store_protocol_records``).
 
     A key two stores hold with different values is resolved by ``policy``,
-    as ``merge`` does; a fingerprint under two measurement policies is refused.
+    as ``merge`` does. Environments that differ only in their measurement policy are
+    different fingerprints (``Fingerprint.measurement``): stored apart, in one commit.
     """
-    check_one_policy_per_fingerprint(stores)
     return plan_import(
         [
             ImportInput(

@@ -2,7 +2,11 @@
 
 Tables:
 - ``fingerprints``: one row per environment (``Fingerprint`` fields), unique
-  by ``digest``.
+  by ``digest``. ``measurement`` (from ``0010_measurement_fingerprints``) is
+  the FlashInfer v2 measurement policy the environment's entries were tuned
+  under (canonical JSON of its ``measure_*`` manifest fields; NULL: the
+  default policy, and every row written before it): two rows may hold the
+  same other fields under two policies, each with its own digest.
 - ``entries``: the current tactic of one FlashInfer ``file_key`` under one
   fingerprint and one rank scope. ``key`` is FlashInfer's string, verbatim;
   ``op`` and ``runner`` are read from it for queries (its shapes and extras
@@ -121,6 +125,8 @@ class FingerprintRow(Base):
     served_starts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
     replay_starts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
     replay_misses: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    # From 0010_measurement_fingerprints: ``Fingerprint.measurement``, NULL for the default.
+    measurement: Mapped[str | None] = mapped_column(Text)
 
 
 class PolicyRow(Base):

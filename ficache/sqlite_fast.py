@@ -79,7 +79,8 @@ def state_sql(*, protocol_records: bool = True) -> str:
 STATE_SQL = state_sql()
 
 _HOLDS_SQL = (
-    f"SELECT {', '.join(ALL_FIELDS)} FROM {FINGERPRINTS_TABLE} f WHERE EXISTS "
+    f"SELECT {', '.join(ALL_FIELDS)}, coalesce(measurement, '') FROM {FINGERPRINTS_TABLE} f "
+    "WHERE EXISTS "
     f"(SELECT 1 FROM {ENTRIES_TABLE} e WHERE e.fingerprint_id = f.id)"
 )
 
@@ -98,7 +99,9 @@ def state(path: Path) -> tuple[Any, ...]:
 
 
 def fingerprints_with_entries(path: Path) -> list[tuple[Any, ...]]:
-    """The ``ALL_FIELDS`` values of every fingerprint of ``path`` that holds an entry."""
+    """The ``ALL_FIELDS`` values and the measurement (``""``: default) of every fingerprint
+    of ``path`` that holds an entry; ``sqlite3.Error`` before ``0010_measurement_fingerprints``
+    (the caller then takes the full path)."""
     conn = _read_only(path, 1.0)
     try:
         return conn.execute(_HOLDS_SQL).fetchall()

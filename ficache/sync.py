@@ -978,10 +978,23 @@ class WarmStart:
             else:
                 self.tuner, self._v2 = tuner, mode
                 self._v2_eager = eager
+                self._serve_measurement(mode.measurement)
                 return
         self._warn(
             f"rank {rank}: v2 mode off: {why}; what the block tunes into a store is not committed"
         )
+
+    def _serve_measurement(self, measurement: dict[str, str]) -> None:
+        """Step 1, v2 mode: the start's fingerprint names the measurement policy its store is
+        served under (given, or the attached store's), so it is served, and commits, that
+        policy's entries alone (``Fingerprint.measurement``: another policy is another
+        environment, as in FlashInfer's ``env_hash``). A policy adopted later, at the block's
+        first ``autotune_v2`` call (``V2Mode.adopt``), leaves the fingerprint as it was:
+        the slice was chosen before it was known."""
+        fp = self._enter.fp
+        if fp is not None and measurement and not fp.measurement:
+            self._enter.fp = fp.with_measurement(measurement)
+            self.report.fingerprint = self._enter.fp.digest
 
     def _step_export(self) -> None:
         """2. Rank 0 alone exports every rank's slice (``_export_payload`` never raises, and

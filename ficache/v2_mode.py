@@ -15,7 +15,13 @@ tuned and commit nothing. In v2 mode each rank instead:
    that passes none gets the policy of the block's first redirected
    ``autotune_v2`` call (``V2Mode.adopt``): a warmup that tunes under its
    own ``MeasurementPolicy`` (vLLM PR #55671's draft passes one) is served,
-   harvested and committed in that policy's environment;
+   harvested and committed in that policy's environment. A policy passed (or
+   an attached store's) is known before the slice is chosen, so it is part of
+   the start's fingerprint (``Fingerprint.measurement``, set by
+   ``ficache.sync``): the start is served that policy's entries only and
+   commits under it; an adopted one is not (the slice was chosen before it
+   was known), and serves and commits under the start's default fingerprint
+   as before;
 2. attaches that root as the process's ambient store (FlashInfer's
    ``_resolve_managed_store``, the function ``autotune_v2`` itself calls),
    which replaces any store attached before (a node-local store that only

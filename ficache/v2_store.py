@@ -42,20 +42,24 @@ Measurement policy (where ficache keeps it):
   same value a ``save_configs`` file carries as its third element, so v1 and
   v2 exports agree.
 - The manifest's ``measure_*`` fields are part of FlashInfer's environment
-  identity but not of a ficache ``Fingerprint``. Every commit that stores a
+  identity and of a ficache ``Fingerprint`` (``Fingerprint.measurement``):
+  an environment's entries and protocol records are stored under its
+  manifest's fingerprint with its policy, so one environment tuned under
+  several policies is several fingerprints, imported in one commit, merged
+  without replacing each other, and exported each to its own directory
+  (``ficache.exporting.plan_v2_exports``). Every commit that stores a
   store's entries (``importing.import_stores``, and vLLM adoption in ``ficache.adopt``)
   records them in one shape, written by one helper (``environments_provenance``):
   provenance key ``v2_environments``, a list of ``{path, env_hash,
   fingerprint (digest), measurement, entries, skipped_entries, records}``
   (``StoredEnvironment``). ``measurements_in`` reads that key from any
   commit, and the ``environments`` key that imports wrote before it (``source:
-  "flashinfer-v2-store"``). An export uses, in order: the policy given
-  (``measurement=``), else the newest policy a commit recorded for the
-  exported fingerprints, else the default (no ``measure_*`` fields). So an
-  imported or adopted environment exports to the same ``env_hash``.
-- The registry keeps one value per (fingerprint, scope, key): environments
-  that differ only in their measurement policy would overwrite each other,
-  so an import holding two of them is refused before anything is written.
+  "flashinfer-v2-store"``). A fingerprint with a policy exports under it; a
+  default-policy one (imported before policies were fingerprints, or from a
+  v1 file) uses, in order: the policy given (``measurement=``), else the
+  newest policy a commit recorded for it, else the default (no
+  ``measure_*`` fields). So an imported or adopted environment exports to
+  the same ``env_hash``.
 
 Invariants:
 - Reading never evaluates anything: keys are parsed by
@@ -573,7 +577,8 @@ def _read_manifest(env_dir: Path) -> tuple[Fingerprint, tuple[tuple[str, str], .
     except FingerprintError as exc:
         raise ValueError(f"{MANIFEST}: {exc}") from None
     measurement = tuple(sorted((k, v) for k, v in manifest.items() if k.startswith(MEASURE_PREFIX)))
-    return fingerprint, measurement, digest
+    # The policy is part of the environment, as it is of FlashInfer's env_hash.
+    return fingerprint.with_measurement(dict(measurement)), measurement, digest
 
 
 def _read_entry(path: Path) -> FileEntry | ProtocolEntry:
@@ -678,21 +683,6 @@ def _read_entries(
 
 # --------------------------------------------------------------------------
 # Import.
-
-
-def check_one_policy_per_fingerprint(stores: Sequence[StoreContents]) -> None:
-    """Refuse stores holding one fingerprint under two measurement policies."""
-    seen: dict[Fingerprint, StoreEnvironment] = {}
-    for store in stores:
-        for env in store.environments:
-            first = seen.setdefault(env.fingerprint, env)
-            if first.measurement != env.measurement:
-                raise V2StoreError(
-                    f"environments {first.env_hash} ({measurement_label(first.measurement_fields)}) "
-                    f"and {env.env_hash} ({measurement_label(env.measurement_fields)}) share one "
-                    "fingerprint under two measurement policies, which the registry cannot keep "
-                    "apart; import their environment directories one at a time"
-                )
 
 
 def store_entries(store: StoreContents, scope: str = SHARED_SCOPE) -> tuple[NewEntry, ...]:

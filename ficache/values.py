@@ -368,7 +368,10 @@ class ProtocolChange(_NamespacedChange):
 
 def fingerprint_from_row(row: Any) -> Fingerprint:
     """The ``Fingerprint`` of one ``fingerprints`` row."""
-    return Fingerprint(**{name: getattr(row, name) for name in ALL_FIELDS})
+    return Fingerprint(
+        **{name: getattr(row, name) for name in ALL_FIELDS},
+        measurement=getattr(row, "measurement", None) or "",
+    )
 
 
 __all__ = [

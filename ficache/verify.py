@@ -964,7 +964,9 @@ class _Verifier:
         return columns
 
     def _rows(self) -> Checked:
-        fingerprints = list(self._stream(select(F.c.id, F.c.digest, *(F.c[n] for n in ALL_FIELDS))))
+        fingerprints = list(
+            self._stream(select(F.c.id, F.c.digest, *(F.c[n] for n in ALL_FIELDS), F.c.measurement))
+        )
         commits = list(
             self._stream(
                 select(
@@ -1053,9 +1055,11 @@ class _Verifier:
                     check("change", ("entry_changes", hid), label, value)
 
     def _fingerprints(self, rows: Iterable[tuple[Any, ...]]) -> None:
-        for fid, digest, *values in rows:
+        for fid, digest, *values, measurement in rows:
             try:
-                fp = Fingerprint(**dict(zip(ALL_FIELDS, values, strict=True)))
+                fp = Fingerprint(
+                    **dict(zip(ALL_FIELDS, values, strict=True)), measurement=measurement or ""
+                )
             except FingerprintError as exc:
                 self.problem("fingerprint_digest", f"fingerprint {fid}: {exc}", "fingerprints", fid)
                 continue

@@ -689,7 +689,9 @@ def test_a_dry_run_counts_exactly_what_the_adoption_then_writes(
     )
 
 
-def test_two_measurement_policies_of_one_fingerprint_keep_the_first(tmp_path: Path) -> None:
+def test_two_measurement_policies_of_one_environment_are_both_adopted(tmp_path: Path) -> None:
+    """Each its own fingerprint (``Fingerprint.measurement``): before, the second was
+    skipped as "a second measurement policy for one fingerprint"."""
     write_v2_store(tmp_path / "a", {gemm(8): 1}, H200_METADATA)
     manifest = manifest_for(H200_METADATA, {"measure_execution_mode": "cuda_graph"})
     env_dir = tmp_path / "b" / "v2" / env_hash(manifest)
@@ -697,12 +699,10 @@ def test_two_measurement_policies_of_one_fingerprint_keep_the_first(tmp_path: Pa
     (env_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
     plan = plan_adoption(Sources((), (tmp_path / "a", tmp_path / "b")))
     assert [s.path for s in plan.stores] == [
-        tmp_path / "a" / "v2" / env_hash(manifest_for(H200_METADATA, {}))
+        tmp_path / "a" / "v2" / env_hash(manifest_for(H200_METADATA, {})),
+        env_dir,
     ]
-    assert plan.skipped_count == 1
-    assert plan.skipped[0].reason.startswith(
-        "a second measurement policy (execution_mode=cuda_graph)"
-    )
+    assert plan.skipped_count == 0
 
 
 def test_default_sources_follow_vllm_and_flashinfer() -> None:

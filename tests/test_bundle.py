@@ -680,14 +680,14 @@ def test_non_canonical_encoding_is_refused(bundle_file: Path, tmp_path: Path) ->
 def _framing_cases(data: bytes) -> dict[str, tuple[bytes, str]]:
     header, payload = split(data)
     n = len(payload)
-    newer = frame(payload, version=4) + payload
+    newer = frame(payload, version=5) + payload
     huge = b"ficache-bundle 1 %d sha256=%s\n" % (10**15, b"0" * 64) + payload
     return {
         "one flipped byte": (_flip(data), f"damaged bundle (checksum mismatch); {AGAIN}"),
         "trailing bytes": (data + b"\n", f"damaged bundle (1 bytes after its payload); {AGAIN}"),
         "newer format version": (
             newer,
-            "bundle format version 4 is newer than this ficache reads (up to 3); upgrade ficache",
+            "bundle format version 5 is newer than this ficache reads (up to 4); upgrade ficache",
         ),
         "version 0": (
             b"ficache-bundle 0" + newer[16:],

@@ -604,7 +604,7 @@ def test_stats(cli, populated: str) -> None:
 
     assert result.stdout.splitlines() == [
         f"registry         {schema.resolve(str(populated)).display}",
-        "schema revision  0009_protocol_records",
+        "schema revision  0010_measurement_fingerprints",
         f"size             {stats.size_bytes} bytes",
         "fingerprints     1",
         "entries          2 (2 shared, 0 rank-scoped)",
@@ -1263,29 +1263,32 @@ def test_revert_plan_shows_the_first_conflicts(cli, cache_file, registry_db: str
 @both_backends
 def test_db_commands(cli, populated: str, tmp_path: Path) -> None:
     assert cli("db", "current").stdout == (
-        "0009_protocol_records (head 0009_protocol_records: up to date)\n"
+        "0010_measurement_fingerprints (head 0010_measurement_fingerprints: up to date)\n"
     )
     assert cli("db", "history", db=None).stdout.splitlines() == [
-        "revision               down                title",
-        "0001_registry                              ficache 0.1: fingerprints, entries, commits and the entry change log.",
-        "0002_fleet             0001_registry       ficache 0.2: tuned times, last served times, new values in the change log.",
-        "0003_records           0002_fleet          ficache 0.3: FlashInfer's namespaced records and their change log.",
-        "0004_selection         0003_records        ficache 0.4: how FlashInfer chose each value (a cache value's fourth element).",
-        "0005_drop_op_index     0004_selection      ficache 0.5: entries lose their index on op, which cost every write and "
+        "revision                       down                   title",
+        "0001_registry                                         ficache 0.1: fingerprints, entries, commits and the entry change log.",
+        "0002_fleet                     0001_registry          ficache 0.2: tuned times, last served times, new values in the change log.",
+        "0003_records                   0002_fleet             ficache 0.3: FlashInfer's namespaced records and their change log.",
+        "0004_selection                 0003_records           ficache 0.4: how FlashInfer chose each value (a cache value's fourth element).",
+        "0005_drop_op_index             0004_selection         ficache 0.5: entries lose their index on op, which cost every write and "
         "served no read.",
-        "0006_policies          0005_drop_op_index  ficache 0.6: measurement policies stored once; entries lose the columns "
+        "0006_policies                  0005_drop_op_index     ficache 0.6: measurement policies stored once; entries lose the columns "
         "their key holds.",
-        "0007_compat            0006_policies       ficache 0.7: the registry says which older ficache may "
+        "0007_compat                    0006_policies          ficache 0.7: the registry says which older ficache may "
         "still read and write it.",
-        "0008_start_counts      0007_compat         ficache 0.8: how many starts each fingerprint served, and "
+        "0008_start_counts              0007_compat            ficache 0.8: how many starts each fingerprint served, and "
         "what replay starts missed.",
-        "0009_protocol_records  0008_start_counts   ficache 0.9: FlashInfer 0.7.4's protocol records, a kind of "
+        "0009_protocol_records          0008_start_counts      ficache 0.9: FlashInfer 0.7.4's protocol records, a kind of "
         "stored result of their own.",
+        "0010_measurement_fingerprints  0009_protocol_records  ficache 0.10: one environment under several FlashInfer "
+        "measurement policies.",
     ]
     dry = cli("db", "downgrade", "base", "--dry-run")
     assert dry.stdout.splitlines() == [
-        f"downgrade plan: {schema.resolve(str(populated)).display} from 0009_protocol_records to base "
-        "(drops all stored entries)",
+        f"downgrade plan: {schema.resolve(str(populated)).display} from 0010_measurement_fingerprints "
+        "to base (drops all stored entries)",
+        "  0010_measurement_fingerprints -> 0009_protocol_records: keeps every stored value",
         "  0009_protocol_records -> 0008_start_counts: keeps every stored value",
         "  0008_start_counts -> 0007_compat: keeps every stored value",
         "  0007_compat -> 0006_policies: keeps every stored value",
@@ -1361,7 +1364,7 @@ def test_db_is_taken_after_the_subcommand_and_wins_there(
         after = cli(*args, "--db", populated, db=None)
         assert (after.exit_code, after.stdout, after.stderr) == (0, before.stdout, "")
     assert cli("db", "current", "--db", populated, db=None).stdout.startswith(
-        "0009_protocol_records"
+        "0010_measurement_fingerprints"
     )
 
     other = tmp_path / "other.db"
@@ -1607,7 +1610,7 @@ def test_a_newer_schema_is_refused(cli, populated: Path, cache_file) -> None:
     one_error_line(
         result,
         f"registry {populated} has schema revision '0099_future', newer than this ficache knows "
-        "(head '0009_protocol_records'); upgrade ficache (pip install -U ficache)",
+        "(head '0010_measurement_fingerprints'); upgrade ficache (pip install -U ficache)",
     )
     assert populated.read_bytes() == before
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import sqlite3
 from contextlib import closing
@@ -103,6 +104,9 @@ def test_digest_is_identity(a: Fingerprint, b: Fingerprint) -> None:
 H200_DIGEST = "c3e0f3f376006cd05fcf241b303ab3c543cd84b972ea07ca9d72b4ab27a36e43"
 B200_DIGEST = "edb632176e38f2adb827d1b8c171084fc88e8dbd5a6b15e434a622998bddcfb0"
 H200_SM90_DIGEST = "7b6f9dd504daea6a8370e8b6cc73b911fd4897cbc34153c226364bdc27b514ed"
+#: The H200 under FlashInfer's ``cold_l2=True`` measurement policy (frozen from 0010 on).
+H200_COLD_DIGEST = "3dbd92f0b8dcae781d4a23a1cff852836fe6afbb64aef73ec12e8319bee8f305"
+COLD_L2 = {"measure_cold_l2": "True"}
 FROZEN = sorted((Path(__file__).parent / "data").glob("registry-*.db"))
 
 
@@ -128,7 +132,35 @@ def test_the_frozen_registries_store_the_pinned_digests(frozen: Path) -> None:
     with closing(sqlite3.connect(f"file:{frozen}?mode=ro", uri=True)) as conn:
         rows = conn.execute("SELECT id, digest, gpu FROM fingerprints ORDER BY id").fetchall()
 
-    assert rows == [(1, H200_DIGEST, "NVIDIA H200"), (2, B200_DIGEST, "NVIDIA B200")]
+    cold = [(3, H200_COLD_DIGEST, "NVIDIA H200")] if frozen.name >= "registry-0010" else []
+    assert rows == [(1, H200_DIGEST, "NVIDIA H200"), (2, B200_DIGEST, "NVIDIA B200"), *cold]
+
+
+def test_a_measurement_policy_is_part_of_the_digest_and_the_default_changes_nothing() -> None:
+    h200 = Fingerprint.from_flashinfer_metadata(H200)
+    cold = h200.with_measurement(COLD_L2)
+
+    assert (h200.with_measurement({}), h200.measurement) == (h200, "")
+    assert h200.with_measurement({}).digest == H200_DIGEST
+    assert cold.digest == H200_COLD_DIGEST
+    assert (cold.measurement, cold.measurement_fields) == ('{"measure_cold_l2":"True"}', COLD_L2)
+    assert cold.as_dict() == {**h200.as_dict(), "measurement": '{"measure_cold_l2":"True"}'}
+    assert "measurement" not in h200.as_dict()
+    # what it is: the sha256 of every field's canonical JSON, the policy one field more
+    canonical = json.dumps(cold.as_dict(), sort_keys=True, separators=(",", ":"))
+    assert hashlib.sha256(canonical.encode()).hexdigest() == H200_COLD_DIGEST
+    # another policy is another FlashInfer environment (env_hash): never served across
+    assert (h200.serves(cold), cold.serves(h200), cold.serves(cold)) == (False, False, True)
+    assert cold.mismatches(h200)[0] == {"measurement": ('{"measure_cold_l2":"True"}', "")}
+    assert Fingerprint.from_dict(cold.as_dict()) == cold
+
+
+@pytest.mark.parametrize(
+    "bad", ['{"cold_l2":"True"}', '{"measure_cold_l2": "True"}', "{}", "[1]", '{"measure_x":1}']
+)
+def test_a_measurement_that_is_not_canonical_measure_fields_is_refused(bad: str) -> None:
+    with pytest.raises(FingerprintError, match="fingerprint field 'measurement'"):
+        Fingerprint(**H200, measurement=bad)
 
 
 @pytest.mark.parametrize("frozen", FROZEN, ids=[p.stem for p in FROZEN])
@@ -154,7 +186,8 @@ def test_importing_into_a_frozen_registry_reuses_its_fingerprint_row(
         stored = conn.execute(
             "SELECT fingerprint_id, scope, tactic FROM entries WHERE key = ?", (key,)
         ).fetchall()
-    assert fingerprints == [(1, H200_DIGEST), (2, B200_DIGEST)]
+    cold = [(3, H200_COLD_DIGEST)] if frozen.name >= "registry-0010" else []
+    assert fingerprints == [(1, H200_DIGEST), (2, B200_DIGEST), *cold]
     assert stored == [(1, "shared", "4")]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -25,6 +26,7 @@ from ficache.errors import (
     RegistryReadOnlyError,
     SchemaTooNewError,
 )
+from ficache.exporting import plan_v2_export
 from ficache.fingerprint import Fingerprint
 from ficache.models import Base
 from ficache.registry import Registry
@@ -111,6 +113,7 @@ def test_down_to_base_and_up_again_through_the_cli(cli, cache_file, registry_pat
     assert (down.exit_code, down.stdout) == (
         0,
         f"downgrade plan: {where} from {HEAD} to base (drops all stored entries)\n"
+        "  0010_measurement_fingerprints -> 0009_protocol_records: keeps every stored value\n"
         "  0009_protocol_records -> 0008_start_counts: keeps every stored value\n"
         "  0008_start_counts -> 0007_compat: keeps every stored value\n"
         "  0007_compat -> 0006_policies: keeps every stored value\n"
@@ -284,11 +287,28 @@ def test_a_frozen_registry_upgrades_to_head_and_keeps_its_data(
         with RegistrySchema.open(str(path), create=False) as target:
             target.upgrade()
 
+    cold = h200.with_measurement({"measure_cold_l2": "True"})
+    measured = frozen.name >= "registry-0010"  # a sixth commit: H200 under cold_l2
+
     with Registry.open(str(path)) as reg:
         assert reg.stats().revision == HEAD
         infos = {i.fingerprint: i for i in reg.fingerprints()}
-        assert {fp: i.entries for fp, i in infos.items()} == {h200: 4, b200: 0}
+        assert {fp: i.entries for fp, i in infos.items()} == {
+            h200: 4,
+            b200: 0,
+            **({cold: 1} if measured else {}),
+        }
         log = reg.log()
+        if measured:  # its own fingerprint: nothing of H200's default policy replaced
+            cold_commit = log.pop(0)
+            assert (cold_commit.message, cold_commit.added, cold_commit.protocol_added) == (
+                "frozen cold_l2 environment",
+                1,
+                1,
+            )
+            cold_text, _n = reg.export_text(infos[cold].id)
+            assert json.loads(cold_text)[_frozen_key(16)] == ["CutlassFp4Runner", 4]
+            assert plan_v2_export(reg, infos[cold].id).measurement == {"measure_cold_l2": "True"}
         if frozen.name >= "registry-0009":  # a fifth commit: protocol records (checked below)
             protocol_commit = log.pop(0)
             assert (protocol_commit.kind, protocol_commit.message) == (
@@ -316,7 +336,11 @@ def test_a_frozen_registry_upgrades_to_head_and_keeps_its_data(
         # old data stays writable: undo the prune
         prune = log[0].id
         assert reg.revert(prune).added == 1
-        assert {i.fingerprint: i.entries for i in reg.fingerprints()} == {h200: 4, b200: 1}
+        assert {i.fingerprint: i.entries for i in reg.fingerprints()} == {
+            h200: 4,
+            b200: 1,
+            **({cold: 1} if measured else {}),
+        }
 
     # 0002 recovered what each past change wrote (from the next change, or the
     # entry as it stands) and when each entry was tuned.
@@ -392,13 +416,18 @@ def test_a_frozen_registry_upgrades_to_head_and_keeps_its_data(
     with Registry.open(str(path)) as reg:
         counts = {fid: rest for fid, *rest in reg.stats().start_counts}
     if frozen.name >= "registry-0008":  # start counts are frozen from 0008_start_counts on
-        assert counts == {infos[h200].id: [5, 2, 3], infos[b200].id: [0, 0, 0]}
+        assert counts == {
+            infos[h200].id: [5, 2, 3],
+            infos[b200].id: [0, 0, 0],
+            **({infos[cold].id: [0, 0, 0]} if measured else {}),
+        }
     else:  # older registries upgrade with every count at 0
         assert counts == {infos[h200].id: [0, 0, 0], infos[b200].id: [0, 0, 0]}
     protocol = query(
         path,
         "SELECT r.fingerprint_id, r.scope, r.namespace, r.key, r.value, p.policy, r.commit_id "
-        "FROM protocol_records r LEFT JOIN policies p ON p.id = r.policy_id ORDER BY r.key",
+        "FROM protocol_records r LEFT JOIN policies p ON p.id = r.policy_id "
+        "WHERE r.commit_id <= 5 ORDER BY r.key",
     )
     if frozen.name >= "registry-0009":  # protocol records are frozen from 0009 on
         hot = '["cuda_graph_profile_replays",null,"l2_cache_policy","hot"]'
@@ -418,7 +447,7 @@ def test_a_frozen_registry_upgrades_to_head_and_keeps_its_data(
         assert query(path, "SELECT DISTINCT namespace FROM records") == [("trtllm_moe_da",)]
         with Registry.open(str(path)) as reg:  # and still writable: revert their commit
             assert reg.revert(protocol_commit.id).protocol_removed == 2
-        assert query(path, "SELECT count(*) FROM protocol_records") == [(0,)]
+        assert query(path, "SELECT count(*) FROM protocol_records") == [(1 if measured else 0,)]
     else:  # older registries upgrade to empty protocol record tables
         assert protocol == []
         assert query(path, "SELECT count(*) FROM protocol_record_changes") == [(0,)]
@@ -614,6 +643,61 @@ def test_downgrading_below_0009_drops_protocol_records_and_their_commits_only(
     assert query(registry_path, "SELECT count(*) FROM protocol_records") == [(0,)]
 
 
+def test_downgrading_below_0010_drops_what_0009_cannot_keep_apart_and_recounts(
+    cli, cache_file, registry_path: Path
+) -> None:
+    """A commit holding both policies keeps its default-policy changes (recounted); a
+    commit holding only the other policy's goes; the default policy's data is untouched."""
+    from ficache.values import NewEntry, NewProtocolRecord
+
+    fp = Fingerprint.from_flashinfer_metadata({**_FROZEN_FIELDS, "gpu": "NVIDIA H200"})
+    cold = fp.with_measurement({"measure_cold_l2": "True"})
+    k16, k32 = _frozen_key(16), _frozen_key(32)
+    with Registry.open(str(registry_path)) as reg:
+        both = reg.write(
+            [
+                NewEntry(fp, k16, "CutlassFp4Runner", "1"),
+                NewEntry(cold, k16, "CutlassFp4Runner", "2"),
+            ],
+            kind="import",
+            protocol_records=[NewProtocolRecord(cold, "moe_ep", "k", "3")],
+        )
+        only_cold = reg.write([NewEntry(cold, k32, "CutlassFp4Runner", "4")], kind="import")
+        assert (both.added, both.protocol_added, only_cold.added) == (2, 1, 1)
+    kept = query(
+        registry_path,
+        "SELECT fingerprint_id, key, tactic, commit_id FROM entries "
+        "WHERE fingerprint_id = 1 ORDER BY key",
+    )
+
+    plan = cli("db", "downgrade", "0009_protocol_records", "--dry-run")
+    down = cli("db", "downgrade", "0009_protocol_records", "--yes")
+
+    assert (
+        "  0010_measurement_fingerprints -> 0009_protocol_records: 1 fingerprints under a "
+        "non-default measurement policy, with their 2 entries, 0 records, 1 protocol records "
+        "and 3 change rows (commits touching them: 2, removed where nothing else remains)\n"
+    ) in plan.stdout
+    assert down.exit_code == 0, down.stderr
+    assert revision(registry_path) == [("0009_protocol_records",)]
+    assert "measurement" not in {
+        r[1] for r in query(registry_path, "PRAGMA table_info(fingerprints)")
+    }
+    assert query(registry_path, "SELECT id FROM fingerprints") == [(1,)]
+    assert (
+        query(
+            registry_path, "SELECT fingerprint_id, key, tactic, commit_id FROM entries ORDER BY key"
+        )
+        == kept
+    )
+    assert query(registry_path, "SELECT count(*) FROM protocol_records") == [(0,)]
+    assert query(registry_path, "SELECT id, added, protocol_added FROM commits ORDER BY id") == [
+        (both.commit_id, 1, 0)
+    ]
+    assert cli("db", "upgrade").exit_code == 0
+    assert cli("verify").stdout.endswith("ok: no problems\n")
+
+
 _FROZEN_FIELDS = {
     "flashinfer_version": "0.7.2.post1",
     "cuda_version": "12.9",
@@ -794,6 +878,7 @@ def test_a_downgrade_plan_counts_what_each_step_drops(
     assert (dry.exit_code, dry.stdout) == (
         0,
         f"downgrade plan: {schema.resolve(registry_db).display} from {HEAD} to 0002_fleet\n"
+        "  0010_measurement_fingerprints -> 0009_protocol_records: keeps every stored value\n"
         "  0009_protocol_records -> 0008_start_counts: keeps every stored value\n"
         "  0008_start_counts -> 0007_compat: keeps every stored value\n"
         "  0007_compat -> 0006_policies: keeps every stored value\n"
@@ -1001,7 +1086,8 @@ def test_the_previous_release_refuses_the_newer_frozen_registry_and_leaves_it(
 
     if rev > "0007_compat":  # that release reads schema_compat: this revision lets it read
         assert (result.returncode, result.stderr) == (0, ""), result.stderr
-        assert f"schema revision  {rev}" in result.stdout
+        # (the label column is as wide as the widest label that release prints)
+        assert re.search(rf"^schema revision +{rev}$", result.stdout, re.MULTILINE)
         # Its read switched the file to WAL (a header byte): every row is as it was.
         frozen = DATA / f"registry-{rev}.db"
         with (

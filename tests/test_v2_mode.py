@@ -212,6 +212,57 @@ def test_an_explicit_policy_is_kept_and_others_are_not_committed(
         assert any(POLICY_WARNING in w for w in report["warnings"]), report["warnings"]
 
 
+@pytest.fixture(scope="module")
+def mix_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """2 ranks: ``policy_mix`` (two policies in one registry)."""
+    root = str(tmp_path_factory.mktemp("v2-policy-mix"))
+    return run_ranks(
+        v2_mode_scenarios.run_plan,
+        2,
+        root,
+        ["policy_mix"],
+        timeout=HARD_TIMEOUT,
+        group_timeout=GROUP_TIMEOUT,
+    )
+
+
+def test_two_policies_of_one_environment_are_stored_and_served_apart(
+    mix_ranks: list[dict[str, Any]],
+) -> None:
+    """The default policy's cold start is cold (before ``Fingerprint.measurement`` it was
+    served the other policy's entries and committed nothing); each warm start is served
+    its own policy's entries: the one whose half was deleted re-tunes exactly that half,
+    the other profiles nothing."""
+    per_rank = _scenario(mix_ranks, "policy_mix")
+    deleted = per_rank[0]["deleted"]
+    assert 0 < deleted < ALL
+    for rank, r in enumerate(per_rank):
+        for name in ("cold_policy", "cold_default", "warm_policy", "warm_default"):
+            assert r[name]["exception"] is None, (rank, name, r[name]["exception"])
+        cold_policy, cold_default = r["cold_policy"]["report"], r["cold_default"]["report"]
+        assert r["cold_policy"]["profiled"] == ALL and cold_policy["committed"] == ALL
+        assert r["cold_default"]["profiled"] == ALL, (rank, cold_default)
+        assert cold_default["status"] == "cold" and cold_default["committed"] == ALL
+        assert cold_policy["fingerprint"] != cold_default["fingerprint"]
+        assert cold_policy["v2"]["measurement"] == BLOCK_POLICY
+        assert cold_default["v2"]["measurement"] == {}
+        [(a, digest_a, measurement_a), (b, digest_b, measurement_b)] = r["fingerprints"]
+        assert (digest_a, digest_b) == (cold_policy["fingerprint"], cold_default["fingerprint"])
+        assert (json.loads(measurement_a), measurement_b) == (BLOCK_POLICY, None)
+        assert r["entries"] == {a: ALL, b: ALL}
+
+        warm_policy, warm_default = r["warm_policy"]["report"], r["warm_default"]["report"]
+        assert r["warm_policy"]["profiled"] == 0, (rank, warm_policy)
+        assert warm_policy["status"] == "warm" and warm_policy["loaded"] == ALL
+        assert warm_policy["fingerprint"] == cold_policy["fingerprint"]
+        assert warm_policy["v2"]["served"] == ALL
+        assert r["warm_default"]["profiled"] == deleted, (rank, warm_default)
+        assert warm_default["loaded"] == ALL - deleted and warm_default["committed"] == deleted
+        assert warm_default["fingerprint"] == cold_default["fingerprint"]
+        assert warm_default["v2"]["served"] == ALL - deleted
+        assert r["entries_after"] == {a: ALL, b: ALL}
+
+
 # --------------------------------------------------------------------------
 # Bad input: a store root that changes while it is read.
 

@@ -128,8 +128,10 @@ def files_of(root: Path) -> dict[str, bytes]:
     }
 
 
-def digest(metadata: dict[str, str]) -> str:
-    return Fingerprint.from_flashinfer_metadata(metadata).digest
+def digest(metadata: dict[str, str], policy: MeasurementPolicy | None = None) -> str:
+    """The fingerprint digest of an environment (under ``policy``'s manifest fields)."""
+    fp = Fingerprint.from_flashinfer_metadata(metadata)
+    return fp.with_measurement(policy.manifest_fields() if policy else {}).digest
 
 
 # -- import ----------------------------------------------------------------------
@@ -147,7 +149,7 @@ def test_import_reads_every_environment_with_its_fingerprint_and_policy(
     here.publish(str(fields), "trtllm_moe_da", {"tiles": [1, 2]}, key_fields=fields)
     rows = sorted(
         [
-            (here.env_hash, digest(_collect_metadata()), "execution_mode=cuda_graph", 5),
+            (here.env_hash, digest(_collect_metadata(), GRAPHS), "execution_mode=cuda_graph", 5),
             (h200.env_hash, digest(H200_METADATA), "default", 2),
         ]
     )
@@ -172,13 +174,13 @@ def test_import_reads_every_environment_with_its_fingerprint_and_policy(
     fingerprints = {
         f["digest"]: f for f in json.loads(cli("fingerprints", "--format", "json").stdout)
     }
-    assert set(fingerprints) == {digest(_collect_metadata()), digest(H200_METADATA)}
+    assert set(fingerprints) == {digest(_collect_metadata(), GRAPHS), digest(H200_METADATA)}
     stored_h200 = fingerprints[digest(H200_METADATA)]
     assert {k: stored_h200[k] for k in H200_METADATA} == H200_METADATA
     assert (stored_h200["compute_capability"], stored_h200["torch_version"]) == ("*", "*")
     entries = json.loads(cli("list", "--format", "json").stdout)
     by_key = {(e["fingerprint"], e["key"]): e for e in entries}
-    here_id = fingerprints[digest(_collect_metadata())]["id"]
+    here_id = fingerprints[digest(_collect_metadata(), GRAPHS)]["id"]
     for key, (*_fields, tactic, profiling) in zip(cache_keys(), TUNED, strict=True):
         entry = by_key[(here_id, key.file_key)]
         assert entry["tactic"] == _tactic_to_json(tactic)
@@ -360,7 +362,7 @@ def test_protocol_records_round_trip_as_flashinfer_writes_and_reads_them(
     ):
         assert autotuner.get_protocol_records("moe_ep_megamoe") == PROTOCOL_VALUES
     # Never exported into a v1 file's _records, nor served as namespaced records.
-    v1 = json.loads(cli("export", "--fingerprint", "current").stdout)
+    v1 = json.loads(cli("export", "--fingerprint", "1").stdout)
     assert "_records" not in v1
     assert json.loads(cli("list", "--records", "--format", "json").stdout) == []
     again = cli("import", tuned)
@@ -602,30 +604,33 @@ def test_policies_recorded_by_older_versions_are_read(registry_path: Path) -> No
         assert recorded_measurements(reg) == {imported.digest: eager, adopted.digest: eager}
 
 
-def test_entries_imported_under_two_policies_need_a_choice(cli, tmp_path: Path) -> None:
+def test_entries_imported_under_two_policies_export_to_two_directories(cli, tmp_path: Path) -> None:
+    """Each policy's fingerprint goes to its own environment directory; a default-policy
+    one that serves here too (``gpu: *``) goes to the default directory, never into
+    another policy's; ``--measurement-policy`` picks one directory."""
     publish_like_tuning(tmp_path / "tuned", policy=GRAPHS, tuned=TUNED[:2])
     anywhere = {**_collect_metadata(), "gpu": "*"}  # a second fingerprint that serves here too
     publish_like_tuning(tmp_path / "tuned", metadata=anywhere, tuned=TUNED[2:])
     assert cli("import", tmp_path / "tuned").exit_code == 0
 
-    refused = cli("export", "--v2-store", tmp_path / "out", "--fingerprint", "current")
+    both = cli("export", "--v2-store", tmp_path / "out", "--fingerprint", "current")
     chosen = cli(
         "export",
         "--v2-store",
-        tmp_path / "out",
+        tmp_path / "one",
         "--fingerprint",
         "current",
         "--measurement-policy",
         "default",
     )
 
-    assert (refused.exit_code, refused.stdout) == (1, "")
-    assert refused.stderr == (
-        "error: the exported entries were imported under 2 measurement policies "
-        "(default; execution_mode=cuda_graph); choose one with --measurement-policy\n"
-    )
+    assert (both.exit_code, both.stderr) == (0, "")
+    assert both.stdout.count("exported ") == 2
+    assert store_of(tmp_path / "out").preload()[1:] == (3, 0)
+    assert store_of(tmp_path / "out", GRAPHS).preload()[1:] == (2, 0)
     assert chosen.exit_code == 0
-    assert store_of(tmp_path / "out").preload()[1:] == (5, 0)
+    assert store_of(tmp_path / "one").preload()[1:] == (3, 0)
+    assert not store_of(tmp_path / "one", GRAPHS).env_dir.exists()
 
 
 # -- bad input --------------------------------------------------------------------
@@ -988,31 +993,6 @@ def test_export_refuses_an_environment_with_a_different_manifest(
         f"error: {manifest} differs from the manifest this export writes; not touching it\n"
     )
     assert files_of(out) == {f"v2/{target}/manifest.json": b'{"gpu": "forged"}'}
-
-
-def test_two_policies_of_one_fingerprint_are_refused(
-    cli, populated: Path, dump_db, tmp_path: Path
-) -> None:
-    before = dump_db(populated)
-    root = tmp_path / "both"
-    cuda = publish_like_tuning(root, policy=GRAPHS, tuned=TUNED[:1])
-    plain = publish_like_tuning(root, tuned=TUNED[:1])
-    first, second = sorted(
-        [(cuda.env_hash, "execution_mode=cuda_graph"), (plain.env_hash, "default")]
-    )
-
-    refused = cli("import", root)
-    after_refusal = dump_db(populated)
-    alone = cli("import", cuda.env_dir)
-
-    assert (refused.exit_code, refused.stdout) == (1, "")
-    assert refused.stderr == (
-        f"error: environments {first[0]} ({first[1]}) and {second[0]} ({second[1]}) share one "
-        "fingerprint under two measurement policies, which the registry cannot keep apart; "
-        "import their environment directories one at a time\n"
-    )
-    assert after_refusal == before
-    assert alone.exit_code == 0
 
 
 def test_files_and_stores_import_in_separate_commands(cli, cache_file, tmp_path: Path) -> None:

@@ -254,15 +254,18 @@ def test_every_frozen_registry_upgraded_to_head_is_clean(frozen: Path, tmp_path:
 
     # Registries made at 0003_records and later hold two records, each added once; from
     # 0009_protocol_records on, a fifth commit adds two protocol records.
+    # From 0010_measurement_fingerprints on, a sixth adds the H200 under cold_l2: one
+    # fingerprint, one entry and one protocol record more.
     records = 2 if frozen.stem >= "registry-0003" else 0
-    protocol = 2 if frozen.stem >= "registry-0009" else 0
+    measured = frozen.stem >= "registry-0010"
+    protocol = (2 if frozen.stem >= "registry-0009" else 0) + measured
     assert (report.problems, report.checked) == (
         (),
         Checked(
-            fingerprints=2,
-            entries=4,
-            commits=4 + (protocol > 0),
-            changes=7,
+            fingerprints=2 + measured,
+            entries=4 + measured,
+            commits=4 + (protocol > 0) + measured,
+            changes=7 + measured,
             records=records,
             record_changes=records,
             policies=1,

@@ -24,6 +24,11 @@
   store (``plan_v2_export``, what ``export --v2-store`` writes).
 - ``policy_explicit``: the same block, under ``warm_start(measurement_policy=
   MeasurementPolicy())`` (the caller names the default policy explicitly).
+- ``policy_mix``: one registry, one environment, two policies: a cold start
+  whose block tunes under ``block_policy()`` and names it, then a cold start
+  whose block tunes under the default policy and names that; half of the
+  default policy's entries are deleted; then a warm start under each policy.
+  Each start is served its own policy's entries (``Fingerprint.measurement``).
 """
 
 from __future__ import annotations
@@ -212,7 +217,57 @@ def policy_explicit(rank: int, world: int, tmp: Path) -> dict[str, Any]:
     return out
 
 
-SCENARIOS = {f.__name__: f for f in (pr55671, ambient, policy_cold, policy_warm, policy_explicit)}
+def _fingerprints(db: Path) -> list[tuple[Any, ...]]:
+    """``(id, digest, measurement)`` of every fingerprint (measurement None before 0010, so
+    the scenario runs, and its test fails on what it checks, on the code before it)."""
+    columns = {row[1] for row in _sql(db, "PRAGMA table_info(fingerprints)")}
+    measurement = "measurement" if "measurement" in columns else "NULL"
+    return [tuple(r) for r in _sql(db, f"SELECT id, digest, {measurement} FROM fingerprints")]
+
+
+def _entries_by_fingerprint(db: Path) -> dict[int, int]:
+    return {
+        int(fid): int(n)
+        for fid, n in _sql(db, "SELECT fingerprint_id, count(*) FROM entries GROUP BY 1")
+    }
+
+
+def policy_mix(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    """Two policies in one registry (module docstring): each start names its policy."""
+    from flashinfer.autotune_cache import MeasurementPolicy
+
+    db = tmp / "registry.db"
+    policy, default = block_policy(), MeasurementPolicy()
+    out: dict[str, Any] = {}
+    out["cold_policy"] = _start(
+        db, _policy_block, tmp / f"a-{rank}", v2=True, measurement_policy=policy
+    )
+    out["cold_default"] = _start(
+        db, _pr55671_block, tmp / f"b-{rank}", v2=True, measurement_policy=default
+    )
+    out["fingerprints"] = _fingerprints(db)
+    out["entries"] = _entries_by_fingerprint(db)
+    dist.barrier()
+    if rank == 0:  # half of the default policy's entries (its fingerprint: the last one)
+        last = max(fid for fid, *_rest in out["fingerprints"])
+        out["deleted"] = _sql(
+            db, f"SELECT count(*) FROM entries WHERE fingerprint_id = {last} AND id % 2 = 0"
+        )[0][0]
+        _sql(db, f"DELETE FROM entries WHERE fingerprint_id = {last} AND id % 2 = 0")
+    dist.barrier()
+    out["warm_policy"] = _start(
+        db, _policy_block, tmp / f"c-{rank}", v2=True, measurement_policy=policy
+    )
+    out["warm_default"] = _start(
+        db, _pr55671_block, tmp / f"d-{rank}", v2=True, measurement_policy=default
+    )
+    out["entries_after"] = _entries_by_fingerprint(db)
+    return out
+
+
+SCENARIOS = {
+    f.__name__: f for f in (pr55671, ambient, policy_cold, policy_warm, policy_explicit, policy_mix)
+}
 
 
 def run_plan(rank: int, world: int, root: str, names: list[str]) -> dict[str, dict[str, Any]]:

@@ -8,7 +8,9 @@ It writes ``tests/data/registry-<revision>.db`` through the public API (two
 fingerprints, shared and rank-scoped entries, policies, nested tactics,
 namespaced records from 0003 on, a FlashInfer 0.7.4 selection (a value's fourth element)
 from 0004 on, start counts from 0008 on, a FlashInfer 0.7.4 protocol record (with a measurement
-policy) in a fifth commit from 0009 on, and import, replace and prune commits), then pins times and hosts so the file is
+policy) in a fifth commit from 0009 on, the H200 environment under FlashInfer's ``cold_l2=True``
+measurement policy (a fingerprint of its own, one entry and one protocol record) in a sixth
+commit from 0010 on, and import, replace and prune commits), then pins times and hosts so the file is
 reproducible, and leaves it as one self-contained file (no WAL).
 ``tests/test_schema.py`` copies each frozen file, upgrades it to head with the
 current code and reads its data back through the API. ``tests/test_rolling_upgrade.py``
@@ -58,6 +60,10 @@ PROTOCOL_RECORDS = (
     ("moe_ep_megamoe", "", 7, json.dumps(POLICY, separators=(",", ":"))),
 )
 PROTOCOL_MESSAGE = "frozen protocol records"
+#: The measurement policy of the sixth commit's fingerprint (from 0010 on):
+#: ``MeasurementPolicy(cold_l2=True).manifest_fields()``.
+COLD_L2 = {"measure_cold_l2": "True"}
+COLD_L2_MESSAGE = "frozen cold_l2 environment"
 RANK1_RECORDS = {"trtllm_moe_da": {'{"num_tokens":16}': {"schema": 1, "bodies": [{"tile_n": 16}]}}}
 
 
@@ -136,6 +142,16 @@ def build(path: Path) -> None:
                     for ns, k, v, pol in PROTOCOL_RECORDS
                 ],
             )
+        if head_has_measurement():  # commit 6: the H200 environment under cold_l2
+            from ficache.values import NewEntry, NewProtocolRecord
+
+            cold = Fingerprint.from_flashinfer_metadata(H200).with_measurement(COLD_L2)
+            reg.write(
+                [NewEntry(cold, key(16), "CutlassFp4Runner", "4", None)],
+                kind="import",
+                message=COLD_L2_MESSAGE,
+                protocol_records=[NewProtocolRecord(cold, "moe_ep_megamoe", "", "8", None)],
+            )
     conn = sqlite3.connect(path)
     with conn:
         conn.execute(
@@ -157,6 +173,7 @@ def build(path: Path) -> None:
             conn.execute(
                 "UPDATE fingerprints SET last_served_at = 1767225610, served_starts = 5, "
                 "replay_starts = 2, replay_misses = 3 WHERE gpu = 'NVIDIA H200'"
+                + (" AND measurement IS NULL" if head_has_measurement() else "")
             )
     conn.execute("PRAGMA journal_mode = DELETE")
     conn.execute("VACUUM")
@@ -173,6 +190,10 @@ def head_has_selection() -> bool:
 
 def head_has_protocol_records() -> bool:
     return any(rev == "0009_protocol_records" for rev, _down, _title in schema.history())
+
+
+def head_has_measurement() -> bool:
+    return any(rev == "0010_measurement_fingerprints" for rev, _d, _t in schema.history())
 
 
 def head_has_start_counts() -> bool:
