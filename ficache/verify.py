@@ -965,7 +965,14 @@ class _Verifier:
 
     def _rows(self) -> Checked:
         fingerprints = list(
-            self._stream(select(F.c.id, F.c.digest, *(F.c[n] for n in ALL_FIELDS), F.c.measurement))
+            self._stream(
+                select(
+                    F.c.id,
+                    F.c.digest,
+                    *(F.c[n] for n in ALL_FIELDS),
+                    schema.features(self.conn).column(F, "measurement"),
+                )
+            )
         )
         commits = list(
             self._stream(

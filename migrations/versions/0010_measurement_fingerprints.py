@@ -41,6 +41,12 @@ depends_on: str | Sequence[str] | None = None
 # policy's entries under the default fingerprint, the replacement this revision ends.
 readable_from: str = "0009_protocol_records"
 writable_from: str = "0010_measurement_fingerprints"
+# Expand, then contract (ficache.schema.features_of): what this revision adds, in words and by
+# name; a ficache at this head reads and writes an 0009 registry without it (every fingerprint
+# the default policy's; entries under another policy are refused there, never mixed in).
+adds: str = "measurement policies of fingerprints"
+adds_tables: tuple[str, ...] = ()
+adds_columns: dict[str, tuple[str, ...]] = {"fingerprints": ("measurement",)}
 
 _UNDER_POLICY = "SELECT id FROM fingerprints WHERE measurement IS NOT NULL"
 #: Tables whose rows belong to a fingerprint: rows and change rows of every kind.
