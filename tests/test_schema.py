@@ -801,11 +801,18 @@ def test_a_read_never_upgrades_an_older_schema(
 
     result = cli(*(str(other) if word == "{file}" else word for word in command))
 
-    assert (result.exit_code, result.stdout, result.stderr) == (
-        1,
-        "",
-        _older_line(registry_db, "0004_selection"),
-    )
+    if command[0] == "import" and "://" not in registry_db:
+        # A dry run on a local file older than this release reads as it is shows what the
+        # real import (which upgrades the file first) would do, on an upgraded copy.
+        assert result.exit_code == 0, result.stderr
+        assert result.stdout.startswith("would import 1 entries")
+        assert result.stderr.startswith("note: the import would first upgrade registry ")
+    else:
+        assert (result.exit_code, result.stdout, result.stderr) == (
+            1,
+            "",
+            _older_line(registry_db, "0004_selection"),
+        )
     assert dump_db(registry_db) == before
     assert cli("db", "current").stdout == f"0004_selection (head {HEAD}: needs upgrade)\n"
 
