@@ -111,8 +111,8 @@ def _default_policy_bundle(cli, tmp_path: Path) -> tuple[Path, int]:
     """A bundle of this head's frozen registry's first fingerprint (the default measurement
     policy: what every previous release's schema keeps) with its entries, records and
     protocol records, and how many protocol records it holds."""
-    bundle = tmp_path / "h200.bundle.json"
-    head = frozen_file(HEAD)
+    bundle, head = tmp_path / "h200.bundle.json", tmp_path / "frozen-head.db"
+    shutil.copyfile(frozen_file(HEAD), head)  # a read may switch the file to WAL
     assert _frozen(HEAD, "SELECT measurement FROM fingerprints WHERE id = 1") is None
     assert cli("export", "--bundle", bundle, "--fingerprint", "1", db=head).exit_code == 0
     protocol = _frozen(HEAD, "SELECT count(*) FROM protocol_records WHERE fingerprint_id = 1")
