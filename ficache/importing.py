@@ -282,8 +282,8 @@ def landing(
 ) -> dict[Fingerprint, Fingerprint]:
     """``{fingerprint: the stored one it lands in}`` of those of ``fingerprints`` that a
     FlashInfer file names (compute capability and torch version the wildcard), are not
-    stored, and share their FlashInfer fields and measurement policy with exactly one
-    stored fingerprint."""
+    stored, and share their FlashInfer fields and measurement policy with exactly one stored
+    fingerprint."""
     wanted = [
         fp
         for fp in fingerprints
@@ -297,8 +297,8 @@ def landing(
     except DatabaseError as exc:
         raise schema.translate_operational_error(exc, registry.location) from None
     held = set(stored)
-    # The measurement policy is part of the environment: a file of one policy never lands
-    # in a fingerprint of another.
+    # A fingerprint under a measurement policy lands only in one under the same policy:
+    # landed in the default's, its entries would replace the default policy's.
     by_fields: dict[tuple[tuple[str, ...], str], list[Fingerprint]] = {}
     for fp in stored:
         by_fields.setdefault((fp.flashinfer_fields, fp.measurement), []).append(fp)

@@ -50,7 +50,7 @@ from typing import Any
 from sqlalchemy import Connection, bindparam, delete, func, insert, literal, select, update
 
 from ficache import schema
-from ficache.errors import SchemaTooOldError, StalePlanError
+from ficache.errors import StalePlanError
 from ficache.fingerprint import Fingerprint
 from ficache.kinds import ACTIONS, STORED_KINDS, Kind
 from ficache.models import COMMITS as C
@@ -138,17 +138,9 @@ class FingerprintIds:
         if row is not None:
             found = int(row)
         elif create:
-            found_features = schema.features(self.conn)
-            if fp.measurement and not found_features.has_column("fingerprints", "measurement"):
-                # Stored without its policy it would be the default's fingerprint: refused
-                # whole (registry unchanged) rather than mixed in.
-                needs = ", ".join(f"{rev} ({adds})" for rev, adds in found_features.lacking)
-                raise SchemaTooOldError(
-                    f"the registry is at schema {found_features.revision!r}, which cannot keep "
-                    f"entries tuned under measurement policy {fp.measurement} apart from the "
-                    f"default policy's (needs {needs}); nothing written; run `ficache db "
-                    "upgrade` once every ficache that writes it reads that revision"
-                )
+            # Stored without its policy it would be the default's fingerprint: refused
+            # whole (registry unchanged) rather than mixed in.
+            schema.features(self.conn).refuse_measurements((fp.measurement,))
             values = fp.as_dict()
             result = self.conn.execute(
                 insert(F).values(digest=fp.digest, created_at=self.now, **values)

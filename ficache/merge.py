@@ -748,7 +748,17 @@ def merge_sources(
 
 
 def _plan(registry: RegistryAccess, sources: Sequence[MergeSource], policy: str) -> MergePlan:
-    """Both kinds planned on one connection (one read of the registry), then shaped."""
+    """Both kinds planned on one connection (one read of the registry), then shaped.
+
+    A source fingerprint under a measurement policy that the registry's older schema
+    cannot keep apart is refused first, as the write would (``refuse_measurements``).
+    """
+    registry.features.refuse_measurements(
+        row.fingerprint.measurement
+        for s in sources
+        for rows in (s.entries, s.records, s.protocol_records)
+        for row in rows
+    )
     try:
         with registry.engine.connect() as conn:
             entries = plan_kind(conn, ENTRY_MERGE, [s.entries for s in sources], policy)

@@ -98,7 +98,7 @@ import functools
 import os
 import sqlite3
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -833,6 +833,25 @@ class SchemaFeatures:
     def writable(self, table: str, values: dict[str, Any]) -> dict[str, Any]:
         """``values`` without the columns of ``table`` this revision lacks."""
         return {k: v for k, v in values.items() if self.has_column(table, k)}
+
+    def refuse_measurements(self, measurements: Iterable[str]) -> None:
+        """Raise ``SchemaTooOldError`` (one line, what to do) when one of ``measurements`` (a
+        fingerprint's measurement policy; ``""``: the default) is not the default and this
+        revision has no ``fingerprints.measurement``: stored without its policy, such a
+        fingerprint would be the default's, its entries mixed in. Plans (dry runs) and
+        writes call it alike, so both refuse before anything is written."""
+        if self.has_column("fingerprints", "measurement"):
+            return
+        policy = next((m for m in measurements if m), None)
+        if policy is None:
+            return
+        needs = ", ".join(f"{rev} ({adds})" for rev, adds in self.lacking)
+        raise SchemaTooOldError(
+            f"the registry is at schema {self.revision!r}, which cannot keep entries tuned "
+            f"under measurement policy {policy} apart from the default policy's (needs "
+            f"{needs}); nothing written; run `ficache db upgrade` once every ficache that "
+            "writes it reads that revision"
+        )
 
     def skipped(self, what: str, location: Location) -> str:
         """The one warning of a write that skipped ``what`` (e.g. "3 protocol records")."""

@@ -458,3 +458,44 @@ def test_a_policy_mix_round_trips_into_the_same_flashinfer_state(
         if PROTOCOL:
             assert original[label]["protocol"] == {"knobs": {"cold": policy is not None}}
         assert original[label]["counts"] == [len(KEYS) + PROTOCOL, 0]
+
+
+def test_a_store_under_a_policy_lands_beside_the_default_fingerprint_of_its_fields(
+    cli, tmp_path: Path
+) -> None:
+    """A v2 store under a measurement policy, imported where only the default policy's
+    fingerprint of the same FlashInfer fields is stored (both with the wildcard compute
+    capability and torch version that a FlashInfer file names): the import landed it in
+    that fingerprint and replaced its entry. Now it is a fingerprint of its own."""
+    import shutil
+    import sqlite3
+    from contextlib import closing
+
+    from frozen_registries import frozen_file
+
+    from ficache import schema
+
+    revisions = [rev for rev, _down, _title in schema.history()]
+    head, target = tmp_path / "head.db", tmp_path / "target.db"
+    shutil.copyfile(frozen_file(revisions[-1]), head)
+    shutil.copyfile(frozen_file("0009_protocol_records"), target)  # no policy fingerprint
+    with closing(sqlite3.connect(head)) as conn:
+        ((policy, measurement),) = conn.execute(
+            "SELECT id, measurement FROM fingerprints WHERE measurement IS NOT NULL"
+        ).fetchall()
+    store = tmp_path / "store"
+    assert cli("export", "--v2-store", store, "--fingerprint", str(policy), db=head).exit_code == 0
+    assert cli("db", "upgrade", db=target).exit_code == 0
+    default = cli("export", "--fingerprint", "1", db=target).stdout
+
+    imported = cli("import", store, db=target)
+
+    assert imported.exit_code == 0, imported.stderr
+    assert "1 added, 0 replaced" in imported.stdout
+    assert cli("export", "--fingerprint", "1", db=target).stdout == default
+    with closing(sqlite3.connect(target)) as conn:
+        assert conn.execute("SELECT measurement FROM fingerprints ORDER BY id").fetchall() == [
+            (None,),
+            (None,),
+            (measurement,),
+        ]

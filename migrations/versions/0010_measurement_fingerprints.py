@@ -32,14 +32,19 @@ revision: str = "0010_measurement_fingerprints"
 down_revision: str | Sequence[str] | None = "0009_protocol_records"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
-# Rolling upgrades (ficache.schema): adds one nullable column, so 0.9 reads every table as
-# before and never sees it: it serves, lists and exports. It cannot tell a policy apart: a
-# fingerprint under another policy reads, to 0.9, as a second row of the same fields, so its
-# warm starts are served both rows' entries (the newer row first; tactics valid on that
-# hardware, measured under either policy, as 0.9 mixed policies itself) and its `verify`
-# reports that row's digest. It does not write it: its import and merge would put another
-# policy's entries under the default fingerprint, the replacement this revision ends.
-readable_from: str = "0009_protocol_records"
+# Rolling upgrades (ficache.schema): adds one nullable column, so 0.9 and 0.8 read every table
+# as before and never see it: they serve, list and export. readable_from is 0.8, not 0.9: 0.8
+# already reads 0009 (0009's readable_from) and only this column separates the two, so an
+# upgrade from 0009 keeps the 0.8 servers of a rollout serving, as the 0009 upgrade did; naming
+# 0009 here would make 0.8 refuse the registry (it does not know that revision) and tune
+# uncached. Neither can tell a policy apart: a fingerprint under another policy reads, to them,
+# as a second row of the same fields, so their warm starts are served both rows' entries (the
+# newer row first; tactics valid on that hardware, measured under either policy, as they mixed
+# policies themselves; checked with 0.8's code on the 0010 frozen registry), and 0.9's `verify`
+# reports that row's digest (0.8's refuses every newer revision). They do not write it: their
+# import and merge would put another policy's entries under the default fingerprint, the
+# replacement this revision ends.
+readable_from: str = "0008_start_counts"
 writable_from: str = "0010_measurement_fingerprints"
 # Expand, then contract (ficache.schema.features_of): what this revision adds, in words and by
 # name; a ficache at this head reads and writes an 0009 registry without it (every fingerprint
