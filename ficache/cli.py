@@ -2419,6 +2419,21 @@ def revert_cmd(
     )
 
 
+def _run_plan_as_json(reg: Any, plan: Any, question: str, *, dry_run: bool, yes: bool) -> None:
+    """A destructive command under ``--format json``: ask on stderr (unless ``--yes``, a
+    dry run or an empty plan), execute, print the plan with the commit the run made."""
+    if not plan.is_empty and not dry_run:
+        _confirm_or_stop(question, dry_run=False, yes=yes, err=True)
+    result = None if plan.is_empty or dry_run else plan.execute(reg)
+    _dump_json(
+        {
+            **plan.as_json(),
+            "dry_run": dry_run,
+            "commit": result.commit_id if result is not None else None,
+        }
+    )
+
+
 def _revert_to(obj: _Context, commit_id: int, dry_run: bool, yes: bool, fmt: str) -> None:
     """``revert --to N``: plan, show, stop on --dry-run, ask (or --yes), execute."""
     from ficache.revert import plan_revert_to
@@ -2428,16 +2443,7 @@ def _revert_to(obj: _Context, commit_id: int, dry_run: bool, yes: bool, fmt: str
         plan = plan_revert_to(reg, commit_id)
         question = f"Return the registry to its state after commit {commit_id}?"
         if fmt == "json":
-            if not plan.is_empty and not dry_run:
-                _confirm_or_stop(question, dry_run=False, yes=yes, err=True)
-            result = None if plan.is_empty or dry_run else plan.execute(reg)
-            _dump_json(
-                {
-                    **plan.as_json(),
-                    "dry_run": dry_run,
-                    "commit": result.commit_id if result is not None else None,
-                }
-            )
+            _run_plan_as_json(reg, plan, question, dry_run=dry_run, yes=yes)
             return
         c = plan.commit
         counts = [("entries", plan.entries), ("records", plan.records)]
@@ -2553,16 +2559,7 @@ def fold_cmd(
         plan = plan_fold(reg, source, into, keep_target=keep_target)
         question = f"Fold fingerprint {plan.source.id} into {plan.into.id}?"
         if fmt == "json":
-            if not plan.is_empty and not dry_run:
-                _confirm_or_stop(question, dry_run=False, yes=yes, err=True)
-            result = None if plan.is_empty or dry_run else plan.execute(reg)
-            _dump_json(
-                {
-                    **plan.as_json(),
-                    "dry_run": dry_run,
-                    "commit": result.commit_id if result is not None else None,
-                }
-            )
+            _run_plan_as_json(reg, plan, question, dry_run=dry_run, yes=yes)
             return
         click.echo(
             f"fold plan: fingerprint {plan.source.id} into {plan.into.id}: "
