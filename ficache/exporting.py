@@ -200,18 +200,7 @@ def plan_v2_exports(
     """
     scopes = [SHARED_SCOPE] if validate_scope(scope) == SHARED_SCOPE else [SHARED_SCOPE, scope]
     if fingerprint != "current":
-        info = registry.fingerprint(fingerprint)
-        fp = info.fingerprint
-        if fp.measurement:
-            if measurement is not None and dict(measurement) != fp.measurement_fields:
-                raise V2StoreError(
-                    f"fingerprint {info.id} was tuned under measurement policy "
-                    f"{measurement_label(fp.measurement_fields)}, not "
-                    f"{measurement_label(measurement)}; drop --measurement-policy"
-                )
-            measurement = fp.measurement_fields
-        groups = [([info], measurement)]
-        metadata = fp.flashinfer_metadata()
+        groups, metadata = _stored_group(registry, fingerprint, measurement)
     else:
         groups, metadata = _current_groups(registry, measurement)
     recorded: dict[str, dict[str, str]] | None = None
@@ -241,6 +230,24 @@ def plan_v2_exports(
         left_out = sum(len(keys) for keys in records.values())
         exports.append(dataclasses.replace(export, records_left_out=left_out))
     return tuple(sorted(exports, key=lambda e: e.env_hash))
+
+
+def _stored_group(
+    registry: Registry, fingerprint: int | str, measurement: Mapping[str, str] | None
+) -> tuple[list[tuple[list[Any], Mapping[str, str] | None]], dict[str, str]]:
+    """A stored fingerprint's one ``(fingerprints, measurement)`` group and its metadata
+    (``plan_v2_exports``): under its own policy, which ``measurement`` may not contradict."""
+    info = registry.fingerprint(fingerprint)
+    fp = info.fingerprint
+    if fp.measurement:
+        if measurement is not None and dict(measurement) != fp.measurement_fields:
+            raise V2StoreError(
+                f"fingerprint {info.id} was tuned under measurement policy "
+                f"{measurement_label(fp.measurement_fields)}, not "
+                f"{measurement_label(measurement)}; drop --measurement-policy"
+            )
+        measurement = fp.measurement_fields
+    return [([info], measurement)], fp.flashinfer_metadata()
 
 
 def _current_groups(

@@ -970,7 +970,6 @@ def ensure_schema(
       is refused, because servers of another ficache share it: only
       ``ficache db upgrade`` (``upgrade``) moves it.
     """
-    head = head_revision()
     try:
         with engine.connect() as conn:
             revision = check_revision(conn, location, newer_ok=True)
@@ -990,28 +989,47 @@ def ensure_schema(
                 _enable_wal(engine)
             attach_features(engine, found)
             return SchemaCheck(refusal, found)
-        if not write:
-            raise _older_schema_error(location, revision, shared=False)
-        if readonly:
-            state = "empty" if revision is None else f"at revision {revision!r}"
-            raise RegistryReadOnlyError(
-                f"registry {location.display} is {state}, needs {head!r}, and is read-only; "
-                "upgrade it where it is writable (ficache db upgrade)"
-            )
-        if engine.dialect.name != "sqlite" and not empty:
-            raise _older_schema_error(location, revision, shared=True)
-        with write_transaction(engine) as conn:
-            revision = check_revision(conn, location)  # again, inside the lock
-            upgraded = None
-            if revision != head:
-                _alembic_command().upgrade(alembic_config(conn), "head")
-                _stamp_compat(conn)
-                upgraded = None if empty else (revision or "base")
-        _enable_wal(engine)
+        upgraded = _create_or_upgrade(
+            engine, location, revision, empty=empty, readonly=readonly, write=write
+        )
     except DatabaseError as exc:
         raise translate_operational_error(exc, location, engine=engine) from None
     attach_features(engine, COMPLETE)
     return SchemaCheck(None, COMPLETE, upgraded)
+
+
+def _create_or_upgrade(
+    engine: Engine,
+    location: Location,
+    revision: str | None,
+    *,
+    empty: bool,
+    readonly: bool,
+    write: bool,
+) -> str | None:
+    """``ensure_schema`` for a registry this code cannot use as it is: a write creates a new
+    one at head or, in a local SQLite file only, upgrades an older one under the lock;
+    anything else is refused. The revision it upgraded from (None when it created one)."""
+    head = head_revision()
+    if not write:
+        raise _older_schema_error(location, revision, shared=False)
+    if readonly:
+        state = "empty" if revision is None else f"at revision {revision!r}"
+        raise RegistryReadOnlyError(
+            f"registry {location.display} is {state}, needs {head!r}, and is read-only; "
+            "upgrade it where it is writable (ficache db upgrade)"
+        )
+    if engine.dialect.name != "sqlite" and not empty:
+        raise _older_schema_error(location, revision, shared=True)
+    with write_transaction(engine) as conn:
+        revision = check_revision(conn, location)  # again, inside the lock
+        upgraded = None
+        if revision != head:
+            _alembic_command().upgrade(alembic_config(conn), "head")
+            _stamp_compat(conn)
+            upgraded = None if empty else (revision or "base")
+    _enable_wal(engine)
+    return upgraded
 
 
 def _enable_wal(engine: Engine) -> None:
