@@ -2741,11 +2741,29 @@ def db_current(obj: _Context) -> None:
 
 
 @db_group.command("history")
-def db_history() -> None:
-    """List the schema revisions this ficache knows, oldest first."""
+@FORMAT
+def db_history(fmt: str) -> None:
+    """List the schema revisions this ficache knows, oldest first.
+
+    For each: the ficache release whose head it is (as --version numbers
+    releases), and the releases that read and write a registry at that
+    revision as it is (during a rolling upgrade, without `db upgrade`).
+    """
     from ficache import schema
 
-    click.echo(_table(["revision", "down", "title"], schema.history()))
+    table = schema.revision_table()
+    if fmt == "json":
+        _dump_json([r.as_json() for r in table])
+        return
+    click.echo(
+        _table(
+            ["revision", "release", "read by", "written by", "title"],
+            (
+                (r.revision, r.release, ", ".join(r.read_by), ", ".join(r.written_by), r.title)
+                for r in table
+            ),
+        )
+    )
 
 
 @db_group.command("upgrade")

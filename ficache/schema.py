@@ -100,7 +100,7 @@ import sqlite3
 import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -1109,6 +1109,47 @@ def release_access(head: str, revision: str) -> tuple[bool, bool]:
         return _order(head) >= _order(readable), _order(head) >= _order(writable)
     usable = head == head_revision() and features_of(revision) is not None
     return usable, usable
+
+
+@dataclass(frozen=True)
+class RevisionInfo:
+    """One schema revision as ``ficache db history`` shows it: the release it is the head
+    of (as ``--version`` numbers it), and the releases that use a registry at it as it is,
+    reading (``read_by``) and writing (``written_by``) (``release_access``)."""
+
+    revision: str
+    down: str | None
+    release: str
+    title: str
+    read_by: tuple[str, ...]
+    written_by: tuple[str, ...]
+
+    def as_json(self) -> dict[str, Any]:
+        return {**asdict(self), "read_by": list(self.read_by), "written_by": list(self.written_by)}
+
+
+def revision_table() -> list[RevisionInfo]:
+    """Every revision this code knows, oldest first, with who reads and writes it."""
+    rows = history()
+    heads = [rev for rev, _down, _title in rows]
+
+    def number(head: str) -> str:
+        return release_of(head).removeprefix("ficache ")
+
+    table = []
+    for rev, down, title in rows:
+        access = [(head, release_access(head, rev)) for head in heads]
+        table.append(
+            RevisionInfo(
+                rev,
+                down,
+                number(rev),
+                title.split(": ", 1)[1] if title.startswith("ficache ") else title,
+                tuple(number(head) for head, (reads, _w) in access if reads),
+                tuple(number(head) for head, (_r, writes) in access if writes),
+            )
+        )
+    return table
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import sqlalchemy
 from samples import NO_DUPLICATES, SHORT_H200_METADATA
 from terminal import run_in_a_terminal
 
-from ficache import schema
+from ficache import __version__, schema
 from ficache.cli import cli as ficache_cli
 from ficache.fingerprint import FLASHINFER_FIELDS, Fingerprint
 from ficache.registry import Registry
@@ -128,7 +128,7 @@ def test_every_command_and_option_has_help(
 
 
 def test_version(cli) -> None:
-    assert cli("--version", db=None).stdout == "ficache, version 0.1.0\n"
+    assert cli("--version", db=None).stdout == "ficache, version 0.10.0\n"
 
 
 @pytest.mark.parametrize(
@@ -1265,25 +1265,30 @@ def test_db_commands(cli, populated: str, tmp_path: Path) -> None:
     assert cli("db", "current").stdout == (
         "0010_measurement_fingerprints (head 0010_measurement_fingerprints: up to date)\n"
     )
+    # Who reads and writes each revision as it is: issue 35 (release numbers as --version's).
     assert cli("db", "history", db=None).stdout.splitlines() == [
-        "revision                       down                   title",
-        "0001_registry                                         ficache 0.1: fingerprints, entries, commits and the entry change log.",
-        "0002_fleet                     0001_registry          ficache 0.2: tuned times, last served times, new values in the change log.",
-        "0003_records                   0002_fleet             ficache 0.3: FlashInfer's namespaced records and their change log.",
-        "0004_selection                 0003_records           ficache 0.4: how FlashInfer chose each value (a cache value's fourth element).",
-        "0005_drop_op_index             0004_selection         ficache 0.5: entries lose their index on op, which cost every write and "
-        "served no read.",
-        "0006_policies                  0005_drop_op_index     ficache 0.6: measurement policies stored once; entries lose the columns "
-        "their key holds.",
-        "0007_compat                    0006_policies          ficache 0.7: the registry says which older ficache may "
-        "still read and write it.",
-        "0008_start_counts              0007_compat            ficache 0.8: how many starts each fingerprint served, and "
-        "what replay starts missed.",
-        "0009_protocol_records          0008_start_counts      ficache 0.9: FlashInfer 0.7.4's protocol records, a kind of "
-        "stored result of their own.",
-        "0010_measurement_fingerprints  0009_protocol_records  ficache 0.10: one environment under several FlashInfer "
-        "measurement policies.",
+        "revision                       release  read by         written by      title",
+        "0001_registry                  0.1      0.1             0.1             fingerprints, entries, commits and the entry change log.",
+        "0002_fleet                     0.2      0.2             0.2             tuned times, last served times, new values in the change log.",
+        "0003_records                   0.3      0.3             0.3             FlashInfer's namespaced records and their change log.",
+        "0004_selection                 0.4      0.4             0.4             how FlashInfer chose each value (a cache value's fourth element).",
+        "0005_drop_op_index             0.5      0.5             0.5             entries lose their index on op, which cost every write and served no read.",
+        "0006_policies                  0.6      0.6             0.6             measurement policies stored once; entries lose the columns their key holds.",
+        "0007_compat                    0.7      0.7, 0.10       0.7, 0.10       the registry says which older ficache may still read and write it.",
+        "0008_start_counts              0.8      0.7, 0.8, 0.10  0.7, 0.8, 0.10  how many starts each fingerprint served, and what replay starts missed.",
+        "0009_protocol_records          0.9      0.8, 0.9, 0.10  0.9, 0.10       FlashInfer 0.7.4's protocol records, a kind of stored result of their own.",
+        "0010_measurement_fingerprints  0.10     0.8, 0.9, 0.10  0.10            one environment under several FlashInfer measurement policies.",
     ]
+    as_json = json.loads(cli("db", "history", "--format", "json", db=None).stdout)
+    assert as_json[-1] == {
+        "revision": "0010_measurement_fingerprints",
+        "down": "0009_protocol_records",
+        "release": "0.10",
+        "title": "one environment under several FlashInfer measurement policies.",
+        "read_by": ["0.8", "0.9", "0.10"],
+        "written_by": ["0.10"],
+    }
+    assert __version__ == f"{as_json[-1]['release']}.0"  # the head's release is this one
     dry = cli("db", "downgrade", "base", "--dry-run")
     assert dry.stdout.splitlines() == [
         f"downgrade plan: {schema.resolve(str(populated)).display} from 0010_measurement_fingerprints "
