@@ -1471,7 +1471,10 @@ def _export_bundle(
 
 
 @cli.command("list")
-@click.option("--op", help="Only entries of this custom op.")
+@click.option(
+    "--op",
+    help="Only entries of this custom op, or of every op whose name contains it (any case).",
+)
 @click.option("--gpu", help="Only entries of fingerprints with this GPU name.")
 @click.option(
     "--flashinfer-version", help="Only entries of fingerprints with this FlashInfer version."
@@ -1577,10 +1580,18 @@ def _list_entries(
             listed[0] += 1
             yield entry
 
+    ops = None
+    if op is not None:
+        ops, suggestions = reg.ops_matching(op)
+        if not ops:
+            hint = f"; did you mean {', '.join(suggestions)}?" if suggestions else ""
+            notes.append(f"warning: no stored op is or contains {op!r}{hint}")
+        elif ops != [op]:
+            notes.append(f"note: --op {op!r} matched {len(ops)} op(s): {', '.join(ops)}")
     rows = counted(
         reg.entries(
             fingerprint_ids=ids,
-            op=op,
+            ops=ops,
             gpu=gpu,
             flashinfer_version=flashinfer_version,
             scope=scope,

@@ -369,23 +369,32 @@ class Registry:
         """Stored fingerprints whose entries ``current`` may use, exact match first."""
         return self._reading(stored_fingerprints.serving, current)
 
+    def ops_matching(self, text: str) -> tuple[list[str], list[str]]:
+        """``(ops, suggestions)`` for an op named in part (``stored_entries.ops_matching``)."""
+
+        return self._reading(stored_entries.ops_matching, text)
+
     def entries(
         self,
         *,
         fingerprint_ids: Sequence[int] | None = None,
         op: str | None = None,
+        ops: Sequence[str] | None = None,
         gpu: str | None = None,
         flashinfer_version: str | None = None,
         scope: str | None = None,
         limit: int | None = None,
     ) -> Iterator[StoredEntry]:
-        """The stored entries matching every filter given (``ficache.stored_entries``)."""
+        """The stored entries matching every filter given (``ficache.stored_entries``):
+        ``op`` one op exactly, ``ops`` any of these."""
+        if op is not None:
+            ops = [op] if ops is None else [o for o in ops if o == op]
         try:
             with self._read() as conn:
                 yield from stored_entries.entries(
                     conn,
                     fingerprint_ids=fingerprint_ids,
-                    op=op,
+                    ops=ops,
                     gpu=gpu,
                     flashinfer_version=flashinfer_version,
                     scope=scope,

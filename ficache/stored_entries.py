@@ -15,13 +15,15 @@ Invariants:
 - Stored keys and JSON fragments are handed back verbatim; a key that does
   not parse (a damaged registry: ``ficache verify`` names it) is listed with
   ``null`` shapes rather than failing the listing.
-- Listings are ordered by fingerprint id, scope, key.
+- Listings are ordered by fingerprint id, scope, op and runner, then by shapes
+  compared as numbers (``(128, 64)`` before ``(1024, 64)``); only one run of one
+  runner's rows is held at a time.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +74,22 @@ class StoredEntry:
         }
 
 
+def ops_matching(conn: Connection, text: str) -> tuple[list[str], list[str]]:
+    """``(ops, suggestions)`` for ``list --op TEXT``: the stored op named exactly, else every
+    stored op containing ``TEXT`` (case-insensitive); when none, up to three stored ops
+    that look like it."""
+    import difflib
+
+    text.encode("utf-8")  # a name SQLite could not hold is refused as a query of it would be
+    stored = sorted(op for (op,) in conn.execute(select(E.c.op).distinct()) if op is not None)
+    if text in stored:
+        return [text], []
+    found = [op for op in stored if text.lower() in op.lower()]
+    if found:
+        return found, []
+    return [], difflib.get_close_matches(text, stored, n=3, cutoff=0.5)
+
+
 def _shapes_and_extras(key: str) -> tuple[str, str]:
     """A stored key's shapes (JSON) and extras, as ``list`` shows them; a key
     that does not parse shows ``null`` shapes and no extras."""
@@ -86,13 +104,14 @@ def entries(
     conn: Connection,
     *,
     fingerprint_ids: Sequence[int] | None = None,
-    op: str | None = None,
+    ops: Sequence[str] | None = None,
     gpu: str | None = None,
     flashinfer_version: str | None = None,
     scope: str | None = None,
     limit: int | None = None,
 ) -> Iterator[StoredEntry]:
-    """The stored entries matching every filter given, one at a time."""
+    """The stored entries matching every filter given (``ops``: of one of these ops), one
+    at a time: by fingerprint, scope, op and runner, then shapes as numbers."""
     query = select(
         E.c.fingerprint_id,
         E.c.scope,
@@ -113,16 +132,58 @@ def entries(
             query = query.where(F.c.flashinfer_version == flashinfer_version)
     if fingerprint_ids is not None:
         query = query.where(E.c.fingerprint_id.in_(list(fingerprint_ids)))
-    if op is not None:
-        query = query.where(E.c.op == op)
+    if ops is not None:
+        query = query.where(E.c.op.in_(list(ops)))
     if scope is not None:
         query = query.where(E.c.scope == scope)
     query = query.order_by(E.c.fingerprint_id, E.c.scope, E.c.key)
-    if limit is not None:
-        query = query.limit(limit)
-    for fid, sc, key, op_, runner, tactic, pol, cid, updated, sel in conn.execute(query):
+    listed = 0
+    for group in _runs_of_one_runner(conn.execute(query)):
+        for entry in sorted(group, key=_shape_order):
+            if limit is not None and listed >= limit:
+                return
+            listed += 1
+            yield entry
+
+
+def _runs_of_one_runner(rows: Iterable[Any]) -> Iterator[list[StoredEntry]]:
+    """``rows`` (ordered by fingerprint, scope, key) as runs of one fingerprint, scope, op
+    and runner: a key's text starts with its op and runner, so each run is contiguous."""
+    run: list[StoredEntry] = []
+    for fid, sc, key, op_, runner, tactic, pol, cid, updated, sel in rows:
         shapes, extras = _shapes_and_extras(key)
-        yield StoredEntry(fid, sc, key, op_, runner, shapes, extras, tactic, pol, cid, updated, sel)
+        entry = StoredEntry(
+            fid, sc, key, op_, runner, shapes, extras, tactic, pol, cid, updated, sel
+        )
+        if run and (run[0].fingerprint_id, run[0].scope, run[0].op, run[0].runner) != (
+            fid,
+            sc,
+            op_,
+            runner,
+        ):
+            yield run
+            run = []
+        run.append(entry)
+    if run:
+        yield run
+
+
+def _shape_order(entry: StoredEntry) -> tuple[Any, ...]:
+    """Shapes compared as numbers (``(128, 64)`` before ``(1024, 64)``), then extras; a
+    value that is no number sorts after the numbers, as text."""
+
+    def numeric(value: Any) -> Any:
+        if isinstance(value, list):
+            return (1, tuple(numeric(v) for v in value))
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return (0, value)
+        return (2, str(value))
+
+    try:
+        shapes = json.loads(entry.shapes)
+    except ValueError:
+        shapes = None
+    return (numeric(shapes) if shapes is not None else (3,), entry.extras, entry.key)
 
 
 def slice_rows(

@@ -692,6 +692,46 @@ def test_log_filters_by_kind_host_and_age_and_pages(
     assert cli("log", "--kind", "tuned").exit_code == 2
 
 
+def test_list_sorts_shapes_as_numbers_and_op_matches_part_of_a_name(cli, cache_file) -> None:
+    """``(128, 64)`` lists before ``(1024, 64)`` (text order put 1024 first); ``--op``
+    takes a part of a name (any case) and says what it matched, and a name that matches
+    nothing gets suggestions (issue 35)."""
+    keys = {
+        f"('flashinfer::mm_fp4', 'Runner', (({m}, 64),), ())": ["Runner", i]
+        for i, m in enumerate((1024, 128, 16, 8192, 2))
+    }
+    keys["('flashinfer::bmm_fp8', 'Runner', ((4, 64),), ())"] = ["Runner", 9]
+    keys["('trtllm::fused_moe', 'Moe', ((4, 64),), ())"] = ["Moe", 1]
+    cli("import", cache_file("a.json", keys, metadata=META))
+
+    listed = json.loads(cli("list", "--format", "json").stdout)
+    exact = cli("list", "--op", "flashinfer::mm_fp4", "--format", "json")
+    part = cli("list", "--op", "FP8", "--format", "json")
+    both = cli("list", "--op", "flashinfer", "--format", "json")
+    typo = cli("list", "--op", "flashinfer::mm_fp5")
+    limited = json.loads(cli("list", "--op", "mm_fp4", "--limit", "3", "--format", "json").stdout)
+
+    assert [(e["op"], e["shapes"]) for e in listed] == [
+        ("flashinfer::bmm_fp8", [[4, 64]]),
+        ("flashinfer::mm_fp4", [[2, 64]]),
+        ("flashinfer::mm_fp4", [[16, 64]]),
+        ("flashinfer::mm_fp4", [[128, 64]]),
+        ("flashinfer::mm_fp4", [[1024, 64]]),
+        ("flashinfer::mm_fp4", [[8192, 64]]),
+        ("trtllm::fused_moe", [[4, 64]]),
+    ]
+    assert (len(json.loads(exact.stdout)), exact.stderr) == (5, "")
+    assert [e["op"] for e in json.loads(part.stdout)] == ["flashinfer::bmm_fp8"]
+    assert part.stderr == "note: --op 'FP8' matched 1 op(s): flashinfer::bmm_fp8\n"
+    assert len(json.loads(both.stdout)) == 6
+    assert (typo.exit_code, len(typo.stdout.splitlines())) == (0, 1)  # the header alone
+    assert typo.stderr == (
+        "warning: no stored op is or contains 'flashinfer::mm_fp5'; "
+        "did you mean flashinfer::mm_fp4, flashinfer::bmm_fp8?\n"
+    )
+    assert [e["shapes"] for e in limited] == [[[2, 64]], [[16, 64]], [[128, 64]]]
+
+
 # -- export ------------------------------------------------------------------------------------
 
 
@@ -1938,7 +1978,7 @@ def test_list_says_which_filter_matched_no_fingerprint(cli, populated: str, cach
     assert together.stderr == (
         "warning: --gpu 'NVIDIA B200' does not match fingerprint 1, which has 'NVIDIA H200'\n"
     )
-    assert (op.exit_code, op.stderr) == (0, "warning: no stored entry matches --op 'attn'\n")
+    assert (op.exit_code, op.stderr) == (0, "warning: no stored op is or contains 'attn'\n")
     assert (found.exit_code, found.stderr) == (0, "")
 
 
