@@ -193,22 +193,14 @@ class RevertPlan:
         self.check()
         registry.require_planned_on(self.target)
         cid = self.commit.id
-        try:
-            return registry.write(
-                self.writes,
-                kind="revert",
-                message=f"revert commit {cid}",
-                reverts_commit_id=cid,
-                removals=self.removals,
-                expected=self.expected,
-                records=self.record_write,
-                protocol_records=self.protocol_write,
-            )
-        except ConflictError:
-            raise ConflictError(
-                f"registry {self.target} changed since the revert of commit {cid} was planned; "
-                f"nothing changed, plan it again (ficache revert {cid})"
-            ) from None
+        return _write_revert(
+            registry,
+            self,
+            planned=f"the revert of commit {cid}",
+            again=f"ficache revert {cid}",
+            message=f"revert commit {cid}",
+            reverts_commit_id=cid,
+        )
 
 
 def plan_revert(registry: RegistryAccess, commit_id: int) -> RevertPlan:
@@ -284,22 +276,37 @@ class RevertToPlan:
         """
         registry.require_planned_on(self.target)
         cid = self.commit.id
-        try:
-            return registry.write(
-                self.writes,
-                kind="revert",
-                message=f"revert to commit {cid} (undoes {_later_commits(self.later)})",
-                provenance={"revert_to": cid},
-                removals=self.removals,
-                expected=self.expected,
-                records=self.record_write,
-                protocol_records=self.protocol_write,
-            )
-        except ConflictError:
-            raise ConflictError(
-                f"registry {self.target} changed since the revert to commit {cid} was planned; "
-                f"nothing changed, plan it again (ficache revert --to {cid})"
-            ) from None
+        return _write_revert(
+            registry,
+            self,
+            planned=f"the revert to commit {cid}",
+            again=f"ficache revert --to {cid}",
+            message=f"revert to commit {cid} (undoes {_later_commits(self.later)})",
+            provenance={"revert_to": cid},
+        )
+
+
+def _write_revert(
+    registry: RegistryAccess, plan: Any, *, planned: str, again: str, **commit: Any
+) -> WriteResult:
+    """A revert plan's (``RevertPlan``, ``RevertToPlan``) one ``revert`` commit: its writes,
+    removals, expected versions and records; a registry changed since ``planned`` is a
+    ``ConflictError`` naming the command to run ``again``."""
+    try:
+        return registry.write(
+            plan.writes,
+            kind="revert",
+            removals=plan.removals,
+            expected=plan.expected,
+            records=plan.record_write,
+            protocol_records=plan.protocol_write,
+            **commit,
+        )
+    except ConflictError:
+        raise ConflictError(
+            f"registry {plan.target} changed since {planned} was planned; "
+            f"nothing changed, plan it again ({again})"
+        ) from None
 
 
 def _later_commits(ids: Sequence[int]) -> str:
