@@ -22,6 +22,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
+import past_releases
 import pytest
 from frozen_registries import frozen_file, frozen_registry
 from sqlalchemy import create_engine, inspect, text
@@ -536,46 +537,16 @@ def test_warm_starts_commit_and_serve_on_a_previous_releases_schema(
 
 
 def _release_tree(head: str, into: Path) -> Path | None:
-    """``ficache`` and ``migrations`` of the release whose schema head is ``head``: the commit
-    before the one that added the next revision; None without that git history."""
-    after = REVISIONS[REVISIONS.index(head) + 1]
+    """``ficache`` and ``migrations`` of the release whose schema head is ``head`` (the commit
+    before the one that added the next revision), laid out as its wheel installs them; None
+    without that git history."""
+    added = past_releases.commit_adding(REVISIONS[REVISIONS.index(head) + 1])
+    if added is None:
+        return None
     try:
-        added = subprocess.run(
-            [
-                "git",
-                "-C",
-                str(REPO),
-                "log",
-                "--diff-filter=A",
-                "--format=%H",
-                "--",
-                f"migrations/versions/{after}.py",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.split()
-        if not added:
-            return None
-        archive = subprocess.run(
-            [
-                "git",
-                "-C",
-                str(REPO),
-                "archive",
-                "--format=tar",
-                f"{added[-1]}^",
-                "ficache",
-                "migrations",
-            ],
-            capture_output=True,
-            check=True,
-        ).stdout
+        return past_releases.release_tree(f"{added}^", into)
     except (OSError, subprocess.CalledProcessError):
         return None
-    into.mkdir()
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    return into
 
 
 def _old_ficache(tree: Path, db: str, *args: str) -> subprocess.CompletedProcess[str]:

@@ -14,6 +14,7 @@ import time
 from contextlib import closing
 from pathlib import Path
 
+import past_releases
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
@@ -1035,25 +1036,8 @@ def _revisions_with_parent_commit() -> list[tuple[str, str]]:
     for rev, down, _title in schema.history():
         if down is None:
             continue
-        try:
-            added = subprocess.run(
-                [
-                    "git",
-                    "-C",
-                    str(REPO),
-                    "log",
-                    "--diff-filter=A",
-                    "--format=%H",
-                    "--",
-                    f"migrations/versions/{rev}.py",
-                ],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout.split()
-        except (OSError, subprocess.CalledProcessError):
-            added = []
-        out.append((rev, f"{added[-1]}^" if added else ""))
+        added = past_releases.commit_adding(rev)
+        out.append((rev, f"{added}^" if added else ""))
     return out
 
 
@@ -1071,18 +1055,7 @@ def test_the_previous_release_refuses_the_newer_frozen_registry_and_leaves_it(
     """
     if not parent:
         pytest.skip(f"no git history for migrations/versions/{rev}.py in this checkout")
-    old = tmp_path / "old"
-    old.mkdir()
-    archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", "--format=tar", parent, "ficache", "migrations"],
-        capture_output=True,
-        check=True,
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
-    # Laid out as its wheel installs it (migrations inside the package), so that release finds
-    # its own ``ficache.migrations`` first: an editable install of this tree (``pip install
-    # -e .``) adds a finder that would otherwise serve this tree's migrations to it.
-    shutil.copytree(old / "migrations", old / "ficache" / "migrations")
+    old = past_releases.release_tree(parent, tmp_path / "old")  # laid out as its wheel
     path = tmp_path / "registry.db"
     shutil.copyfile(DATA / f"registry-{rev}.db", path)
     before = path.read_bytes()
